@@ -1,0 +1,249 @@
+/*
+ * tinyloop.h — the one public header of libtinyloop, a runtime for weight-shared
+ * looped transformers (prelude blocks, a shared core run L times, coda blocks).
+ *
+ * ABI rules (see docs/api.md):
+ *  - every call returns tl_status; tl_last_error() gives a thread-local message;
+ *  - options/result structs start with `uint32_t struct_size` and have a
+ *    tl_*_default() initialiser, so fields can be appended without breaking callers;
+ *  - handles are opaque; weights (tl_model) are immutable and shared by threads,
+ *    mutable state lives in tl_context (one per thread / sequence);
+ *  - model-level convenience calls use an internal context under a lock.
+ *
+ * The region between TL_CDEF_BEGIN and TL_CDEF_END is parsed by the Python
+ * binding (cffi ABI mode): keep it free of preprocessor logic and macros
+ * other than plain integer #defines.
+ */
+#ifndef TINYLOOP_TINYLOOP_H
+#define TINYLOOP_TINYLOOP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define TL_API __declspec(dllexport)
+#else
+#define TL_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* TL_CDEF_BEGIN */
+
+#define TL_ABI_VERSION 1
+
+typedef enum tl_status {
+    TL_OK = 0,
+    TL_ERR_INVALID_ARGUMENT = 1, /* a bad pointer, size, option value or token id   */
+    TL_ERR_IO = 2,               /* a file could not be opened, read or mapped        */
+    TL_ERR_FORMAT = 3,           /* a model file is corrupt, truncated or inconsistent */
+    TL_ERR_OUT_OF_MEMORY = 4,
+    TL_ERR_UNSUPPORTED = 5,      /* valid request this build or device cannot serve  */
+    TL_ERR_CONTEXT_FULL = 6,     /* sequence would exceed the context's max_seq_len  */
+    TL_ERR_BACKEND = 7,          /* the compute backend failed (e.g. a CUDA error)    */
+    TL_ERR_ABORTED = 8,          /* a callback asked to stop                          */
+    TL_ERR_NOT_IMPLEMENTED = 9,  /* declared for ABI stability, not yet available     */
+    TL_ERR_INTERNAL = 10
+} tl_status;
+
+typedef enum tl_stop_reason {
+    TL_STOP_NONE = 0,       /* still running (streams)                 */
+    TL_STOP_MAX_TOKENS = 1,
+    TL_STOP_EOS = 2,
+    TL_STOP_SEQUENCE = 3,   /* a stop token-sequence matched the suffix */
+    TL_STOP_GRAMMAR = 4,    /* reserved: grammar dead end              */
+    TL_STOP_ABORTED = 5,    /* the callback returned non-zero          */
+    TL_STOP_CONTEXT_FULL = 6
+} tl_stop_reason;
+
+typedef struct tl_model tl_model;         /* immutable weights, shared by threads   */
+typedef struct tl_context tl_context;     /* buffers + KV cache of one sequence      */
+typedef struct tl_stream tl_stream;       /* pull iterator over generated tokens     */
+typedef struct tl_prefix_cache tl_prefix_cache;   /* reserved (prefix reuse)        */
+typedef struct tl_resume_handle tl_resume_handle; /* reserved (deeper-depth resume) */
+typedef struct tl_prefix_pool tl_prefix_pool;     /* reserved (shared prefixes)     */
+
+/* ---- version and errors ------------------------------------------------ */
+TL_API uint32_t tl_abi_version(void);
+TL_API const char *tl_version_string(void);
+TL_API const char *tl_last_error(void);          /* thread-local, never NULL */
+TL_API const char *tl_status_name(tl_status status);
+
+/* ---- lifecycle ----------------------------------------------------------- */
+typedef struct tl_load_options {
+    uint32_t struct_size;
+    const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
+    int32_t n_threads;         /* CPU worker threads; 0 = number of cores            */
+    int32_t max_seq_len;       /* context length of contexts; 0 = model's max        */
+    int32_t prefill_chunk;     /* tokens per prefill chunk; 0 = 256                  */
+    int32_t verify_checksums;  /* 1 = check every tensor's CRC-32 at load            */
+    int32_t default_depth;     /* loop depth when a call passes 0; 0 = model default */
+} tl_load_options;
+
+TL_API void tl_load_options_default(tl_load_options *opts);
+TL_API tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model **out);
+TL_API tl_status tl_free_model(tl_model *model);
+
+typedef struct tl_model_info {
+    uint32_t struct_size;
+    int32_t vocab_size;
+    int32_t d_model;
+    int32_t n_head;
+    int32_t n_kv_head;
+    int32_t head_dim;
+    int32_t ffn_dim;
+    int32_t n_pre;
+    int32_t n_core;
+    int32_t n_post;
+    int32_t default_depth;
+    int32_t max_depth;
+    int32_t max_seq_len;       /* of this loaded model (load option or file)  */
+    int32_t bos_token;         /* -1 when the model has none                  */
+    int32_t eos_token;         /* -1 when the model has none                  */
+    int32_t n_threads;
+    int32_t device_index;      /* -1 for CPU                                   */
+    char device_name[64];      /* "cpu (avx2)", "cpu (generic)", "cuda:0 (...)" */
+    char name[128];            /* general.name metadata, may be empty          */
+} tl_model_info;
+
+TL_API void tl_model_info_default(tl_model_info *info);
+TL_API tl_status tl_model_get_info(const tl_model *model, tl_model_info *info);
+
+/* String metadata stored in the file (e.g. "tokenizer.json", "tokenizer.chat_template",
+ * "general.name"). *value points into the model and lives as long as it; it is not
+ * NUL-terminated: use *len. TL_ERR_INVALID_ARGUMENT names a missing key. */
+TL_API tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
+                                              const char **value, size_t *len);
+
+/* ---- memory ---------------------------------------------------------------- */
+typedef struct tl_memory_report {
+    uint32_t struct_size;
+    uint64_t weights_bytes;     /* resident weights (mapped file pages or device)    */
+    uint64_t repacked_bytes;    /* weights repacked by the backend at load           */
+    uint64_t buffers_bytes;     /* activation buffers of all live contexts           */
+    uint64_t kv_cache_bytes;    /* KV caches of all live contexts                    */
+    uint64_t total_bytes;       /* the sum of the above                               */
+    uint64_t device_bytes;      /* bytes allocated on an accelerator (0 on CPU)       */
+} tl_memory_report;
+
+TL_API void tl_memory_report_default(tl_memory_report *report);
+TL_API tl_status tl_memory_report_get(const tl_model *model, tl_memory_report *report);
+/* Device memory in use (CUDA); on CPU the same total as the memory report. */
+TL_API tl_status tl_vram_usage_bytes(const tl_model *model, uint64_t *bytes);
+
+/* ---- contexts (mutable state, one per thread or sequence) ------------------- */
+typedef struct tl_context_options {
+    uint32_t struct_size;
+    int32_t max_seq_len;       /* 0 = the model's */
+    int32_t max_depth;         /* deepest loop depth this context caches; 0 = model max */
+    int32_t prefill_chunk;     /* 0 = the model's load option */
+} tl_context_options;
+
+TL_API void tl_context_options_default(tl_context_options *opts);
+TL_API tl_status tl_context_create(tl_model *model, const tl_context_options *opts,
+                                   tl_context **out);
+TL_API tl_status tl_context_free(tl_context *ctx);
+
+/* Low-level sequence primitives. A context holds one sequence; every token in it is
+ * computed at one depth (the first append fixes it until reset/truncate to 0). */
+TL_API tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                   int32_t depth, float *last_logits /* vocab floats or NULL */);
+TL_API tl_status tl_context_truncate(tl_context *ctx, size_t n_keep);
+TL_API tl_status tl_context_reset(tl_context *ctx);
+TL_API tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens);
+TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* reserved */
+
+/* ---- scoring ---------------------------------------------------------------- */
+typedef struct tl_score_options {
+    uint32_t struct_size;
+    int32_t depth;             /* 0 = model default */
+} tl_score_options;
+
+TL_API void tl_score_options_default(tl_score_options *opts);
+/* logprobs[i] = log p(tokens[i+1] | tokens[0..i]) for i in [0, n_tokens-1). */
+TL_API tl_status tl_score(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                          const tl_score_options *opts, float *logprobs);
+TL_API tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                  const tl_score_options *opts, float *logprobs);
+/* logits (vocab floats) of the position after the last token. */
+TL_API tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                     const tl_score_options *opts, float *logits);
+TL_API tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens,
+                                             size_t n_tokens, const tl_score_options *opts,
+                                             float *logits);
+/* reserved: per-depth logits of the last position, out[(depth-1) * vocab + v]. */
+TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                     const tl_score_options *opts, int32_t max_depth,
+                                     float *logits_per_depth);
+
+/* ---- generation ---------------------------------------------------------- */
+typedef struct tl_generate_options {
+    uint32_t struct_size;
+    int32_t max_tokens;            /* new tokens at most; default 128                  */
+    int32_t depth;                 /* 0 = model default                                */
+    float temperature;             /* 0 = greedy; default 0.8                          */
+    int32_t top_k;                 /* 0 = off; default 40                              */
+    float top_p;                   /* 1 = off; default 0.95                            */
+    float min_p;                   /* 0 = off; default 0.05                            */
+    float repetition_penalty;      /* 1 = off; default 1.0                             */
+    int32_t repetition_window;     /* last N tokens penalised; 0 = all; default 64     */
+    uint64_t seed;                 /* sampling seed; default 0                         */
+    int32_t eos_token;             /* -1 = model's EOS; -2 = never stop on EOS         */
+    const int32_t *stop_tokens;    /* stop sequences, concatenated                     */
+    const uint32_t *stop_lengths;  /* length of each stop sequence                     */
+    uint32_t n_stop_sequences;
+} tl_generate_options;
+
+typedef struct tl_generate_result {
+    uint32_t struct_size;
+    uint32_t n_tokens;             /* tokens written to the output buffer              */
+    tl_stop_reason stop_reason;
+    uint32_t n_prompt_tokens;
+    double prefill_seconds;
+    double decode_seconds;
+} tl_generate_result;
+
+/* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
+typedef int (*tl_token_callback)(int32_t token, void *user_data);
+
+TL_API void tl_generate_options_default(tl_generate_options *opts);
+TL_API void tl_generate_result_default(tl_generate_result *result);
+/* Writes at most out_capacity tokens; max_tokens is clipped to out_capacity. */
+TL_API tl_status tl_generate(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                             const tl_generate_options *opts, int32_t *out_tokens,
+                             size_t out_capacity, tl_generate_result *result);
+TL_API tl_status tl_context_generate(tl_context *ctx, const int32_t *prompt, size_t n_prompt,
+                                     const tl_generate_options *opts, int32_t *out_tokens,
+                                     size_t out_capacity, tl_generate_result *result);
+TL_API tl_status tl_generate_stream(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                                    const tl_generate_options *opts, tl_token_callback callback,
+                                    void *user_data, tl_generate_result *result);
+
+/* Pull iterator: the stream owns a context of its own (or uses ctx when given). */
+TL_API tl_status tl_stream_start(tl_model *model, tl_context *ctx, const int32_t *prompt,
+                                 size_t n_prompt, const tl_generate_options *opts,
+                                 tl_stream **out);
+/* *token = next token, or -1 with *stop_reason set once the stream has ended. */
+TL_API tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reason *stop_reason);
+TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result);
+TL_API tl_status tl_stream_free(tl_stream *stream);
+
+/* reserved for later releases; return TL_ERR_NOT_IMPLEMENTED today */
+TL_API tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
+                                   const size_t *prompt_lengths, size_t n_prompts,
+                                   const tl_generate_options *opts, int32_t *const *out_tokens,
+                                   size_t out_capacity, tl_generate_result *results);
+TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                                         const tl_generate_options *opts, int32_t draft_depth,
+                                         int32_t n_draft, int32_t *out_tokens,
+                                         size_t out_capacity, tl_generate_result *result);
+
+/* TL_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TINYLOOP_TINYLOOP_H */

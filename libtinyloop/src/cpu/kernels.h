@@ -1,0 +1,73 @@
+/* cpu/kernels.h — CPU compute kernels on host memory. Every function has an
+ * AVX2/FMA/F16C path and a portable C path, chosen once at run time
+ * (tl_cpu_features()); results of the two agree within float rounding.
+ * Matrices are row-major; W is [rows=out, cols=in]; y = x W^T. */
+#ifndef TL_CPU_KERNELS_H
+#define TL_CPU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../tensor.h"
+#include "threadpool.h"
+
+typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1 } tl_cpu_level;
+
+/* Detected once; TINYLOOP_CPU=generic forces the portable path (tests use it to check
+ * both paths). */
+tl_cpu_level tl_cpu_features(void);
+const char *tl_cpu_level_name(tl_cpu_level level);
+
+/* Scratch a matmul needs for n input rows of width cols (quantized activations);
+ * callers pass a buffer of at least this many bytes (64-byte aligned). */
+size_t tl_cpu_matmul_scratch_bytes(const tl_tensor *w, int n);
+
+/* y[i, r] = sum_c x[i, c] * W[r, c] for i < n, r < w->rows.
+ * x: n x w->cols floats (row stride ldx), y: n x w->rows floats (row stride ldy).
+ * Work is split over the pool's threads; the pool may be NULL (run inline).
+ * Quantized weights are never dequantized as a whole: each thread decodes the
+ * groups it needs in registers. */
+void tl_cpu_matmul(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy,
+                   void *scratch, tl_threadpool *pool);
+
+/* out[c] = W[row, c] as floats (embedding lookup, tests). */
+void tl_cpu_dequant_row(const tl_tensor *w, int64_t row, float *out);
+
+/* out = norm(x) per row of width d. weight/bias are 1-D f32/f16/bf16 tensors
+ * (bias may be NULL). rms: x / sqrt(mean(x^2) + eps) * (unit_offset ? 1 + w : w);
+ * layer: (x - mean) / sqrt(var + eps) * w + b. out may equal x. */
+void tl_cpu_rmsnorm(const float *x, int n, int d, const tl_tensor *weight, int unit_offset,
+                    float eps, float *out);
+void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
+                      const tl_tensor *bias, float eps, float *out);
+
+/* Rotate the first rope_dims dims of each head in place. x: n rows of n_heads*head_dim,
+ * row i at position positions[i]. style 0 = half (pairs i, i+rope_dims/2),
+ * 1 = interleaved (pairs 2i, 2i+1). freq_i = theta^(-2i/rope_dims). */
+void tl_cpu_rope(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
+                 float theta, const int32_t *positions);
+
+/* out[i] = act(gate[i]) * up[i]; act 0 = silu, 1 = gelu_tanh. */
+void tl_cpu_gated_act(const float *gate, const float *up, size_t count, int act, float *out);
+
+/* y += x */
+void tl_cpu_add(float *y, const float *x, size_t count);
+/* y += b per row (b: 1-D f32/f16/bf16 tensor of width d) */
+void tl_cpu_add_bias(float *y, int n, int d, const tl_tensor *b);
+
+/* Causal attention of n query rows at positions pos0..pos0+n-1 against a cache holding
+ * keys/values for positions 0..pos0+n-1 (k_cache/v_cache: [max_seq, n_kv_head*head_dim]
+ * float rows). q: n x (n_head*head_dim); out: same shape. GQA: query head h uses kv head
+ * h / (n_head / n_kv_head). window > 0 limits each query to the last `window`
+ * positions (itself included). Parallel over (row, head) on the pool. scratch: at least
+ * tl_cpu_attention_scratch_bytes() bytes. */
+size_t tl_cpu_attention_scratch_bytes(int n_threads, int max_seq);
+void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
+                      const float *v_cache, int n_head, int n_kv_head, int head_dim,
+                      float scale, int window, float *out, void *scratch,
+                      tl_threadpool *pool);
+
+/* log-softmax helpers for scoring and sampling */
+float tl_cpu_logsumexp(const float *x, int n);
+
+#endif
