@@ -18,7 +18,7 @@
 typedef enum { TL_META_INT = 1, TL_META_FLOAT = 2, TL_META_STRING = 3 } tl_meta_type;
 
 typedef struct tl_meta_entry {
-    char *key;                 /* NUL-terminated copy */
+    char *key;                 /* NUL-terminated heap copy */
     tl_meta_type type;
     int64_t i;                 /* TL_META_INT */
     double f;                  /* TL_META_FLOAT */
@@ -41,17 +41,23 @@ typedef struct tl_file {
     uint32_t n_meta;
     tl_tensor *tensors;        /* views into the mapping, names are heap copies */
     uint32_t n_tensors;
+    uint64_t data_offset, data_size; /* the data section */
+    char *strings;             /* one allocation holding the tensor name copies */
+    int mapped;                /* 1: map came from mmap and is unmapped on close */
 } tl_file;
 
 /* Open, map and validate structure (header, sections, CRCs of header/meta/dir, every
  * entry's bounds, tensor sizes/offsets/overlap). verify_checksums also checks every
  * tensor's CRC-32. */
 tl_status tl_file_open(const char *path, int verify_checksums, tl_file **out);
-/* Same checks on a buffer owned by the caller (used by the fuzz harness). */
+/* Same checks on a buffer owned by the caller (used by the fuzz harness). The buffer
+ * must be 64-byte aligned, as a mapping is, so tensor views are aligned, and must
+ * outlive the tl_file. */
 tl_status tl_file_open_memory(const void *data, uint64_t size, int verify_checksums,
                               tl_file **out);
 void tl_file_close(tl_file *file);
 
+/* Lookups; NULL when absent. Entries are kept sorted by key / name. */
 const tl_meta_entry *tl_file_meta(const tl_file *file, const char *key);
 const tl_tensor *tl_file_tensor(const tl_file *file, const char *name);
 

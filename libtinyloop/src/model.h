@@ -86,8 +86,11 @@ struct tl_model {
     struct tl_context *default_ctx;
 };
 
-/* Build a model from an opened file (takes ownership of file on success). */
+/* Build a model from an opened file (takes ownership of file on success; on failure
+ * the caller still owns and closes it). backend and default_ctx are left NULL. */
 tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, struct tl_model **out);
+/* Frees what tl_model_from_file built, the file included. The backend and the default
+ * context are released by their owners before this is called. */
 void tl_model_destroy(struct tl_model *model);
 
 #endif
