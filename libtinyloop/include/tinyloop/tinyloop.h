@@ -153,7 +153,7 @@ TL_API tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_
 TL_API tl_status tl_context_truncate(tl_context *ctx, size_t n_keep);
 TL_API tl_status tl_context_reset(tl_context *ctx);
 TL_API tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens);
-TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* reserved */
+TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* copies the sequence */
 
 /* ---- scoring ---------------------------------------------------------------- */
 typedef struct tl_score_options {
@@ -230,11 +230,13 @@ TL_API tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reaso
 TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 
-/* reserved for later releases; return TL_ERR_NOT_IMPLEMENTED today */
+/* One result per prompt (array stride = results[0].struct_size). Prompts run one after
+ * another today, each as a fresh sequence; batched compute comes later. */
 TL_API tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
                                    const size_t *prompt_lengths, size_t n_prompts,
                                    const tl_generate_options *opts, int32_t *const *out_tokens,
                                    size_t out_capacity, tl_generate_result *results);
+/* reserved for a later release; returns TL_ERR_NOT_IMPLEMENTED today */
 TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
                                          const tl_generate_options *opts, int32_t draft_depth,
                                          int32_t n_draft, int32_t *out_tokens,

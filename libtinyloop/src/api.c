@@ -1,0 +1,624 @@
+/* api.c — every function of tinyloop.h: argument and struct_size checks, defaults,
+ * then a call into the runtime (context.c, generate.c). Model-level calls run on
+ * the model's internal context under its lock; tl_context calls run on the caller's
+ * context and need no lock (one context = one thread at a time). */
+#include <limits.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "context.h"
+#include "cpu/threadpool.h"
+#include "error.h"
+#include "format.h"
+#include "generate.h"
+#include "model.h"
+#include "tinyloop/tinyloop.h"
+
+#ifndef TL_VERSION_STRING
+#define TL_VERSION_STRING "0.1.0"
+#endif
+
+/* A struct_size above this is taken for an uninitialised struct, not a newer one. */
+#define TL_STRUCT_SIZE_LIMIT 4096u
+
+/* ---- struct_size handling ----------------------------------------------------
+ * Callers built against an older header pass a smaller struct: accept any size from
+ * the first release's (min_size) upwards, read/write only the bytes both sides know,
+ * and keep defaults for the rest. */
+
+static tl_status check_struct_size(const void *s, size_t min_size, const char *what) {
+    uint32_t size;
+    memcpy(&size, s, sizeof size);
+    if (size < min_size || size > TL_STRUCT_SIZE_LIMIT)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "%s.struct_size is %u, expected at least %zu: initialise it with %s_default()",
+                       what, size, min_size, what);
+    return TL_OK;
+}
+
+/* dst (full size, already defaulted) <- the caller's src (NULL = keep defaults). */
+static tl_status read_struct(void *dst, size_t full, const void *src, size_t min_size,
+                             const char *what) {
+    if (!src) return TL_OK;
+    tl_status st = check_struct_size(src, min_size, what);
+    if (st != TL_OK) return st;
+    uint32_t size;
+    memcpy(&size, src, sizeof size);
+    size_t n = size < full ? size : full;
+    memcpy((char *)dst + sizeof(uint32_t), (const char *)src + sizeof(uint32_t),
+           n - sizeof(uint32_t));
+    return TL_OK;
+}
+
+/* The caller's dst <- src (full size), as much as dst's struct_size holds. */
+static void write_struct(void *dst, const void *src, size_t full) {
+    uint32_t size;
+    memcpy(&size, dst, sizeof size);
+    size_t n = size < full ? size : full;
+    memcpy((char *)dst + sizeof(uint32_t), (const char *)src + sizeof(uint32_t),
+           n - sizeof(uint32_t));
+}
+
+#define NEED(ptr, name)                                                                 \
+    do {                                                                                \
+        if (!(ptr)) return tl_fail(TL_ERR_INVALID_ARGUMENT, "%s must not be NULL", name); \
+    } while (0)
+
+/* ---- version and errors ---------------------------------------------------------- */
+
+uint32_t tl_abi_version(void) { return TL_ABI_VERSION; }
+
+const char *tl_version_string(void) { return TL_VERSION_STRING; }
+
+const char *tl_last_error(void) { return tl_error_message(); }
+
+const char *tl_status_name(tl_status status) {
+    switch (status) {
+    case TL_OK: return "TL_OK";
+    case TL_ERR_INVALID_ARGUMENT: return "TL_ERR_INVALID_ARGUMENT";
+    case TL_ERR_IO: return "TL_ERR_IO";
+    case TL_ERR_FORMAT: return "TL_ERR_FORMAT";
+    case TL_ERR_OUT_OF_MEMORY: return "TL_ERR_OUT_OF_MEMORY";
+    case TL_ERR_UNSUPPORTED: return "TL_ERR_UNSUPPORTED";
+    case TL_ERR_CONTEXT_FULL: return "TL_ERR_CONTEXT_FULL";
+    case TL_ERR_BACKEND: return "TL_ERR_BACKEND";
+    case TL_ERR_ABORTED: return "TL_ERR_ABORTED";
+    case TL_ERR_NOT_IMPLEMENTED: return "TL_ERR_NOT_IMPLEMENTED";
+    case TL_ERR_INTERNAL: return "TL_ERR_INTERNAL";
+    }
+    return "TL_ERR_UNKNOWN";
+}
+
+/* ---- defaults ---------------------------------------------------------------- */
+
+void tl_load_options_default(tl_load_options *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+    o->device = "cpu";
+}
+
+void tl_model_info_default(tl_model_info *info) {
+    if (!info) return;
+    memset(info, 0, sizeof *info);
+    info->struct_size = sizeof *info;
+}
+
+void tl_memory_report_default(tl_memory_report *r) {
+    if (!r) return;
+    memset(r, 0, sizeof *r);
+    r->struct_size = sizeof *r;
+}
+
+void tl_context_options_default(tl_context_options *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+}
+
+void tl_score_options_default(tl_score_options *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+}
+
+void tl_generate_options_default(tl_generate_options *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+    o->max_tokens = 128;
+    o->temperature = 0.8f;
+    o->top_k = 40;
+    o->top_p = 0.95f;
+    o->min_p = 0.05f;
+    o->repetition_penalty = 1.0f;
+    o->repetition_window = 64;
+    o->eos_token = -1;
+}
+
+void tl_generate_result_default(tl_generate_result *r) {
+    if (!r) return;
+    memset(r, 0, sizeof *r);
+    r->struct_size = sizeof *r;
+}
+
+/* ---- lifecycle ---------------------------------------------------------------- */
+
+static tl_status check_load_options(const tl_load_options *o) {
+    if (o->n_threads < 0 || o->n_threads > 1024)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads %d is out of range [0, 1024] (0 = cores)",
+                       o->n_threads);
+    if (o->max_seq_len < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_seq_len %d is negative (0 = the model's)",
+                       o->max_seq_len);
+    if (o->prefill_chunk < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefill_chunk %d is negative (0 = 256)",
+                       o->prefill_chunk);
+    if (o->default_depth < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "default_depth %d is negative (0 = the model's)",
+                       o->default_depth);
+    return TL_OK;
+}
+
+/* Resolve the 0 = default fields against the file now that its dims are known. */
+static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) {
+    if (o->max_seq_len > hp->max_seq_len)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_seq_len %d exceeds the model's %d",
+                       o->max_seq_len, hp->max_seq_len);
+    if (hp->n_core > 0 && o->default_depth > hp->max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "default_depth %d exceeds the model's max_depth %d", o->default_depth,
+                       hp->max_depth);
+    if (!o->max_seq_len) o->max_seq_len = hp->max_seq_len;
+    if (!o->default_depth) o->default_depth = hp->default_depth;
+    if (!o->n_threads) o->n_threads = tl_num_cores();
+    if (!o->prefill_chunk) o->prefill_chunk = 256;
+    o->device = NULL; /* the caller's string is not kept */
+    return TL_OK;
+}
+
+tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model **out) {
+    NEED(out, "out");
+    *out = NULL;
+    NEED(path, "path");
+    tl_load_options o;
+    tl_load_options_default(&o);
+    tl_status st = read_struct(&o, sizeof o, opts, sizeof o, "tl_load_options");
+    if (st == TL_OK) st = check_load_options(&o);
+    if (st != TL_OK) return st;
+
+    tl_backend *be = NULL;
+    st = tl_backend_open(o.device, &be);
+    if (st != TL_OK) return st;
+    tl_file *file = NULL;
+    st = tl_file_open(path, o.verify_checksums, &file);
+    if (st != TL_OK) {
+        tl_backend_close(be);
+        return st;
+    }
+    tl_model *model = NULL;
+    st = tl_model_from_file(file, &o, &model);
+    if (st != TL_OK) {
+        tl_file_close(file);
+        tl_backend_close(be);
+        return st;
+    }
+    st = resolve_load_options(&model->hp, &o);
+    if (st == TL_OK) {
+        model->load_opts = o;
+        model->backend = be;
+        snprintf(model->device_name, sizeof model->device_name, "%s", be->name);
+        st = be->ops->prepare_model(be, model);
+    }
+    if (st != TL_OK) {
+        model->backend = NULL;
+        tl_backend_close(be);
+        tl_model_destroy(model);
+        return st;
+    }
+    *out = model;
+    return TL_OK;
+}
+
+tl_status tl_free_model(tl_model *model) {
+    if (!model) return TL_OK;
+    tl_context_close(model->default_ctx);
+    model->default_ctx = NULL;
+    tl_backend *be = model->backend;
+    model->backend = NULL;
+    tl_model_destroy(model);
+    tl_backend_close(be);
+    return TL_OK;
+}
+
+tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
+    NEED(model, "model");
+    NEED(info, "info");
+    tl_status st = check_struct_size(info, sizeof *info, "tl_model_info");
+    if (st != TL_OK) return st;
+    const tl_hparams *hp = &model->hp;
+    tl_model_info full;
+    tl_model_info_default(&full);
+    full.vocab_size = hp->vocab;
+    full.d_model = hp->d;
+    full.n_head = hp->n_head;
+    full.n_kv_head = hp->n_kv_head;
+    full.head_dim = hp->head_dim;
+    full.ffn_dim = hp->ffn;
+    full.n_pre = hp->n_pre;
+    full.n_core = hp->n_core;
+    full.n_post = hp->n_post;
+    full.default_depth = model->load_opts.default_depth;
+    full.max_depth = hp->max_depth;
+    full.max_seq_len = model->load_opts.max_seq_len;
+    full.bos_token = hp->bos_id;
+    full.eos_token = hp->eos_id;
+    full.n_threads = model->load_opts.n_threads;
+    full.device_index = model->backend->device_index;
+    snprintf(full.device_name, sizeof full.device_name, "%s", model->device_name);
+    const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
+    if (name && name->type == TL_META_STRING) {
+        size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;
+        memcpy(full.name, name->s, n);
+        full.name[n] = '\0';
+    }
+    write_struct(info, &full, sizeof full);
+    return TL_OK;
+}
+
+tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
+                                       const char **value, size_t *len) {
+    NEED(model, "model");
+    NEED(key, "key");
+    NEED(value, "value");
+    NEED(len, "len");
+    const tl_meta_entry *e = tl_file_meta(model->file, key);
+    if (!e) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the model has no metadata key \"%s\"", key);
+    if (e->type != TL_META_STRING)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "metadata key \"%s\" is not a string", key);
+    *value = e->s;
+    *len = (size_t)e->s_len;
+    return TL_OK;
+}
+
+/* ---- memory ------------------------------------------------------------------ */
+
+static void memory_totals(const tl_model *model, tl_memory_report *r) {
+    tl_memory_report_default(r);
+    model->backend->ops->memory(model->backend, &r->weights_bytes, &r->repacked_bytes,
+                                &r->device_bytes);
+    pthread_mutex_lock((pthread_mutex_t *)&model->stats_lock);
+    r->buffers_bytes = model->ctx_buffer_bytes;
+    r->kv_cache_bytes = model->ctx_kv_bytes;
+    pthread_mutex_unlock((pthread_mutex_t *)&model->stats_lock);
+    r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes;
+}
+
+tl_status tl_memory_report_get(const tl_model *model, tl_memory_report *report) {
+    NEED(model, "model");
+    NEED(report, "report");
+    tl_status st = check_struct_size(report, sizeof *report, "tl_memory_report");
+    if (st != TL_OK) return st;
+    tl_memory_report full;
+    memory_totals(model, &full);
+    write_struct(report, &full, sizeof full);
+    return TL_OK;
+}
+
+tl_status tl_vram_usage_bytes(const tl_model *model, uint64_t *bytes) {
+    NEED(model, "model");
+    NEED(bytes, "bytes");
+    tl_memory_report r;
+    memory_totals(model, &r);
+    *bytes = model->backend->device_index >= 0 ? r.device_bytes : r.total_bytes;
+    return TL_OK;
+}
+
+/* ---- contexts ------------------------------------------------------------------ */
+
+tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_context **out) {
+    NEED(out, "out");
+    *out = NULL;
+    NEED(model, "model");
+    tl_context_options o;
+    tl_context_options_default(&o);
+    tl_status st = read_struct(&o, sizeof o, opts, sizeof o, "tl_context_options");
+    if (st != TL_OK) return st;
+    return tl_context_open(model, o.max_seq_len, o.max_depth, o.prefill_chunk, out);
+}
+
+tl_status tl_context_free(tl_context *ctx) {
+    tl_context_close(ctx);
+    return TL_OK;
+}
+
+static tl_status check_tokens_arg(const int32_t *tokens, size_t n, size_t min_n) {
+    if (n < min_n)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_tokens is %zu, need at least %zu", n, min_n);
+    if (n > 0 && !tokens)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tokens is NULL with n_tokens %zu", n);
+    return TL_OK;
+}
+
+tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                            int32_t depth, float *last_logits) {
+    NEED(ctx, "ctx");
+    tl_status st = check_tokens_arg(tokens, n_tokens, last_logits ? 1 : 0);
+    if (st != TL_OK) return st;
+    tl_forward_out out = { .last_logits = last_logits };
+    return tl_context_eval(ctx, tokens, n_tokens, depth, &out);
+}
+
+tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
+    NEED(ctx, "ctx");
+    if (n_keep > ctx->n_tokens)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "cannot truncate to %zu tokens: the sequence holds %zu", n_keep,
+                       ctx->n_tokens);
+    tl_context_set_length(ctx, n_keep);
+    return TL_OK;
+}
+
+tl_status tl_context_reset(tl_context *ctx) {
+    NEED(ctx, "ctx");
+    tl_context_set_length(ctx, 0);
+    return TL_OK;
+}
+
+tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens) {
+    NEED(ctx, "ctx");
+    NEED(n_tokens, "n_tokens");
+    *n_tokens = ctx->n_tokens;
+    return TL_OK;
+}
+
+tl_status tl_context_fork(const tl_context *ctx, tl_context **out) {
+    NEED(out, "out");
+    *out = NULL;
+    NEED(ctx, "ctx");
+    return tl_context_clone(ctx, out);
+}
+
+/* The model's internal context, created on first use. Call with the lock held. */
+static tl_status default_context(tl_model *model, tl_context **out) {
+    if (!model->default_ctx) {
+        tl_status st = tl_context_open(model, 0, 0, 0, &model->default_ctx);
+        if (st != TL_OK) return st;
+    }
+    tl_context_set_length(model->default_ctx, 0);
+    *out = model->default_ctx;
+    return TL_OK;
+}
+
+/* ---- scoring ------------------------------------------------------------------- */
+
+static tl_status read_score_options(const tl_score_options *opts, tl_score_options *o) {
+    tl_score_options_default(o);
+    return read_struct(o, sizeof *o, opts, sizeof *o, "tl_score_options");
+}
+
+tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                           const tl_score_options *opts, float *logprobs) {
+    NEED(ctx, "ctx");
+    tl_score_options o;
+    tl_status st = read_score_options(opts, &o);
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
+    if (st != TL_OK) return st;
+    if (n_tokens > 1 && !logprobs) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs must not be NULL");
+    tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1 };
+    return tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+}
+
+tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                      const tl_score_options *opts, float *logits) {
+    NEED(ctx, "ctx");
+    NEED(logits, "logits");
+    tl_score_options o;
+    tl_status st = read_score_options(opts, &o);
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
+    if (st != TL_OK) return st;
+    tl_forward_out out = { .last_logits = logits };
+    return tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+}
+
+tl_status tl_score(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                   const tl_score_options *opts, float *logprobs) {
+    NEED(model, "model");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK) st = tl_context_score(ctx, tokens, n_tokens, opts, logprobs);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                              const tl_score_options *opts, float *logits) {
+    NEED(model, "model");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK) st = tl_context_score_last_token(ctx, tokens, n_tokens, opts, logits);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                              const tl_score_options *opts, int32_t max_depth,
+                              float *logits_per_depth) {
+    return tl_fail(TL_ERR_NOT_IMPLEMENTED,
+                   "tl_score_logit_lens is not implemented yet; score at each depth with "
+                   "tl_score_last_token instead");
+}
+
+/* ---- generation ------------------------------------------------------------------ */
+
+static tl_status read_generate_options(const tl_generate_options *opts, tl_generate_options *o) {
+    tl_generate_options_default(o);
+    return read_struct(o, sizeof *o, opts, sizeof *o, "tl_generate_options");
+}
+
+static tl_status check_result_arg(tl_generate_result *result) {
+    return result ? check_struct_size(result, sizeof *result, "tl_generate_result") : TL_OK;
+}
+
+/* One generation on ctx with the caller's structs checked and the result written back. */
+static tl_status generate_on(tl_context *ctx, const int32_t *prompt, size_t n_prompt,
+                             const tl_generate_options *opts, int32_t *out_tokens,
+                             size_t out_capacity, tl_token_callback callback, void *user_data,
+                             tl_generate_result *result) {
+    tl_generate_options o;
+    tl_status st = read_generate_options(opts, &o);
+    if (st == TL_OK) st = check_result_arg(result);
+    if (st != TL_OK) return st;
+    if (out_capacity > 0 && !out_tokens && !callback)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens is NULL with out_capacity %zu",
+                       out_capacity);
+    tl_generate_result full;
+    tl_generate_result_default(&full);
+    st = tl_generate_run(ctx, prompt, n_prompt, &o, out_tokens, out_capacity, callback, user_data,
+                         &full);
+    if (result) write_struct(result, &full, sizeof full);
+    return st;
+}
+
+tl_status tl_context_generate(tl_context *ctx, const int32_t *prompt, size_t n_prompt,
+                              const tl_generate_options *opts, int32_t *out_tokens,
+                              size_t out_capacity, tl_generate_result *result) {
+    NEED(ctx, "ctx");
+    NEED(out_tokens, "out_tokens");
+    return generate_on(ctx, prompt, n_prompt, opts, out_tokens, out_capacity, NULL, NULL, result);
+}
+
+tl_status tl_generate(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                      const tl_generate_options *opts, int32_t *out_tokens, size_t out_capacity,
+                      tl_generate_result *result) {
+    NEED(model, "model");
+    NEED(out_tokens, "out_tokens");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK)
+        st = generate_on(ctx, prompt, n_prompt, opts, out_tokens, out_capacity, NULL, NULL, result);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_generate_stream(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                             const tl_generate_options *opts, tl_token_callback callback,
+                             void *user_data, tl_generate_result *result) {
+    NEED(model, "model");
+    NEED(callback, "callback");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK)
+        st = generate_on(ctx, prompt, n_prompt, opts, NULL, 0, callback, user_data, result);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_stream_start(tl_model *model, tl_context *ctx, const int32_t *prompt,
+                          size_t n_prompt, const tl_generate_options *opts, tl_stream **out) {
+    NEED(out, "out");
+    *out = NULL;
+    NEED(model, "model");
+    if (ctx && ctx->model != model)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "ctx belongs to a different model");
+    tl_generate_options o;
+    tl_status st = read_generate_options(opts, &o);
+    if (st != TL_OK) return st;
+    tl_stream *s = malloc(sizeof *s);
+    if (!s) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a stream");
+    tl_context *own = NULL;
+    if (!ctx) {
+        st = tl_context_open(model, 0, 0, 0, &own);
+        if (st != TL_OK) {
+            free(s);
+            return st;
+        }
+    }
+    st = tl_stream_begin(s, ctx ? ctx : own, prompt, n_prompt, &o, SIZE_MAX);
+    if (st != TL_OK) {
+        tl_context_close(own);
+        free(s);
+        return st;
+    }
+    s->owned_ctx = own;
+    *out = s;
+    return TL_OK;
+}
+
+tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reason *stop_reason) {
+    NEED(stream, "stream");
+    NEED(token, "token");
+    tl_stop_reason reason;
+    tl_status st = tl_stream_step(stream, token, &reason);
+    if (stop_reason) *stop_reason = reason;
+    return st;
+}
+
+tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result) {
+    NEED(stream, "stream");
+    NEED(result, "result");
+    tl_status st = check_result_arg(result);
+    if (st != TL_OK) return st;
+    tl_generate_result full;
+    tl_generate_result_default(&full);
+    tl_stream_fill_result(stream, &full);
+    write_struct(result, &full, sizeof full);
+    return TL_OK;
+}
+
+tl_status tl_stream_free(tl_stream *stream) {
+    if (!stream) return TL_OK;
+    tl_stream_end(stream);
+    free(stream);
+    return TL_OK;
+}
+
+/* Each prompt runs as a fresh sequence, one after another, in a context owned by
+ * this call: correct results, not yet batched compute. */
+tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
+                            const size_t *prompt_lengths, size_t n_prompts,
+                            const tl_generate_options *opts, int32_t *const *out_tokens,
+                            size_t out_capacity, tl_generate_result *results) {
+    NEED(model, "model");
+    if (n_prompts == 0) return TL_OK;
+    NEED(prompts, "prompts");
+    NEED(prompt_lengths, "prompt_lengths");
+    NEED(out_tokens, "out_tokens");
+    tl_status st = check_result_arg(results);
+    if (st != TL_OK) return st;
+    /* the caller's array stride is its own struct size */
+    uint32_t stride = 0;
+    if (results) memcpy(&stride, results, sizeof stride);
+    tl_context *ctx = NULL;
+    st = tl_context_open(model, 0, 0, 0, &ctx);
+    if (st != TL_OK) return st;
+    for (size_t i = 0; i < n_prompts && st == TL_OK; i++) {
+        if (!out_tokens[i]) {
+            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens[%zu] is NULL", i);
+            break;
+        }
+        tl_generate_result *r = results ? (tl_generate_result *)((char *)results + i * stride) : NULL;
+        if (r) memcpy(r, &stride, sizeof stride);
+        tl_context_set_length(ctx, 0);
+        st = generate_on(ctx, prompts[i], prompt_lengths[i], opts, out_tokens[i], out_capacity,
+                         NULL, NULL, r);
+        if (st != TL_OK) st = tl_fail(st, "prompt %zu: %s", i, tl_last_error());
+    }
+    tl_context_close(ctx);
+    return st;
+}
+
+tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                                  const tl_generate_options *opts, int32_t draft_depth,
+                                  int32_t n_draft, int32_t *out_tokens, size_t out_capacity,
+                                  tl_generate_result *result) {
+    return tl_fail(TL_ERR_NOT_IMPLEMENTED,
+                   "tl_generate_speculative is not implemented yet; use tl_generate");
+}

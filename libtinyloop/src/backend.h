@@ -1,0 +1,133 @@
+/* backend.h — the ops interface between orchestration (forward.c, context.c,
+ * kv_cache.c) and a compute backend. Orchestration never looks inside a buffer or
+ * branches on the backend: activations live in opaque backend buffers, and every
+ * piece of math is one call through tl_backend_ops. The CPU backend (backend_cpu.c)
+ * implements it on host memory; a CUDA backend implements the same table on device
+ * memory.
+ *
+ * Ops are void: a backend that can fail asynchronously (a device) records the first
+ * error and reports it from ops->status(), which orchestration checks once per chunk. */
+#ifndef TL_BACKEND_H
+#define TL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tinyloop/tinyloop.h"
+#include "model.h"
+#include "tensor.h"
+
+typedef struct tl_buf tl_buf;     /* backend-owned float storage (host or device) */
+typedef struct tl_exec tl_exec;   /* per-context execution state: threads, scratch */
+
+/* A position inside a buffer, in floats from its start. */
+typedef struct tl_act {
+    tl_buf *buf;
+    size_t off;
+} tl_act;
+
+static inline tl_act tl_act_at(tl_buf *buf, size_t off) {
+    tl_act a = { buf, off };
+    return a;
+}
+static inline tl_act tl_act_add(tl_act a, size_t off) {
+    a.off += off;
+    return a;
+}
+
+/* What one attention call needs to know about the model's geometry. */
+typedef struct tl_attn_geom {
+    int n_head, n_kv_head, head_dim;
+    float scale;
+    int window;        /* 0 = full causal */
+} tl_attn_geom;
+
+typedef struct tl_rope_params {
+    int rope_dims, style;
+    float theta;
+} tl_rope_params;
+
+typedef struct tl_norm_params {
+    tl_norm_type type;
+    int unit_offset;
+    float eps;
+} tl_norm_params;
+
+typedef struct tl_backend tl_backend;
+
+typedef struct tl_backend_ops {
+    /* Called once after the model is built: repack weights into the backend's layout
+     * (tl_tensor.backend_data) or upload them. */
+    tl_status (*prepare_model)(tl_backend *be, const struct tl_model *model);
+    void (*destroy)(tl_backend *be);
+    /* Bytes of weights resident for this backend, repacked copies, device memory. */
+    void (*memory)(const tl_backend *be, uint64_t *weights, uint64_t *repacked,
+                   uint64_t *device);
+
+    /* Execution state of one context: n_threads workers, scratch for up to max_rows
+     * rows per call and attention over max_seq positions. */
+    tl_status (*exec_create)(tl_backend *be, int n_threads, int max_rows, int max_seq,
+                             tl_exec **out);
+    void (*exec_destroy)(tl_exec *ex);
+    size_t (*exec_bytes)(const tl_exec *ex);
+    /* First error recorded since the last call (and clears it); TL_OK on CPU. */
+    tl_status (*status)(tl_exec *ex);
+
+    /* Buffers; contents are uninitialised. */
+    tl_status (*buf_alloc)(tl_backend *be, size_t n_floats, tl_buf **out);
+    void (*buf_free)(tl_buf *buf);
+
+    /* Transfers and copies (counts in floats). */
+    void (*upload)(tl_exec *ex, tl_act dst, const float *src, size_t count);
+    void (*download)(tl_exec *ex, float *dst, tl_act src, size_t count);
+    /* n rows of `width` floats with their own row strides. */
+    void (*copy_rows)(tl_exec *ex, tl_act dst, size_t ld_dst, tl_act src, size_t ld_src,
+                      int n, int width);
+    void (*fill)(tl_exec *ex, tl_act dst, size_t count, float value);
+    /* dst[i, j] = sigma * n(seed, pos0 + i, j), the seeded normal of docs/model.md. */
+    void (*fill_noise)(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0,
+                       float sigma);
+
+    /* out[i] = E[tokens[i]] * scale; tokens are host ints already validated. */
+    void (*embed)(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n,
+                  float scale, tl_act out);
+    /* y[i, r] = sum_c x[i, c] W[r, c], rows of x/y with strides ldx/ldy. */
+    void (*matmul)(tl_exec *ex, const tl_tensor *w, tl_act x, size_t ldx, int n, tl_act y,
+                   size_t ldy);
+    /* Several matrices applied to the same input (e.g. q, k, v): backends may share
+     * the activation quantization between them. ys[j] has row stride ldys[j]. */
+    void (*matmul_multi)(tl_exec *ex, const tl_tensor *const *ws, int n_w, tl_act x,
+                         size_t ldx, int n, const tl_act *ys, const size_t *ldys);
+    void (*add_bias)(tl_exec *ex, tl_act y, int n, int d, const tl_tensor *bias);
+    void (*add)(tl_exec *ex, tl_act y, tl_act x, size_t count);          /* y += x */
+    void (*norm)(tl_exec *ex, const tl_norm_weights *w, const tl_norm_params *p, tl_act x,
+                 int n, int d, tl_act out);                              /* out may be x */
+    void (*rope)(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, int pos0,
+                 const tl_rope_params *p);
+    /* gate[i] = act(gate[i]) * up[i] */
+    void (*gated_act)(tl_exec *ex, tl_act gate, tl_act up, size_t count, tl_activation act);
+    /* Causal attention of n query rows at positions pos0.. against cached K/V rows
+     * 0..pos0+n-1 (row width n_kv_head * head_dim). */
+    void (*attention)(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache,
+                      tl_act v_cache, const tl_attn_geom *g, tl_act out);
+    /* out[i] = log_softmax(logits row i)[targets[i]] (host targets and out). */
+    void (*logprobs)(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets,
+                     float *out);
+} tl_backend_ops;
+
+struct tl_backend {
+    const tl_backend_ops *ops;
+    char name[64];       /* "cpu (avx2)", ... */
+    int device_index;    /* -1 for CPU */
+    void *impl;          /* backend-private */
+};
+
+/* backend_loader.c: parse a device string ("cpu", "auto", "cuda", "cuda:N"; NULL =
+ * "cpu") and open the backend that serves it. */
+tl_status tl_backend_open(const char *device, tl_backend **out);
+void tl_backend_close(tl_backend *be);
+
+/* backend_cpu.c */
+tl_status tl_backend_cpu_create(tl_backend **out);
+
+#endif

@@ -1,0 +1,219 @@
+/* context.c — tl_context: a buffer pool sized once (from the prefill chunk and
+ * max_seq_len), the KV cache, a thread pool of the model's n_threads, and the one
+ * sequence it holds (tokens, fixed depth, warm loop states). Appends run in chunks
+ * through forward.c; the memory it holds is counted into the model's stats. */
+#include "context.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+
+/* Rows of logits computed per head matmul while scoring: enough rows to amortise
+ * reading the head's weights, few enough that V-wide rows stay small. */
+#define TL_LOGIT_ROWS 32
+
+static int imin(int a, int b) { return a < b ? a : b; }
+
+static void stats_add(struct tl_model *m, int64_t buffers, int64_t kv) {
+    pthread_mutex_lock(&m->stats_lock);
+    m->ctx_buffer_bytes += (uint64_t)buffers;
+    m->ctx_kv_bytes += (uint64_t)kv;
+    pthread_mutex_unlock(&m->stats_lock);
+}
+
+/* Allocate one activation buffer (skipped when count is 0) and count its bytes. */
+static tl_status alloc_buf(struct tl_context *ctx, size_t count, tl_buf **out) {
+    *out = NULL;
+    if (count == 0) return TL_OK;
+    tl_status st = ctx->be->ops->buf_alloc(ctx->be, count, out);
+    if (st == TL_OK) ctx->buffer_bytes += count * sizeof(float);
+    return st;
+}
+
+static tl_status alloc_buffers(struct tl_context *ctx) {
+    const tl_hparams *hp = &ctx->model->hp;
+    size_t R = (size_t)ctx->chunk_rows, d = (size_t)hp->d;
+    size_t qd = (size_t)hp->n_head * hp->head_dim, f = (size_t)hp->ffn;
+    struct { size_t count; tl_buf **dst; } plan[] = {
+        { R * d, &ctx->h },   { R * d, &ctx->e },    { R * d, &ctx->xn },
+        { R * d, &ctx->tmp }, { R * qd, &ctx->q },   { R * qd, &ctx->att },
+        { R * f, &ctx->gate }, { R * f, &ctx->up },
+        { hp->injection == TL_INJECT_CONCAT ? R * 2 * d : 0, &ctx->cat },
+        { (size_t)ctx->logit_rows * hp->vocab, &ctx->logits },
+        { hp->state_init == TL_INIT_WARM ? (size_t)ctx->max_seq * d : 0, &ctx->warm },
+    };
+    for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
+        tl_status st = alloc_buf(ctx, plan[i].count, plan[i].dst);
+        if (st != TL_OK) return st;
+    }
+    return TL_OK;
+}
+
+void tl_context_close(struct tl_context *ctx) {
+    if (!ctx) return;
+    tl_buf *bufs[] = { ctx->h, ctx->e, ctx->xn, ctx->tmp, ctx->q, ctx->att, ctx->gate,
+                       ctx->up, ctx->cat, ctx->logits, ctx->warm };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) ctx->be->ops->buf_free(bufs[i]);
+    tl_kv_cache_free(&ctx->kv);
+    if (ctx->ex) ctx->be->ops->exec_destroy(ctx->ex);
+    if (ctx->buffer_bytes || ctx->kv_bytes)
+        stats_add(ctx->model, -(int64_t)ctx->buffer_bytes, -(int64_t)ctx->kv_bytes);
+    free(ctx->tokens);
+    free(ctx);
+}
+
+static int model_max_seq(const struct tl_model *m) {
+    return m->load_opts.max_seq_len > 0 ? m->load_opts.max_seq_len : m->hp.max_seq_len;
+}
+
+tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
+                          struct tl_context **out) {
+    const tl_hparams *hp = &model->hp;
+    int model_seq = model_max_seq(model);
+    if (max_seq < 0 || max_seq > model_seq)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "context max_seq_len %d is out of range [1, %d] (0 = the model's)",
+                       max_seq, model_seq);
+    if (hp->n_core > 0 && (max_depth < 0 || max_depth > hp->max_depth))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "context max_depth %d is out of range [1, %d] (0 = the model's)",
+                       max_depth, hp->max_depth);
+    if (prefill_chunk < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefill_chunk %d is negative", prefill_chunk);
+
+    struct tl_context *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a context");
+    ctx->model = model;
+    ctx->be = model->backend;
+    ctx->max_seq = max_seq ? max_seq : model_seq;
+    ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
+    if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk > 0 ? model->load_opts.prefill_chunk : 256;
+    ctx->chunk_rows = imin(prefill_chunk, ctx->max_seq);
+    ctx->logit_rows = imin(TL_LOGIT_ROWS, ctx->chunk_rows);
+
+    int n_threads = model->load_opts.n_threads > 0 ? model->load_opts.n_threads : 1;
+    tl_status st = ctx->be->ops->exec_create(ctx->be, n_threads, ctx->chunk_rows, ctx->max_seq,
+                                             &ctx->ex);
+    if (st == TL_OK) {
+        ctx->buffer_bytes += ctx->be->ops->exec_bytes(ctx->ex);
+        ctx->tokens = malloc((size_t)ctx->max_seq * sizeof *ctx->tokens);
+        if (!ctx->tokens) st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a token history");
+        ctx->buffer_bytes += (size_t)ctx->max_seq * sizeof *ctx->tokens;
+    }
+    if (st == TL_OK) st = alloc_buffers(ctx);
+    if (st == TL_OK)
+        st = tl_kv_cache_init(&ctx->kv, ctx->be, tl_kv_slot_count(hp, ctx->max_depth),
+                              ctx->max_seq, hp->n_kv_head * hp->head_dim);
+    if (st != TL_OK) {
+        ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
+        tl_context_close(ctx);
+        return st;
+    }
+    ctx->kv_bytes = tl_kv_cache_bytes(&ctx->kv);
+    stats_add(model, (int64_t)ctx->buffer_bytes, (int64_t)ctx->kv_bytes);
+    *out = ctx;
+    return TL_OK;
+}
+
+tl_status tl_context_resolve_depth(const struct tl_context *ctx, int32_t depth, int *resolved) {
+    const struct tl_model *m = ctx->model;
+    if (m->hp.n_core == 0) {   /* no loop: depth means nothing */
+        *resolved = 0;
+        return TL_OK;
+    }
+    if (depth < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "depth %d is negative (0 = default)", depth);
+    int d = depth;
+    if (d == 0) {
+        if (ctx->n_tokens > 0) {
+            *resolved = ctx->depth;
+            return TL_OK;
+        }
+        d = m->load_opts.default_depth > 0 ? m->load_opts.default_depth : m->hp.default_depth;
+    }
+    if (d < 1 || d > ctx->max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "depth %d is out of range [1, %d] (the context's max_depth)", d,
+                       ctx->max_depth);
+    if (ctx->n_tokens > 0 && d != ctx->depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "depth %d differs from the sequence's depth %d; reset the context or "
+                       "truncate it to 0 tokens to change depth",
+                       d, ctx->depth);
+    *resolved = d;
+    return TL_OK;
+}
+
+tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *tokens,
+                                  size_t n) {
+    int32_t V = ctx->model->hp.vocab;
+    for (size_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "token %d at index %zu is out of range [0, %d)",
+                           tokens[i], i, V);
+    return TL_OK;
+}
+
+tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                          int32_t depth, const tl_forward_out *out) {
+    int L = 0;
+    tl_status st = tl_context_resolve_depth(ctx, depth, &L);
+    if (st != TL_OK) return st;
+    st = tl_context_check_tokens(ctx, tokens, n);
+    if (st != TL_OK) return st;
+    size_t start = ctx->n_tokens;
+    if (n > (size_t)ctx->max_seq - start)
+        return tl_fail(TL_ERR_CONTEXT_FULL,
+                       "appending %zu tokens to a sequence of %zu would exceed max_seq_len %d",
+                       n, start, ctx->max_seq);
+
+    for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
+        int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
+        tl_forward_out chunk_out = { 0 };
+        if (out) {
+            if (c0 + (size_t)rows == n) chunk_out.last_logits = out->last_logits;
+            if (out->n_targets > c0) {
+                chunk_out.targets = out->targets + c0;
+                chunk_out.logprobs = out->logprobs + c0;
+                chunk_out.n_targets = out->n_targets - c0;
+            }
+        }
+        st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
+        if (st != TL_OK) {
+            tl_context_set_length(ctx, start);
+            return st;
+        }
+        memcpy(ctx->tokens + start + c0, tokens + c0, (size_t)rows * sizeof *tokens);
+        ctx->n_tokens = start + c0 + (size_t)rows;
+        ctx->depth = L;
+    }
+    return TL_OK;
+}
+
+void tl_context_set_length(struct tl_context *ctx, size_t n_keep) {
+    ctx->n_tokens = n_keep;
+    if (n_keep == 0) ctx->depth = 0;
+}
+
+tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out) {
+    struct tl_context *dst = NULL;
+    tl_status st = tl_context_open(src->model, src->max_seq, src->max_depth, src->chunk_rows, &dst);
+    if (st != TL_OK) return st;
+    size_t n = src->n_tokens;
+    tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);
+    if (src->warm && n > 0)
+        dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->warm, 0), 1, tl_act_at(src->warm, 0), 1,
+                                1, (int)(n * (size_t)src->model->hp.d));
+    memcpy(dst->tokens, src->tokens, n * sizeof *src->tokens);
+    dst->n_tokens = n;
+    dst->depth = src->depth;
+    st = dst->be->ops->status(dst->ex);
+    if (st != TL_OK) {
+        tl_context_close(dst);
+        return st;
+    }
+    *out = dst;
+    return TL_OK;
+}

@@ -1,0 +1,60 @@
+/* context.h — tl_context: the mutable state of one sequence (buffer pool, KV cache,
+ * thread pool, depth, warm loop states) and the calls orchestration builds on. */
+#ifndef TL_CONTEXT_H
+#define TL_CONTEXT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "forward.h"
+#include "kv_cache.h"
+#include "model.h"
+
+struct tl_context {
+    struct tl_model *model;
+    tl_backend *be;
+    tl_exec *ex;
+    int max_seq;          /* positions this context can hold */
+    int max_depth;        /* deepest loop depth it caches (0 without a core) */
+    int chunk_rows;       /* prefill chunk: rows per forward call */
+    int logit_rows;       /* rows of logits computed at once when scoring */
+    int depth;            /* the sequence's depth; 0 until its first append */
+    size_t n_tokens;      /* length of the sequence */
+    int32_t *tokens;      /* the sequence's tokens (max_seq) */
+    tl_kv_cache kv;
+
+    /* activation buffers of chunk_rows rows (docs/api.md, "Memory") */
+    tl_buf *h;            /* hidden state / loop state, [rows, d] */
+    tl_buf *e;            /* injection source, [rows, d] */
+    tl_buf *xn;           /* normed input of a sub-layer, [rows, d] */
+    tl_buf *tmp;          /* sub-layer output, [rows, d] */
+    tl_buf *q, *att;      /* queries and attention output, [rows, h * hd] */
+    tl_buf *gate, *up;    /* MLP, [rows, f] */
+    tl_buf *cat;          /* concat injection input [s ; e], [rows, 2d]; or NULL */
+    tl_buf *logits;       /* [logit_rows, V] */
+    tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d] */
+
+    uint64_t buffer_bytes, kv_bytes;   /* as added to the model's stats */
+};
+
+/* Create with resolved options (each 0 = the model's value). */
+tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth,
+                          int prefill_chunk, struct tl_context **out);
+void tl_context_close(struct tl_context *ctx);
+
+/* The loop depth an append at `depth` (0 = the sequence's, else the model default)
+ * would run at; an error when out of range or different from the sequence's. */
+tl_status tl_context_resolve_depth(const struct tl_context *ctx, int32_t depth, int *resolved);
+/* Check token ids against the vocabulary. */
+tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *tokens,
+                                  size_t n);
+/* Append tokens (validated here) in chunks and produce `out` (NULL = nothing). On
+ * failure the sequence keeps its previous length. */
+tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                          int32_t depth, const tl_forward_out *out);
+/* Length counters used by the API calls of the same names. */
+void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
+tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);
+
+#endif

@@ -1,0 +1,203 @@
+/* forward.c — the forward pass of docs/model.md for a chunk of positions, written
+ * once against the backend ops (backend.h): embed, prelude, state init, the core
+ * loop with exact per-iteration KV slots, coda, final norm and only the logits the
+ * caller needs. */
+#include "forward.h"
+
+#include "backend.h"
+#include "context.h"
+#include "kv_cache.h"
+#include "model.h"
+
+/* Everything the helpers below share for one chunk. */
+typedef struct fwd {
+    struct tl_context *ctx;
+    const struct tl_model *m;
+    const tl_hparams *hp;
+    const tl_backend_ops *ops;
+    tl_exec *ex;
+    int d, qd, kvd, f;
+    tl_norm_params norm;
+    tl_rope_params rope;
+    tl_attn_geom geom;
+} fwd;
+
+static tl_act buf0(tl_buf *b) { return tl_act_at(b, 0); }
+
+/* out = Wo . attention(RoPE(Wq xn), RoPE(Wk xn), Wv xn) for n rows at pos0; the new
+ * keys and values are written straight into the cache rows of `slot`. */
+static void attention(const fwd *F, const tl_block_weights *w, int slot, int n, int pos0,
+                      tl_act out) {
+    const tl_kv_cache *kv = &F->ctx->kv;
+    tl_act xn = buf0(F->ctx->xn), q = buf0(F->ctx->q), att = buf0(F->ctx->att);
+    tl_act k_new = tl_act_add(tl_kv_keys(kv, slot), (size_t)pos0 * F->kvd);
+    tl_act v_new = tl_act_add(tl_kv_values(kv, slot), (size_t)pos0 * F->kvd);
+
+    const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
+    tl_act ys[3] = { q, k_new, v_new };
+    size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
+    F->ops->matmul_multi(F->ex, ws, 3, xn, F->d, n, ys, lds);
+    if (F->hp->qkv_bias) {
+        F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
+        F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
+        F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
+    }
+    F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
+    F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
+    F->ops->attention(F->ex, q, n, pos0, tl_kv_keys(kv, slot), tl_kv_values(kv, slot),
+                      &F->geom, att);
+    F->ops->matmul(F->ex, &w->wo, att, F->qd, n, out, F->d);
+}
+
+/* out = W_down (act(W_gate xn) * W_up xn) */
+static void mlp(const fwd *F, const tl_block_weights *w, int n, tl_act out) {
+    tl_act xn = buf0(F->ctx->xn), gate = buf0(F->ctx->gate), up = buf0(F->ctx->up);
+    const tl_tensor *ws[2] = { &w->w_gate, &w->w_up };
+    tl_act ys[2] = { gate, up };
+    size_t lds[2] = { (size_t)F->f, (size_t)F->f };
+    F->ops->matmul_multi(F->ex, ws, 2, xn, F->d, n, ys, lds);
+    F->ops->gated_act(F->ex, gate, up, (size_t)n * F->f, F->hp->activation);
+    F->ops->matmul(F->ex, &w->w_down, gate, F->f, n, out, F->d);
+}
+
+/* One block on rows x[0..n). The three placements share their shape:
+ *   pre:             x += A(N1 x);        x += M(mlp_norm x)
+ *   sandwich_outer:  x = N2(x + A(N1 x)); x = N4(x + M(N3 x))
+ *   sandwich_branch: x += N2(A(N1 x));    x += N4(M(N3 x))
+ * (N2 of pre and N3 of the sandwiches are both the tensor mlp_norm). */
+static void block(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0) {
+    tl_norm_placement place = F->hp->norm_placement;
+    tl_act xn = buf0(F->ctx->xn), tmp = buf0(F->ctx->tmp);
+    size_t count = (size_t)n * F->d;
+
+    F->ops->norm(F->ex, &w->attn_norm, &F->norm, x, n, F->d, xn);
+    attention(F, w, slot, n, pos0, tmp);
+    if (place == TL_NORM_SANDWICH_BRANCH) F->ops->norm(F->ex, &w->attn_post_norm, &F->norm, tmp, n, F->d, tmp);
+    F->ops->add(F->ex, x, tmp, count);
+    if (place == TL_NORM_SANDWICH_OUTER) F->ops->norm(F->ex, &w->attn_post_norm, &F->norm, x, n, F->d, x);
+
+    F->ops->norm(F->ex, &w->mlp_norm, &F->norm, x, n, F->d, xn);
+    mlp(F, w, n, tmp);
+    if (place == TL_NORM_SANDWICH_BRANCH) F->ops->norm(F->ex, &w->mlp_post_norm, &F->norm, tmp, n, F->d, tmp);
+    F->ops->add(F->ex, x, tmp, count);
+    if (place == TL_NORM_SANDWICH_OUTER) F->ops->norm(F->ex, &w->mlp_post_norm, &F->norm, x, n, F->d, x);
+}
+
+/* u = inject(s, e) in place on s. */
+static void inject(const fwd *F, tl_act s, tl_act e, int n) {
+    const struct tl_model *m = F->m;
+    switch (F->hp->injection) {
+    case TL_INJECT_NONE:
+        break;
+    case TL_INJECT_ADD:
+        F->ops->add(F->ex, s, e, (size_t)n * F->d);
+        break;
+    case TL_INJECT_CONCAT: {
+        tl_act cat = buf0(F->ctx->cat);
+        size_t ld = 2 * (size_t)F->d;
+        F->ops->copy_rows(F->ex, cat, ld, s, F->d, n, F->d);
+        F->ops->copy_rows(F->ex, tl_act_add(cat, F->d), ld, e, F->d, n, F->d);
+        F->ops->matmul(F->ex, &m->inject_w, cat, ld, n, s, F->d);
+        if (m->inject_b.data) F->ops->add_bias(F->ex, s, n, F->d, &m->inject_b);
+        break;
+    }
+    }
+}
+
+/* The shared core, `depth` times, on state rows s[0..n) with sources e[0..n). */
+static void core_loop(const fwd *F, tl_act s, tl_act e, int n, int pos0, int depth) {
+    for (int it = 1; it <= depth; it++) {
+        inject(F, s, e, n);
+        for (int c = 0; c < F->hp->n_core; c++)
+            block(F, &F->m->core[c], tl_kv_slot_core(F->hp, it, c), s, n, pos0);
+        if (F->hp->loop_norm) F->ops->norm(F->ex, &F->m->loop_norm, &F->norm, s, n, F->d, s);
+    }
+}
+
+/* s = init(e) for rows whose init does not depend on other positions. h holds e. */
+static void init_state(const fwd *F, tl_act h, int n, int pos0) {
+    size_t count = (size_t)n * F->d;
+    switch (F->hp->state_init) {
+    case TL_INIT_PRELUDE:
+    case TL_INIT_WARM:     /* handled row by row in run_loop */
+        break;
+    case TL_INIT_ZEROS:
+        F->ops->fill(F->ex, h, count, 0.0f);
+        break;
+    case TL_INIT_NOISE:
+        F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
+        break;
+    }
+}
+
+/* From e (in h and e) to the final loop state in h. A warm start needs the previous
+ * position's final state, so positions then run through the loop one by one; each
+ * position's state is kept (ctx->warm) so truncation and forks stay exact. */
+static void run_loop(const fwd *F, int n, int pos0, int depth) {
+    tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
+    /* e is read only by the injection; s = e needs no copy since h holds e already */
+    if (depth > 0 && F->hp->injection != TL_INJECT_NONE)
+        F->ops->copy_rows(F->ex, e, F->d, h, F->d, n, F->d);
+    if (F->hp->state_init != TL_INIT_WARM) {
+        init_state(F, h, n, pos0);
+        core_loop(F, h, e, n, pos0, depth);
+        return;
+    }
+    tl_act warm = buf0(F->ctx->warm);
+    for (int r = 0; r < n; r++) {
+        int pos = pos0 + r;
+        tl_act s = tl_act_add(h, (size_t)r * F->d);
+        if (pos > 0)   /* position 0 starts from e, which s already holds */
+            F->ops->copy_rows(F->ex, s, F->d, tl_act_add(warm, (size_t)(pos - 1) * F->d), F->d,
+                              1, F->d);
+        core_loop(F, s, tl_act_add(e, (size_t)r * F->d), 1, pos, depth);
+        F->ops->copy_rows(F->ex, tl_act_add(warm, (size_t)pos * F->d), F->d, s, F->d, 1, F->d);
+    }
+}
+
+/* Final norm and head for the rows the caller asked for; h holds the coda output. */
+static void outputs(const fwd *F, int n, const tl_forward_out *out) {
+    const struct tl_model *m = F->m;
+    struct tl_context *ctx = F->ctx;
+    tl_act h = buf0(ctx->h), xn = buf0(ctx->xn), logits = buf0(ctx->logits);
+    int V = F->hp->vocab;
+
+    if (out->last_logits) {
+        F->ops->norm(F->ex, &m->final_norm, &F->norm, tl_act_add(h, (size_t)(n - 1) * F->d), 1,
+                     F->d, xn);
+        F->ops->matmul(F->ex, &m->output, xn, F->d, 1, logits, V);
+        F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
+    }
+    int n_score = (int)(out->n_targets < (size_t)n ? out->n_targets : (size_t)n);
+    if (n_score <= 0) return;
+    F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_score, F->d, xn);
+    /* logit_rows at a time, so scoring never holds n x V floats */
+    for (int r0 = 0; r0 < n_score; r0 += ctx->logit_rows) {
+        int rows = n_score - r0 < ctx->logit_rows ? n_score - r0 : ctx->logit_rows;
+        F->ops->matmul(F->ex, &m->output, tl_act_add(xn, (size_t)r0 * F->d), F->d, rows, logits, V);
+        F->ops->logprobs(F->ex, logits, rows, V, out->targets + r0, out->logprobs + r0);
+    }
+}
+
+tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                           int depth, const tl_forward_out *out) {
+    const struct tl_model *m = ctx->model;
+    const tl_hparams *hp = &m->hp;
+    fwd F = {
+        .ctx = ctx, .m = m, .hp = hp, .ops = ctx->be->ops, .ex = ctx->ex,
+        .d = hp->d, .qd = hp->n_head * hp->head_dim, .kvd = hp->n_kv_head * hp->head_dim,
+        .f = hp->ffn,
+        .norm = { hp->norm_type, hp->norm_unit_offset, hp->norm_eps },
+        .rope = { hp->rope_dims, hp->rope_style == TL_ROPE_INTERLEAVED ? 1 : 0, hp->rope_theta },
+        .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale, hp->sliding_window },
+    };
+    tl_act h = buf0(ctx->h);
+
+    F.ops->embed(F.ex, &m->embed, tokens, n, hp->embed_scale, h);
+    for (int b = 0; b < hp->n_pre; b++) block(&F, &m->pre[b], tl_kv_slot_pre(hp, b), h, n, pos0);
+    run_loop(&F, n, pos0, hp->n_core > 0 ? depth : 0);
+    for (int b = 0; b < hp->n_post; b++)
+        block(&F, &m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, pos0);
+    if (out) outputs(&F, n, out);
+    return F.ops->status(F.ex);
+}

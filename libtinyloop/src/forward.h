@@ -1,0 +1,28 @@
+/* forward.h — the forward pass of docs/model.md over one chunk of a context's
+ * sequence, with the outputs a caller asks for. */
+#ifndef TL_FORWARD_H
+#define TL_FORWARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tinyloop/tinyloop.h"
+
+struct tl_context;
+
+/* What to produce besides filling the KV cache. Rows are those of the tokens being
+ * evaluated (0 = the first of them). */
+typedef struct tl_forward_out {
+    float *last_logits;        /* host, vocab floats: logits of the last row; or NULL */
+    const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
+    float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
+    size_t n_targets;
+} tl_forward_out;
+
+/* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already
+ * validated; 0 when the model has no core). n is at most the context's chunk rows.
+ * Writes K/V of those positions; does not change the context's length. */
+tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                           int depth, const tl_forward_out *out);
+
+#endif

@@ -1,0 +1,219 @@
+/* generate.c — prompt validation, chunked prefill and the decode loop.
+ *
+ * A step samples from the logits of the next position, then feeds the token back
+ * lazily, at the start of the following step: when generation stops, the last
+ * token never costs a forward pass. So after a generation the context holds the
+ * prompt and every generated token except the last one. */
+#include "generate.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "error.h"
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static tl_status resolve_eos(const struct tl_context *ctx, int32_t requested, int32_t *eos) {
+    int32_t V = ctx->model->hp.vocab;
+    if (requested == -1) {
+        int32_t m = ctx->model->hp.eos_id;
+        *eos = (m >= 0 && m < V) ? m : -1;
+    } else if (requested == -2) {
+        *eos = -1;
+    } else if (requested >= 0 && requested < V) {
+        *eos = requested;
+    } else {
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "eos_token %d is invalid (expected a token in [0, %d), -1 = the model's, "
+                       "-2 = none)", requested, V);
+    }
+    return TL_OK;
+}
+
+/* Check the stop sequences and keep copies (the stream may outlive the caller's
+ * arrays). */
+static tl_status copy_stop_sequences(struct tl_stream *g, const tl_generate_options *o) {
+    if (o->n_stop_sequences == 0) return TL_OK;
+    if (!o->stop_tokens || !o->stop_lengths)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "n_stop_sequences is %u but stop_tokens or stop_lengths is NULL",
+                       o->n_stop_sequences);
+    size_t total = 0;
+    for (uint32_t j = 0; j < o->n_stop_sequences; j++) {
+        if (o->stop_lengths[j] == 0)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "stop sequence %u is empty", j);
+        total += o->stop_lengths[j];
+    }
+    tl_status st = tl_context_check_tokens(g->ctx, o->stop_tokens, total);
+    if (st != TL_OK) return tl_fail(st, "stop sequences: %s", tl_last_error());
+    g->stop_tokens = malloc(total * sizeof *g->stop_tokens);
+    g->stop_lengths = malloc(o->n_stop_sequences * sizeof *g->stop_lengths);
+    if (!g->stop_tokens || !g->stop_lengths)
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot copy %zu stop tokens", total);
+    memcpy(g->stop_tokens, o->stop_tokens, total * sizeof *g->stop_tokens);
+    memcpy(g->stop_lengths, o->stop_lengths, o->n_stop_sequences * sizeof *g->stop_lengths);
+    g->n_stop = o->n_stop_sequences;
+    return TL_OK;
+}
+
+static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *prompt, size_t n) {
+    if (n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the prompt is empty (need at least 1 token)");
+    if (!prompt) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is NULL with %zu tokens", n);
+    tl_status st = tl_context_check_tokens(ctx, prompt, n);
+    if (st != TL_OK) return tl_fail(st, "prompt: %s", tl_last_error());
+    if (n > (size_t)ctx->max_seq - ctx->n_tokens)
+        return tl_fail(TL_ERR_CONTEXT_FULL,
+                       "prompt of %zu tokens does not fit: the context holds %zu of max_seq_len %d",
+                       n, ctx->n_tokens, ctx->max_seq);
+    return TL_OK;
+}
+
+tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
+                          size_t n_prompt, const tl_generate_options *o,
+                          size_t max_tokens_cap) {
+    memset(g, 0, sizeof *g);
+    g->ctx = ctx;
+    int depth = 0;
+    tl_status st = validate_prompt(ctx, prompt, n_prompt);
+    if (st == TL_OK) st = tl_context_resolve_depth(ctx, o->depth, &depth);
+    if (st == TL_OK && o->max_tokens < 0)
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "max_tokens %d is negative", o->max_tokens);
+    if (st == TL_OK) st = resolve_eos(ctx, o->eos_token, &g->eos);
+    if (st == TL_OK) st = copy_stop_sequences(g, o);
+    if (st == TL_OK) st = tl_sampler_init(&g->sampler, o, ctx->model->hp.vocab);
+    if (st != TL_OK) {
+        tl_stream_end(g);
+        return st;
+    }
+    g->depth = depth;
+    /* at most one token per free position, plus the last one that is never fed */
+    size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
+    g->max_tokens = (size_t)o->max_tokens;
+    if (g->max_tokens > max_tokens_cap) g->max_tokens = max_tokens_cap;
+    size_t keep = g->max_tokens < room ? g->max_tokens : room;
+    g->logits = malloc((size_t)ctx->model->hp.vocab * sizeof *g->logits);
+    g->generated = malloc((keep ? keep : 1) * sizeof *g->generated);
+    if (!g->logits || !g->generated) {
+        tl_stream_end(g);
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate generation buffers");
+    }
+
+    double t0 = now_seconds();
+    tl_forward_out out = { .last_logits = g->logits };
+    st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
+    g->prefill_seconds = now_seconds() - t0;
+    if (st != TL_OK) {
+        tl_stream_end(g);
+        return st;
+    }
+    g->depth = ctx->depth;
+    g->n_prompt = (uint32_t)n_prompt;
+    return TL_OK;
+}
+
+static void finish(struct tl_stream *g, tl_stop_reason reason) {
+    g->finished = 1;
+    g->stop_reason = reason;
+}
+
+static int stop_sequence_matched(const struct tl_stream *g) {
+    size_t off = 0;
+    for (uint32_t j = 0; j < g->n_stop; j++) {
+        size_t len = g->stop_lengths[j];
+        if (len <= g->n_generated &&
+            memcmp(g->generated + g->n_generated - len, g->stop_tokens + off,
+                   len * sizeof *g->stop_tokens) == 0)
+            return 1;
+        off += len;
+    }
+    return 0;
+}
+
+tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason) {
+    *token = -1;
+    if (!g->finished && g->n_generated >= g->max_tokens) finish(g, TL_STOP_MAX_TOKENS);
+    if (!g->finished && g->has_pending && g->ctx->n_tokens >= (size_t)g->ctx->max_seq)
+        finish(g, TL_STOP_CONTEXT_FULL);
+    if (g->finished) {
+        *reason = g->stop_reason;
+        return TL_OK;
+    }
+    double t0 = now_seconds();
+    if (g->has_pending) {
+        tl_forward_out out = { .last_logits = g->logits };
+        tl_status st = tl_context_eval(g->ctx, &g->generated[g->n_generated - 1], 1, g->depth, &out);
+        if (st != TL_OK) {
+            finish(g, TL_STOP_NONE);
+            g->decode_seconds += now_seconds() - t0;
+            *reason = TL_STOP_NONE;
+            return st;
+        }
+        g->has_pending = 0;
+    }
+    int32_t t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+    g->decode_seconds += now_seconds() - t0;
+    if (t == g->eos) {
+        finish(g, TL_STOP_EOS);
+        *reason = TL_STOP_EOS;
+        return TL_OK;
+    }
+    g->generated[g->n_generated++] = t;
+    g->has_pending = 1;
+    if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
+    *token = t;
+    *reason = TL_STOP_NONE;
+    return TL_OK;
+}
+
+void tl_stream_abort(struct tl_stream *g) { finish(g, TL_STOP_ABORTED); }
+
+void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
+    r->n_tokens = (uint32_t)g->n_generated;
+    r->stop_reason = g->finished ? g->stop_reason : TL_STOP_NONE;
+    r->n_prompt_tokens = g->n_prompt;
+    r->prefill_seconds = g->prefill_seconds;
+    r->decode_seconds = g->decode_seconds;
+}
+
+void tl_stream_end(struct tl_stream *g) {
+    tl_sampler_free(&g->sampler);
+    free(g->logits);
+    free(g->generated);
+    free(g->stop_tokens);
+    free(g->stop_lengths);
+    g->logits = NULL;
+    g->generated = NULL;
+    g->stop_tokens = NULL;
+    g->stop_lengths = NULL;
+    if (g->owned_ctx) tl_context_close(g->owned_ctx);
+    g->owned_ctx = NULL;
+}
+
+tl_status tl_generate_run(struct tl_context *ctx, const int32_t *prompt, size_t n_prompt,
+                          const tl_generate_options *opts, int32_t *out_tokens,
+                          size_t out_capacity, tl_token_callback callback, void *user_data,
+                          tl_generate_result *result) {
+    struct tl_stream g;
+    tl_status st = tl_stream_begin(&g, ctx, prompt, n_prompt, opts,
+                                   out_tokens ? out_capacity : SIZE_MAX);
+    if (st != TL_OK) return st;
+    for (;;) {
+        int32_t token;
+        tl_stop_reason reason;
+        st = tl_stream_step(&g, &token, &reason);
+        if (st != TL_OK || token < 0) break;
+        if (out_tokens) out_tokens[g.n_generated - 1] = token;
+        if (callback && callback(token, user_data) != 0) {
+            tl_stream_abort(&g);
+            break;
+        }
+    }
+    if (result) tl_stream_fill_result(&g, result);
+    tl_stream_end(&g);
+    return st;
+}

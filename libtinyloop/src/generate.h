@@ -1,0 +1,53 @@
+/* generate.h — autoregressive generation on a context: prompt validation, chunked
+ * prefill, then one token per step (sample, then feed it back) until a stop
+ * condition. tl_stream is the state machine; the callback and buffer forms of the
+ * API are loops over it. */
+#ifndef TL_GENERATE_H
+#define TL_GENERATE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "context.h"
+#include "sampling.h"
+
+struct tl_stream {
+    struct tl_context *ctx;
+    struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
+    tl_sampler sampler;
+    float *logits;                 /* vocab floats: logits of the next position */
+    int32_t depth;                 /* the sequence's resolved depth */
+    int32_t eos;                   /* -1 = none */
+    int32_t *stop_tokens;          /* copies of the stop sequences */
+    uint32_t *stop_lengths;
+    uint32_t n_stop;
+    int32_t *generated;            /* tokens produced so far */
+    size_t n_generated, max_tokens;
+    int has_pending;               /* generated[n_generated-1] not yet fed to ctx */
+    int finished;
+    tl_stop_reason stop_reason;
+    uint32_t n_prompt;
+    double prefill_seconds, decode_seconds;
+};
+
+/* Validate everything, then prefill the prompt into ctx (continuing its sequence).
+ * max_tokens_cap bounds opts->max_tokens (an output buffer's capacity; SIZE_MAX =
+ * none). On failure nothing has been appended and g holds nothing to free. */
+tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
+                          size_t n_prompt, const tl_generate_options *opts,
+                          size_t max_tokens_cap);
+/* The next token, or -1 with *reason set once generation has stopped. */
+tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason);
+/* Record that the consumer stopped the stream (callback abort). */
+void tl_stream_abort(struct tl_stream *g);
+void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *result);
+/* Free what begin allocated (not ctx, unless owned_ctx). */
+void tl_stream_end(struct tl_stream *g);
+
+/* Whole generation: tokens go to out_tokens (may be NULL) and/or the callback. */
+tl_status tl_generate_run(struct tl_context *ctx, const int32_t *prompt, size_t n_prompt,
+                          const tl_generate_options *opts, int32_t *out_tokens,
+                          size_t out_capacity, tl_token_callback callback, void *user_data,
+                          tl_generate_result *result);
+
+#endif

@@ -1,0 +1,538 @@
+/* test_api.c — the public C ABI on real model files: scoring equals cached decode,
+ * chunked prefill equals one-shot, generation is deterministic and stops where it
+ * should, the stream iterator and callbacks behave, bad input gives clear errors,
+ * and one model serves two threads with identical results.
+ *
+ * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
+ * Last line: "test_api: N passed, M failed". */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tinyloop/tinyloop.h"
+
+static int n_passed, n_failed;
+static const char *current_model;
+
+#define CHECK(cond, ...)                                                          \
+    do {                                                                          \
+        if (cond) {                                                               \
+            n_passed++;                                                           \
+        } else {                                                                  \
+            n_failed++;                                                           \
+            fprintf(stderr, "FAIL %s:%d [%s] ", __FILE__, __LINE__, current_model); \
+            fprintf(stderr, __VA_ARGS__);                                         \
+            fprintf(stderr, " (last error: %s)\n", tl_last_error());              \
+        }                                                                         \
+    } while (0)
+
+#define CHECK_OK(expr) CHECK((expr) == TL_OK, "%s", #expr)
+#define CHECK_STATUS(expr, want) \
+    CHECK((expr) == (want), "%s should give %s", #expr, tl_status_name(want))
+
+#define N_TOK 20
+#define MAX_SEQ 48
+
+typedef struct fixture {
+    tl_model *model;
+    tl_model_info info;
+    int32_t tokens[N_TOK];
+} fixture;
+
+static float max_abs_diff(const float *a, const float *b, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]);
+        if (!(d <= m)) m = d;   /* NaN counts as a difference */
+    }
+    return m;
+}
+
+static float log_softmax_at(const float *x, int n, int index) {
+    float mx = x[0];
+    for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += exp((double)(x[i] - mx));
+    return (float)(x[index] - mx - log(sum));
+}
+
+static int argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static tl_context *new_context(tl_model *model, int32_t prefill_chunk) {
+    tl_context_options o;
+    tl_context_options_default(&o);
+    o.prefill_chunk = prefill_chunk;
+    tl_context *ctx = NULL;
+    if (tl_context_create(model, &o, &ctx) != TL_OK) return NULL;
+    return ctx;
+}
+
+static tl_generate_options greedy_options(int32_t max_tokens) {
+    tl_generate_options o;
+    tl_generate_options_default(&o);
+    o.temperature = 0.0f;
+    o.max_tokens = max_tokens;
+    o.eos_token = -2;
+    return o;
+}
+
+/* ---- scoring ----------------------------------------------------------------- */
+
+static void test_score_equals_decode(fixture *f) {
+    int V = f->info.vocab_size;
+    float lp[N_TOK - 1];
+    CHECK_OK(tl_score(f->model, f->tokens, N_TOK, NULL, lp));
+    tl_context *ctx = new_context(f->model, 0);
+    CHECK(ctx != NULL, "context create");
+    if (!ctx) return;
+    float *logits = malloc((size_t)V * sizeof *logits);
+    float worst = 0.0f;
+    for (int i = 0; i < N_TOK - 1; i++) {
+        CHECK_OK(tl_context_append(ctx, &f->tokens[i], 1, 0, logits));
+        float d = fabsf(log_softmax_at(logits, V, f->tokens[i + 1]) - lp[i]);
+        worst = d > worst ? d : worst;
+    }
+    CHECK(worst < 1e-3f, "cached decode logprobs differ from scoring by %g", worst);
+    size_t len = 0;
+    CHECK_OK(tl_context_length(ctx, &len));
+    CHECK(len == N_TOK - 1, "context length %zu, expected %d", len, N_TOK - 1);
+    free(logits);
+    tl_context_free(ctx);
+}
+
+static void test_chunked_prefill(fixture *f) {
+    int V = f->info.vocab_size;
+    float *one = malloc((size_t)V * sizeof *one), *chunked = malloc((size_t)V * sizeof *chunked);
+    float lp_one[N_TOK - 1], lp_chunked[N_TOK - 1];
+    tl_context *a = new_context(f->model, 0), *b = new_context(f->model, 3);
+    CHECK(a && b, "context create");
+    if (a && b) {
+        CHECK_OK(tl_context_score_last_token(a, f->tokens, N_TOK, NULL, one));
+        CHECK_OK(tl_context_score_last_token(b, f->tokens, N_TOK, NULL, chunked));
+        CHECK(max_abs_diff(one, chunked, (size_t)V) < 1e-4f, "chunked prefill logits differ by %g",
+              max_abs_diff(one, chunked, (size_t)V));
+        tl_context_reset(a);
+        tl_context_reset(b);
+        CHECK_OK(tl_context_score(a, f->tokens, N_TOK, NULL, lp_one));
+        CHECK_OK(tl_context_score(b, f->tokens, N_TOK, NULL, lp_chunked));
+        CHECK(max_abs_diff(lp_one, lp_chunked, N_TOK - 1) < 1e-4f, "chunked scoring differs by %g",
+              max_abs_diff(lp_one, lp_chunked, N_TOK - 1));
+    }
+    tl_context_free(a);
+    tl_context_free(b);
+    free(one);
+    free(chunked);
+}
+
+/* truncate then re-append, and fork then continue: both reproduce the same logits */
+static void test_truncate_and_fork(fixture *f) {
+    int V = f->info.vocab_size;
+    float *ref = malloc((size_t)V * sizeof *ref), *got = malloc((size_t)V * sizeof *got);
+    tl_context *ctx = new_context(f->model, 0), *fork = NULL;
+    CHECK(ctx != NULL, "context create");
+    if (ctx) {
+        CHECK_OK(tl_context_append(ctx, f->tokens, N_TOK, 0, ref));
+        CHECK_OK(tl_context_truncate(ctx, 8));
+        CHECK_OK(tl_context_append(ctx, f->tokens + 8, N_TOK - 8, 0, got));
+        CHECK(max_abs_diff(ref, got, (size_t)V) < 1e-4f, "truncate + re-append differs by %g",
+              max_abs_diff(ref, got, (size_t)V));
+        CHECK_STATUS(tl_context_truncate(ctx, N_TOK + 1), TL_ERR_INVALID_ARGUMENT);
+
+        CHECK_OK(tl_context_truncate(ctx, N_TOK - 1));
+        CHECK_OK(tl_context_fork(ctx, &fork));
+        if (fork) {
+            CHECK_OK(tl_context_append(fork, &f->tokens[N_TOK - 1], 1, 0, got));
+            CHECK(max_abs_diff(ref, got, (size_t)V) < 1e-4f, "forked context differs by %g",
+                  max_abs_diff(ref, got, (size_t)V));
+        }
+    }
+    tl_context_free(fork);
+    tl_context_free(ctx);
+    free(ref);
+    free(got);
+}
+
+/* ---- generation --------------------------------------------------------------- */
+
+static void test_greedy_matches_argmax(fixture *f) {
+    enum { N = 6 };
+    int V = f->info.vocab_size;
+    int32_t out[N];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, out, N, &r));
+    CHECK(r.n_tokens == N && r.stop_reason == TL_STOP_MAX_TOKENS && r.n_prompt_tokens == 5,
+          "result n_tokens %u stop %d prompt %u", r.n_tokens, r.stop_reason, r.n_prompt_tokens);
+    CHECK(r.prefill_seconds >= 0.0 && r.decode_seconds >= 0.0, "timings are set");
+
+    tl_context *ctx = new_context(f->model, 0);
+    float *logits = malloc((size_t)V * sizeof *logits);
+    int same = ctx != NULL;
+    if (ctx) {
+        tl_context_append(ctx, f->tokens, 5, 0, logits);
+        for (int i = 0; i < N && same; i++) {
+            same = argmax(logits, V) == out[i];
+            tl_context_append(ctx, &out[i], 1, 0, logits);
+        }
+    }
+    CHECK(same, "greedy generation differs from argmax over cached decode");
+    free(logits);
+    tl_context_free(ctx);
+}
+
+static void test_sampling_determinism(fixture *f) {
+    enum { N = 8 };
+    int32_t a[N], b[N];
+    tl_generate_options o;
+    tl_generate_options_default(&o);
+    o.max_tokens = N;
+    o.eos_token = -2;
+    o.temperature = 1.0f;
+    o.top_k = 20;
+    o.top_p = 0.9f;
+    o.min_p = 0.01f;
+    o.repetition_penalty = 1.2f;
+    o.seed = 1234;
+    tl_generate_result ra, rb;
+    tl_generate_result_default(&ra);
+    tl_generate_result_default(&rb);
+    CHECK_OK(tl_generate(f->model, f->tokens, 4, &o, a, N, &ra));
+    CHECK_OK(tl_generate(f->model, f->tokens, 4, &o, b, N, &rb));
+    CHECK(ra.n_tokens == N && rb.n_tokens == N && memcmp(a, b, sizeof a) == 0,
+          "same seed gives different tokens");
+    for (int i = 0; i < N; i++)
+        CHECK(a[i] >= 0 && a[i] < f->info.vocab_size, "sampled token %d out of range", a[i]);
+    o.top_p = 0.0f;
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 4, &o, a, N, &ra), TL_ERR_INVALID_ARGUMENT);
+}
+
+static void test_stop_conditions(fixture *f) {
+    enum { N = 8 };
+    int32_t ref[N], out[N];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, ref, N, &r));
+
+    /* stop sequence ref[2..3]: generation ends right after its first occurrence */
+    int32_t stop[2] = { ref[2], ref[3] };
+    uint32_t stop_len = 2;
+    int expect = 4;
+    for (int i = 1; i < 4; i++)
+        if (ref[i - 1] == stop[0] && ref[i] == stop[1]) {
+            expect = i + 1;
+            break;
+        }
+    o.stop_tokens = stop;
+    o.stop_lengths = &stop_len;
+    o.n_stop_sequences = 1;
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, out, N, &r));
+    CHECK(r.stop_reason == TL_STOP_SEQUENCE && (int)r.n_tokens == expect,
+          "stop sequence: stop %d after %u tokens, expected %d", r.stop_reason, r.n_tokens, expect);
+
+    /* EOS = ref[3]: stops before emitting it */
+    o = greedy_options(N);
+    o.eos_token = ref[3];
+    int first = 3;
+    for (int i = 0; i < 3; i++)
+        if (ref[i] == ref[3]) {
+            first = i;
+            break;
+        }
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, out, N, &r));
+    CHECK(r.stop_reason == TL_STOP_EOS && (int)r.n_tokens == first,
+          "eos: stop %d after %u tokens, expected %d", r.stop_reason, r.n_tokens, first);
+
+    /* out_capacity clips max_tokens */
+    o = greedy_options(100);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, out, 3, &r));
+    CHECK(r.n_tokens == 3 && r.stop_reason == TL_STOP_MAX_TOKENS, "capacity clip: %u tokens",
+          r.n_tokens);
+
+    /* generation reaching max_seq_len stops with CONTEXT_FULL */
+    int32_t *big = calloc(MAX_SEQ + 8, sizeof *big);
+    int32_t prompt[MAX_SEQ - 2];
+    for (int i = 0; i < MAX_SEQ - 2; i++) prompt[i] = f->tokens[i % N_TOK];
+    CHECK_OK(tl_generate(f->model, prompt, MAX_SEQ - 2, &o, big, MAX_SEQ + 8, &r));
+    CHECK(r.stop_reason == TL_STOP_CONTEXT_FULL && r.n_tokens == 3,
+          "context full: stop %d after %u tokens", r.stop_reason, r.n_tokens);
+    free(big);
+}
+
+typedef struct abort_state {
+    int seen;
+    int stop_after;
+} abort_state;
+
+static int count_and_abort(int32_t token, void *user) {
+    abort_state *s = user;
+    return ++s->seen >= s->stop_after;
+}
+
+static void test_stream_and_callback(fixture *f) {
+    enum { N = 6 };
+    int32_t ref[N];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, ref, N, &r));
+
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 5, &o, &s));
+    if (s) {
+        int32_t tok;
+        tl_stop_reason why = TL_STOP_NONE;
+        int n = 0, same = 1;
+        while (tl_stream_next(s, &tok, &why) == TL_OK && tok >= 0) {
+            same &= n < N && tok == ref[n];
+            n++;
+        }
+        CHECK(same && n == N && why == TL_STOP_MAX_TOKENS, "stream gave %d tokens, stop %d", n, why);
+        CHECK_OK(tl_stream_next(s, &tok, &why));
+        CHECK(tok == -1 && why == TL_STOP_MAX_TOKENS, "a finished stream keeps returning -1");
+        CHECK_OK(tl_stream_result(s, &r));
+        CHECK(r.n_tokens == N && r.stop_reason == TL_STOP_MAX_TOKENS, "stream result");
+        tl_stream_free(s);
+    }
+
+    abort_state st = { 0, 3 };
+    CHECK_OK(tl_generate_stream(f->model, f->tokens, 5, &o, count_and_abort, &st, &r));
+    CHECK(st.seen == 3 && r.n_tokens == 3 && r.stop_reason == TL_STOP_ABORTED,
+          "abort: %d callbacks, %u tokens, stop %d", st.seen, r.n_tokens, r.stop_reason);
+
+    /* batch = each prompt on its own */
+    int32_t b0[N], b1[N];
+    int32_t *outs[2] = { b0, b1 };
+    const int32_t *prompts[2] = { f->tokens, f->tokens + 3 };
+    size_t lens[2] = { 5, 4 };
+    tl_generate_result rs[2];
+    tl_generate_result_default(&rs[0]);
+    tl_generate_result_default(&rs[1]);
+    CHECK_OK(tl_generate_batch(f->model, prompts, lens, 2, &o, outs, N, rs));
+    CHECK(rs[0].n_tokens == N && memcmp(b0, ref, sizeof ref) == 0, "batch prompt 0 differs");
+    int32_t single[N];
+    CHECK_OK(tl_generate(f->model, f->tokens + 3, 4, &o, single, N, &r));
+    CHECK(rs[1].n_tokens == r.n_tokens && memcmp(b1, single, r.n_tokens * sizeof *single) == 0,
+          "batch prompt 1 differs");
+}
+
+/* ---- errors ------------------------------------------------------------------------- */
+
+static int message_has(const char *needle) { return strstr(tl_last_error(), needle) != NULL; }
+
+static void test_errors(fixture *f, const char *path) {
+    int V = f->info.vocab_size;
+    float *logits = malloc((size_t)V * sizeof *logits);
+    float lp[N_TOK];
+    int32_t out[4];
+    int32_t bad[3] = { 1, V + 5, 2 };
+    tl_generate_options o = greedy_options(4);
+
+    CHECK_STATUS(tl_score(f->model, bad, 3, NULL, lp), TL_ERR_INVALID_ARGUMENT);
+    CHECK(message_has("index 1") && message_has("out of range"), "bad token message: %s",
+          tl_last_error());
+    bad[1] = -1;
+    CHECK_STATUS(tl_generate(f->model, bad, 3, &o, out, 4, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 0, &o, out, 4, NULL), TL_ERR_INVALID_ARGUMENT);
+
+    int32_t *longp = calloc(MAX_SEQ + 1, sizeof *longp);
+    CHECK_STATUS(tl_generate(f->model, longp, MAX_SEQ + 1, &o, out, 4, NULL), TL_ERR_CONTEXT_FULL);
+    CHECK(message_has("max_seq_len"), "too-long prompt message: %s", tl_last_error());
+    CHECK_STATUS(tl_score(f->model, longp, MAX_SEQ + 1, NULL, lp), TL_ERR_CONTEXT_FULL);
+    free(longp);
+
+    CHECK_STATUS(tl_score(NULL, f->tokens, 3, NULL, lp), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_score(f->model, NULL, 3, NULL, lp), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_score(f->model, f->tokens, 3, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 3, &o, NULL, 4, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_load_model(path, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_get_info(NULL, &f->info), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_context_append(NULL, f->tokens, 1, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+
+    tl_score_options so;
+    tl_score_options_default(&so);
+    so.struct_size = 2; /* garbage */
+    CHECK_STATUS(tl_score(f->model, f->tokens, 3, &so, lp), TL_ERR_INVALID_ARGUMENT);
+    CHECK(message_has("struct_size"), "struct_size message: %s", tl_last_error());
+
+    if (f->info.n_core > 0) {
+        tl_score_options_default(&so);
+        so.depth = f->info.max_depth + 1;
+        CHECK_STATUS(tl_score(f->model, f->tokens, 3, &so, lp), TL_ERR_INVALID_ARGUMENT);
+        CHECK(message_has("depth"), "depth message: %s", tl_last_error());
+        so.depth = -1;
+        CHECK_STATUS(tl_score(f->model, f->tokens, 3, &so, lp), TL_ERR_INVALID_ARGUMENT);
+
+        tl_context *ctx = new_context(f->model, 0);
+        if (ctx) {
+            int d1 = 1, d2 = f->info.max_depth > 1 ? 2 : 1;
+            CHECK_OK(tl_context_append(ctx, f->tokens, 3, d1, NULL));
+            if (d2 != d1) {
+                CHECK_STATUS(tl_context_append(ctx, f->tokens, 1, d2, NULL), TL_ERR_INVALID_ARGUMENT);
+                CHECK(message_has("reset"), "depth change message: %s", tl_last_error());
+            }
+            CHECK_OK(tl_context_append(ctx, f->tokens, 1, 0, NULL)); /* 0 = the sequence's */
+            CHECK_OK(tl_context_reset(ctx));
+            CHECK_OK(tl_context_append(ctx, f->tokens, 1, d2, NULL));
+            tl_context_free(ctx);
+        }
+    }
+
+    /* appending past max_seq_len */
+    tl_context *ctx = new_context(f->model, 0);
+    if (ctx) {
+        int32_t *fill = calloc(MAX_SEQ, sizeof *fill);
+        CHECK_OK(tl_context_append(ctx, fill, MAX_SEQ, 0, NULL));
+        CHECK_STATUS(tl_context_append(ctx, fill, 1, 0, logits), TL_ERR_CONTEXT_FULL);
+        size_t len = 0;
+        tl_context_length(ctx, &len);
+        CHECK(len == MAX_SEQ, "a failed append keeps the length (%zu)", len);
+        free(fill);
+        tl_context_free(ctx);
+    }
+
+    CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 2, logits), TL_ERR_NOT_IMPLEMENTED);
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 3, &o, 1, 4, out, 4, NULL),
+                 TL_ERR_NOT_IMPLEMENTED);
+
+    tl_load_options lo;
+    tl_load_options_default(&lo);
+    tl_model *m = NULL;
+    lo.device = "gpu";
+    CHECK_STATUS(tl_load_model(path, &lo, &m), TL_ERR_INVALID_ARGUMENT);
+    lo.device = "cuda:x";
+    CHECK_STATUS(tl_load_model(path, &lo, &m), TL_ERR_INVALID_ARGUMENT);
+    lo.device = "cuda";
+    tl_status st = tl_load_model(path, &lo, &m);
+    CHECK(st == TL_ERR_UNSUPPORTED && m == NULL, "cuda request gives %s", tl_status_name(st));
+    lo.device = "auto";
+    CHECK_OK(tl_load_model(path, &lo, &m));
+    tl_free_model(m);
+    CHECK_STATUS(tl_load_model("/nonexistent/model.tinyloop", NULL, &m), TL_ERR_IO);
+    free(logits);
+}
+
+/* ---- memory and threads ---------------------------------------------------------- */
+
+static void test_memory_report(fixture *f) {
+    tl_memory_report before, during, after;
+    tl_memory_report_default(&before);
+    tl_memory_report_default(&during);
+    tl_memory_report_default(&after);
+    CHECK_OK(tl_memory_report_get(f->model, &before));
+    tl_context *ctx = new_context(f->model, 0);
+    CHECK_OK(tl_memory_report_get(f->model, &during));
+    tl_context_free(ctx);
+    CHECK_OK(tl_memory_report_get(f->model, &after));
+    CHECK(before.weights_bytes > 0 && during.kv_cache_bytes > before.kv_cache_bytes &&
+              during.buffers_bytes > before.buffers_bytes,
+          "a context's memory is counted");
+    CHECK(after.kv_cache_bytes == before.kv_cache_bytes &&
+              after.buffers_bytes == before.buffers_bytes,
+          "a freed context's memory is released");
+    CHECK(during.total_bytes == during.weights_bytes + during.repacked_bytes +
+                                    during.buffers_bytes + during.kv_cache_bytes,
+          "total is the sum");
+    uint64_t vram = 0;
+    CHECK_OK(tl_vram_usage_bytes(f->model, &vram));
+    CHECK(vram == after.total_bytes, "vram_usage_bytes on CPU is the total");
+}
+
+typedef struct thread_job {
+    fixture *f;
+    float lp[N_TOK - 1];
+    int32_t gen[6];
+    tl_status st;
+} thread_job;
+
+static void *thread_main(void *p) {
+    thread_job *j = p;
+    tl_context *ctx = new_context(j->f->model, 0);
+    if (!ctx) {
+        j->st = TL_ERR_INTERNAL;
+        return NULL;
+    }
+    tl_generate_options o = greedy_options(6);
+    j->st = TL_OK;
+    for (int rep = 0; rep < 3 && j->st == TL_OK; rep++) {
+        tl_context_reset(ctx);
+        j->st = tl_context_score(ctx, j->f->tokens, N_TOK, NULL, j->lp);
+        tl_context_reset(ctx);
+        if (j->st == TL_OK) j->st = tl_context_generate(ctx, j->f->tokens, 5, &o, j->gen, 6, NULL);
+    }
+    tl_context_free(ctx);
+    return NULL;
+}
+
+static void test_two_threads(fixture *f) {
+    thread_job jobs[2];
+    memset(jobs, 0, sizeof jobs);
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        jobs[i].f = f;
+        pthread_create(&th[i], NULL, thread_main, &jobs[i]);
+    }
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    float lp[N_TOK - 1];
+    CHECK_OK(tl_score(f->model, f->tokens, N_TOK, NULL, lp));
+    CHECK(jobs[0].st == TL_OK && jobs[1].st == TL_OK, "threads ran");
+    CHECK(memcmp(jobs[0].lp, jobs[1].lp, sizeof lp) == 0 && memcmp(jobs[0].lp, lp, sizeof lp) == 0,
+          "two threads and the model-level call score identically");
+    CHECK(memcmp(jobs[0].gen, jobs[1].gen, sizeof jobs[0].gen) == 0,
+          "two threads generate identically");
+}
+
+static void test_version(void) {
+    CHECK(tl_abi_version() == TL_ABI_VERSION, "abi version");
+    CHECK(tl_version_string() && tl_version_string()[0], "version string");
+    CHECK(strcmp(tl_status_name(TL_ERR_CONTEXT_FULL), "TL_ERR_CONTEXT_FULL") == 0, "status name");
+}
+
+static void run_model(const char *path) {
+    current_model = path;
+    fixture f;
+    memset(&f, 0, sizeof f);
+    tl_load_options lo;
+    tl_load_options_default(&lo);
+    lo.max_seq_len = MAX_SEQ;
+    lo.n_threads = 2;
+    tl_status st = tl_load_model(path, &lo, &f.model);
+    CHECK(st == TL_OK, "load %s", path);
+    if (st != TL_OK) return;
+    tl_model_info_default(&f.info);
+    CHECK_OK(tl_model_get_info(f.model, &f.info));
+    CHECK(f.info.max_seq_len == MAX_SEQ && f.info.n_threads == 2, "info reflects load options");
+    for (int i = 0; i < N_TOK; i++) f.tokens[i] = (int32_t)((i * 7919 + 13) % f.info.vocab_size);
+
+    test_score_equals_decode(&f);
+    test_chunked_prefill(&f);
+    test_truncate_and_fork(&f);
+    test_greedy_matches_argmax(&f);
+    test_sampling_determinism(&f);
+    test_stop_conditions(&f);
+    test_stream_and_callback(&f);
+    test_errors(&f, path);
+    test_memory_report(&f);
+    test_two_threads(&f);
+    CHECK_OK(tl_free_model(f.model));
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s MODEL.tinyloop [MODEL.tinyloop ...]\n", argv[0]);
+        return 2;
+    }
+    current_model = "-";
+    test_version();
+    for (int i = 1; i < argc; i++) run_model(argv[i]);
+    printf("test_api: %d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
+}
