@@ -1,0 +1,380 @@
+"""The `tinyloop` command line: a thin layer over the Python API.
+
+Every command takes --json; it then prints one JSON object as the last line of stdout
+(also on failure: {"error": ..., "error_type": ...}). Progress and notes go to stderr.
+docs/cli.md is the user documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TinyLoopError
+
+# exit codes: 0 ok, 1 runtime error, 2 usage error (argparse), 130 interrupted
+_EXIT_ERROR = 1
+_EXIT_INTERRUPTED = 130
+
+
+class CommandError(TinyLoopError):
+    """A command cannot run as asked (e.g. no model given)."""
+
+
+class _CountProgress:
+    """`label: 3/10` on one stderr line, refreshed at most every 0.2 s."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < 0.2:
+            return
+        self._last = now
+        sys.stderr.write(f"\r{self.label}: {done}/{total}")
+        sys.stderr.flush()
+        self._shown = True
+
+    def finish(self) -> None:
+        if self._shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._shown = False
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A model file path, or the cached file of a name `tinyloop pull` fetched."""
+    if Path(name_or_path).exists():
+        return name_or_path
+    from .convert.pull import resolve_model_name
+    return str(resolve_model_name(name_or_path))
+
+
+def _load_config(args):
+    from .config import Config, load_config
+    return load_config(args.config) if getattr(args, "config", None) else Config()
+
+
+def _open_model(args, config=None):
+    """Load MODEL with the config's [model] settings, overridden by command-line flags."""
+    from .model import Model
+    config = config if config is not None else _load_config(args)
+    options = config.load_options()
+    path = args.model or options.get("path")
+    if not path:
+        raise CommandError("no model given: pass MODEL or set [model] path in --config")
+    options["path"] = resolve_model(path)
+    for flag, key in (("threads", "threads"), ("device", "device")):
+        if getattr(args, flag, None) is not None:
+            options[key] = getattr(args, flag)
+    return Model(options.pop("path"), **options)
+
+
+def _peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+# -- generate -----------------------------------------------------------------------
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                   "repetition_penalty", "seed")
+
+
+def cmd_generate(args) -> dict:
+    from .plugins import strategy_mode
+    config = _load_config(args)
+    options = config.generate_options()
+    for flag in _SAMPLING_FLAGS:
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
+    depth = args.depth if args.depth is not None else config.model.depth
+    with _open_model(args, config) as model:
+        tokenizer = model.tokenizer
+        prompt_ids = tokenizer.encode(args.prompt)
+        mode = strategy_mode(config.modes)
+        decoder = tokenizer.incremental_decoder()
+        started = time.perf_counter()
+        if mode is not None:
+            stream = None
+            tokens = mode.plugin.strategy(model, np.asarray(prompt_ids, dtype=np.int32),
+                                          dict(options, depth=depth), mode.config)
+        else:
+            stream = model.stream(prompt_ids, depth=depth, **options)
+            tokens = stream
+        generated = []
+        try:
+            for token in tokens:
+                generated.append(token)
+                sys.stdout.write(decoder.push(token))
+                sys.stdout.flush()
+        finally:
+            if stream is not None:
+                stream.close()
+        sys.stdout.write(decoder.flush() + "\n")
+        sys.stdout.flush()
+        elapsed = time.perf_counter() - started
+        payload = {"text": tokenizer.decode(generated), "tokens": generated,
+                   "n_tokens": len(generated), "prompt_tokens": len(prompt_ids),
+                   "depth": depth, "mode": mode.name if mode else None,
+                   "seconds": elapsed}
+        if stream is not None and stream.result is not None:
+            r = stream.result
+            payload.update(stop_reason=r.stop_reason, prefill_seconds=r.prefill_seconds,
+                           decode_seconds=r.decode_seconds,
+                           prefill_tokens_per_s=r.prefill_tokens_per_s,
+                           decode_tokens_per_s=r.decode_tokens_per_s)
+            _note(f"[{len(generated)} tokens, stop: {r.stop_reason}, prefill "
+                  f"{r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s]")
+        return payload
+
+
+# -- score ---------------------------------------------------------------------------
+def cmd_score(args) -> dict:
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"{args.file}: cannot read text: {e}") from None
+    with _open_model(args) as model:
+        ids = model.tokenizer.encode(text)
+        if len(ids) < 2:
+            raise CommandError(f"{args.file}: needs at least 2 tokens to score, has {len(ids)}")
+        ctx = args.ctx if args.ctx is not None else model.info.max_seq_len
+        progress = _CountProgress("scoring windows")
+        started = time.perf_counter()
+        try:
+            logprobs = model.score_windows(ids, depth=args.depth, ctx=ctx, progress=progress)
+        finally:
+            progress.finish()
+        elapsed = time.perf_counter() - started
+    perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+    payload = {"perplexity": perplexity, "tokens": len(ids), "scored_tokens": len(logprobs),
+               "tokens_per_s": len(ids) / elapsed if elapsed > 0 else 0.0,
+               "ctx": ctx, "depth": args.depth, "seconds": elapsed}
+    if not args.json:
+        for key in ("perplexity", "tokens", "tokens_per_s"):
+            print(f"{key}: {payload[key]:.4f}" if isinstance(payload[key], float)
+                  else f"{key}: {payload[key]}")
+    return payload
+
+
+# -- bench ---------------------------------------------------------------------------
+def cmd_bench(args) -> dict:
+    with _open_model(args) as model:
+        info = model.info
+        needed = args.prompt_tokens + args.new_tokens
+        if needed > info.max_seq_len:
+            raise CommandError(f"--prompt-tokens + --new-tokens = {needed} exceeds the model's "
+                               f"max_seq_len {info.max_seq_len}")
+        rng = np.random.default_rng(args.seed)
+        prompt = rng.integers(0, info.vocab_size, size=args.prompt_tokens, dtype=np.int32)
+        # greedy and never stopping on EOS, so every run does the same amount of work
+        run = dict(max_tokens=args.new_tokens, depth=args.depth, temperature=0.0, eos=False)
+        model.generate(prompt[:8], **dict(run, max_tokens=min(8, args.new_tokens)))  # warm-up
+        prefill, decode = [], []
+        progress = _CountProgress("bench runs")
+        try:
+            for i in range(args.repeat):
+                result = model.generate(prompt, **run)
+                prefill.append(result.prefill_tokens_per_s)
+                decode.append(result.decode_tokens_per_s)
+                progress(i + 1, args.repeat)
+        finally:
+            progress.finish()
+        payload = {
+            "prefill_tokens_per_s": statistics.median(prefill),
+            "decode_tokens_per_s": statistics.median(decode),
+            "peak_rss_mb": _peak_rss_mb(),
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "repeat": args.repeat, "threads": info.n_threads, "depth": args.depth,
+            "device": info.device_name, "memory": model.memory_report(),
+            "runs": {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode},
+        }
+    if not args.json:
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb"):
+            print(f"{key}: {payload[key]:.2f}")
+    return payload
+
+
+# -- info ----------------------------------------------------------------------------
+_DIM_KEYS = ("vocab_size", "d_model", "n_head", "n_kv_head", "head_dim", "ffn_dim", "n_pre",
+             "n_core", "n_post", "default_depth", "max_depth", "max_seq_len")
+
+
+def _tensor_summary(path: str) -> tuple[dict, int]:
+    from .format import read_file
+    dtypes: dict = {}
+    parameters = 0
+    with read_file(path) as f:
+        for entry in f.tensors.values():
+            row = dtypes.setdefault(entry.dtype, {"tensors": 0, "bytes": 0, "parameters": 0})
+            count = int(np.prod(entry.shape, dtype=np.int64))
+            row["tensors"] += 1
+            row["bytes"] += entry.size
+            row["parameters"] += count
+            parameters += count
+    return dtypes, parameters
+
+
+def cmd_info(args) -> dict:
+    with _open_model(args) as model:
+        info = model.info
+        dtypes, parameters = _tensor_summary(model.path)
+        memory = model.memory_report()
+        has_tokenizer = model.metadata_string("tokenizer.json") is not None
+    architecture = {k: v for k, v in info.metadata.items() if k.startswith(("arch.", "loop."))}
+    other = {k: v for k, v in info.metadata.items() if k not in architecture}
+    payload = {"path": info.path, "name": info.name, "file_bytes": Path(info.path).stat().st_size,
+               "parameters": parameters, "dims": {k: getattr(info, k) for k in _DIM_KEYS},
+               "architecture": architecture, "metadata": other, "dtypes": dtypes,
+               "tokenizer": has_tokenizer, "bos_token": info.bos_token,
+               "eos_token": info.eos_token, "device": info.device_name,
+               "threads": info.n_threads, "memory": memory}
+    if not args.json:
+        mib = 2**20
+        print(f"model:        {info.path}")
+        print(f"name:         {info.name or '-'}")
+        print(f"parameters:   {parameters:,} ({payload['file_bytes'] / mib:.1f} MiB on disk)")
+        print("dims:         " + ", ".join(f"{k}={v}" for k, v in payload["dims"].items()))
+        print("architecture: " + (", ".join(f"{k}={v}" for k, v in sorted(architecture.items()))
+                                  or "defaults (docs/format.md)"))
+        for dtype, row in sorted(dtypes.items()):
+            print(f"dtype {dtype:5s}   {row['tensors']} tensors, {row['parameters']:,} values, "
+                  f"{row['bytes'] / mib:.1f} MiB")
+        print(f"tokenizer:    {'yes' if has_tokenizer else 'no'} (bos {info.bos_token}, "
+              f"eos {info.eos_token})")
+        print(f"device:       {info.device_name}, {info.n_threads} threads")
+        print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
+                                           for k, v in memory.items()))
+    return payload
+
+
+# -- convert / quantize / pull ------------------------------------------------------------
+def _delegated(name: str):
+    """The entry point of a tool command; it parses its own arguments (see --help)."""
+    from .convert import cli_entry
+    return {"convert": cli_entry.main_convert, "quantize": cli_entry.main_quantize,
+            "pull": cli_entry.main_pull}[name]
+
+
+_DELEGATED = ("convert", "quantize", "pull")
+
+
+def cmd_unavailable(args) -> dict:
+    raise CommandError(f"`tinyloop {args.command}` is not available yet in this release")
+
+
+# -- parser ------------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_non_negative, help="CPU threads (0 = all cores)")
+    p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinyloop",
+                                     description="Inference for weight-shared looped transformers.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"tinyloop {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, handler, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", action="store_true",
+                       help="print one JSON object as the last line of stdout")
+        p.set_defaults(handler=handler)
+        return p
+
+    p = command("generate", cmd_generate, "generate text, streamed as it comes")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="model file or pulled name (default: [model] path of --config)")
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--max-tokens", type=_positive)
+    p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-k", type=_non_negative)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=_non_negative)
+    _add_runtime_flags(p)
+
+    p = command("score", cmd_score, "perplexity of a text file")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--depth", type=_non_negative, default=0)
+    p.add_argument("--ctx", type=_non_negative,
+                   help="window length in tokens (default: the model's max_seq_len)")
+    _add_runtime_flags(p)
+
+    p = command("bench", cmd_bench, "prefill and decode speed, peak memory")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--prompt-tokens", type=_positive, default=128)
+    p.add_argument("--new-tokens", type=_positive, default=128)
+    p.add_argument("--depth", type=_non_negative, default=0)
+    p.add_argument("--repeat", type=_positive, default=3, help="runs; medians are reported")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random prompt")
+    _add_runtime_flags(p)
+
+    p = command("info", cmd_info, "dimensions, architecture, dtypes and memory of a model")
+    p.add_argument("model", metavar="MODEL")
+    _add_runtime_flags(p)
+
+    for name, help_text in (("convert", "convert a GGUF file or a HF safetensors checkpoint"),
+                            ("quantize", "re-quantize a .tinyloop model to q8, q4 or q2"),
+                            ("pull", "download and convert a known model into the cache")):
+        # listed for --help only: main() hands these argument lists over unparsed
+        sub.add_parser(name, help=help_text, add_help=False)
+
+    for name in ("chat", "serve"):
+        p = command(name, cmd_unavailable, f"{name} (not available yet)")
+        p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _DELEGATED:
+        return _delegated(argv[0])(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        payload = args.handler(args)
+    except KeyboardInterrupt:
+        _note("interrupted")
+        return _EXIT_INTERRUPTED
+    except (TinyLoopError, ValueError, OSError) as e:
+        _note(f"tinyloop {args.command}: error: {e}")
+        if args.json:
+            print(json.dumps({"error": str(e), "error_type": type(e).__name__}))
+        return _EXIT_ERROR
+    if args.json:
+        print(json.dumps(payload, default=str))
+    return 0

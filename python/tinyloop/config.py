@@ -1,0 +1,219 @@
+"""tinyloop.toml: model, sampling defaults and runtime modes.
+
+    [model]
+    path = "models/smollm2-135m.tinyloop"   # relative to this file, or a pulled name
+    device = "cpu"
+    threads = 0                             # 0 = all cores
+    max_seq_len = 0                         # 0 = the model's
+    depth = 0                               # loop depth; 0 = the model's default
+
+    [sampling]
+    temperature = 0.8
+    top_k = 40
+    top_p = 0.95
+    min_p = 0.05
+    repetition_penalty = 1.0
+    seed = 0
+    max_tokens = 128
+
+    [modes.<name>]                          # switches a plugin on; keys = its options
+
+Every key is checked: an unknown key, a wrong type or a bad value raises ConfigError
+naming the key, the file and (when it can be found) the line. docs/config.md is the
+user documentation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .plugins import ActiveMode, Option, PluginRegistry, apply_load_hooks, default_registry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+_DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_INT32_MAX = 2**31 - 1
+
+MODEL_OPTIONS = (
+    Option("path", str, None, "model file, or a name cached by `tinyloop pull`"),
+    Option("device", str, "cpu", "cpu, cuda, cuda:N or auto"),
+    Option("threads", int, 0, "CPU threads; 0 = all cores", minimum=0, maximum=_INT32_MAX),
+    Option("max_seq_len", int, 0, "context length; 0 = the model's", minimum=0,
+           maximum=_INT32_MAX),
+    Option("depth", int, 0, "loop depth; 0 = the model's default", minimum=0,
+           maximum=_INT32_MAX),
+)
+
+SAMPLING_OPTIONS = (
+    Option("temperature", float, 0.8, "0 = greedy", minimum=0.0),
+    Option("top_k", int, 40, "0 = off", minimum=0, maximum=_INT32_MAX),
+    Option("top_p", float, 0.95, "1 = off", minimum=0.0, maximum=1.0, exclusive_minimum=True),
+    Option("min_p", float, 0.05, "0 = off", minimum=0.0, maximum=1.0),
+    Option("repetition_penalty", float, 1.0, "1 = off", minimum=0.0, exclusive_minimum=True),
+    Option("seed", int, 0, "sampling seed", minimum=0, maximum=2**64 - 1),
+    Option("max_tokens", int, 128, "new tokens at most", minimum=1, maximum=_INT32_MAX),
+)
+
+_SECTIONS = {"model": MODEL_OPTIONS, "sampling": SAMPLING_OPTIONS}
+_TOP_LEVEL = ("model", "sampling", "modes")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    device: str = "cpu"
+    threads: int = 0
+    max_seq_len: int = 0
+    depth: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    max_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    modes: tuple[ActiveMode, ...] = ()
+    source: str | None = None
+
+    def model_path(self) -> str | None:
+        """[model] path, relative paths taken from the config file's folder when the
+        file exists there (otherwise the value as written, e.g. a pulled name)."""
+        path = self.model.path
+        if path is None or self.source is None or os.path.isabs(path):
+            return path
+        beside = Path(self.source).resolve().parent / path
+        return str(beside) if beside.exists() else path
+
+    def load_options(self) -> dict:
+        """Keyword arguments of tinyloop.Model (plus "path"), after the mode hooks."""
+        options = {"path": self.model_path(), "device": self.model.device,
+                   "threads": self.model.threads, "max_seq_len": self.model.max_seq_len,
+                   "default_depth": self.model.depth}
+        return apply_load_hooks(self.modes, options)
+
+    def generate_options(self) -> dict:
+        """Keyword arguments of Model.generate / Model.stream."""
+        return asdict(self.sampling)
+
+
+class _Locator:
+    """Finds the line of a key in TOML text, for error messages (best effort: tables
+    by header, keys by `key =` inside them)."""
+
+    _HEADER = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+    _KEY = re.compile(r"^\s*(\"[^\"]*\"|'[^']*'|[A-Za-z0-9_\-.]+)\s*=")
+
+    def __init__(self, text: str | None):
+        self._lines = text.splitlines() if text else []
+
+    @staticmethod
+    def _parts(dotted: str) -> tuple:
+        return tuple(p.strip().strip("\"'") for p in dotted.split("."))
+
+    def line(self, key: str) -> int | None:
+        parts = self._parts(key)
+        table: tuple = ()
+        for number, text in enumerate(self._lines, 1):
+            header = self._HEADER.match(text)
+            if header:
+                table = self._parts(header.group(1))
+                if table == parts:
+                    return number
+                continue
+            match = self._KEY.match(text)
+            if match:
+                full = table + self._parts(match.group(1))
+                # the key itself, or a dotted prefix of it holding an inline table
+                if full == parts[:len(full)]:
+                    return number
+        return None
+
+
+def _error_factory(source: str | None, text: str | None):
+    locator = _Locator(text)
+
+    def error(key: str, problem: str) -> ConfigError:
+        line = locator.line(key)
+        where = source or "<config>"
+        if line is not None:
+            where = f"{where}:{line}"
+        return ConfigError(f"{where}: {key}: {problem}", key=key, source=source, line=line)
+    return error
+
+
+def _check_section(name: str, table: Any, error) -> dict:
+    if not isinstance(table, Mapping):
+        raise error(name, f"must be a table ([{name}]), got {type(table).__name__}")
+    options = {o.name: o for o in _SECTIONS[name]}
+    values = {}
+    for key, value in table.items():
+        if key not in options:
+            raise error(f"{name}.{key}", f"unknown key (allowed in [{name}]: "
+                                         f"{', '.join(options)})")
+        values[key] = options[key].check(value, f"{name}.{key}", error)
+    if name == "model" and "device" in values and not _DEVICE.match(values["device"]):
+        raise error("model.device", f"must be cpu, cuda, cuda:N or auto, got {values['device']!r}")
+    return values
+
+
+def config_from_dict(data: Mapping, *, source: str | None = None, text: str | None = None,
+                     registry: PluginRegistry | None = None) -> Config:
+    """A checked Config from parsed TOML. `text` (the TOML source) lets errors give lines."""
+    error = _error_factory(source, text)
+    for key in data:
+        if key not in _TOP_LEVEL:
+            raise error(key, f"unknown section (allowed: {', '.join(_TOP_LEVEL)})")
+    model = ModelConfig(**_check_section("model", data.get("model", {}), error))
+    sampling = SamplingConfig(**_check_section("sampling", data.get("sampling", {}), error))
+    modes_table = data.get("modes", {})
+    if not isinstance(modes_table, Mapping):
+        raise error("modes", f"must be a table of [modes.<name>] tables, "
+                             f"got {type(modes_table).__name__}")
+    modes: tuple = ()
+    if modes_table:
+        modes = (registry or default_registry()).resolve(modes_table, error)
+    return Config(model=model, sampling=sampling, modes=modes, source=source)
+
+
+def parse_config(text: str, source: str | None = None,
+                 registry: PluginRegistry | None = None) -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source or '<config>'}: invalid TOML: {e}", source=source) from None
+    return config_from_dict(data, source=source, text=text, registry=registry)
+
+
+def load_config(path, registry: PluginRegistry | None = None) -> Config:
+    """Read and check a tinyloop.toml file."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}", source=path) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: config is not UTF-8 ({e.reason} at byte {e.start})",
+                          source=path) from None
+    return parse_config(text, source=path, registry=registry)

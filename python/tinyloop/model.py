@@ -1,0 +1,576 @@
+"""The Python API over libtinyloop: Model, Context, streams and results.
+
+Token arrays cross into C without copies (`ffi.from_buffer` on int32 numpy arrays) and
+results come back in numpy arrays that C writes into directly. cffi releases the GIL
+during every C call, so several threads make progress at once when each uses its own
+`Context`; the model-level calls share one internal context under a lock in C.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import _args, _native
+from .errors import TinyLoopError
+from .tokenizer import Tokenizer
+
+STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
+                5: "aborted", 6: "context_full"}
+
+# C's eos_token field: -1 = the model's EOS, -2 = never stop on EOS
+_EOS_MODEL = -1
+_EOS_NEVER = -2
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Dimensions and runtime facts of a loaded model (mirrors tl_model_info)."""
+
+    path: str
+    vocab_size: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    ffn_dim: int
+    n_pre: int
+    n_core: int
+    n_post: int
+    default_depth: int
+    max_depth: int
+    max_seq_len: int
+    bos_token: int
+    eos_token: int
+    n_threads: int
+    device_index: int
+    device_name: str
+    name: str
+    #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
+    metadata: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: list
+    text: str | None
+    stop_reason: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode steps per second. The first new token comes from the prompt's logits,
+        so n tokens take n-1 steps of the model on one token each."""
+        steps = len(self.tokens) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+def _result_from_c(c_result, tokens: list, text: str | None) -> GenerateResult:
+    return GenerateResult(tokens=tokens, text=text,
+                          stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
+                          prompt_tokens=int(c_result.n_prompt_tokens),
+                          prefill_seconds=float(c_result.prefill_seconds),
+                          decode_seconds=float(c_result.decode_seconds))
+
+
+class _GenerateOptions:
+    """A checked tl_generate_options plus the buffers its pointers refer to."""
+
+    _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
+               "repetition_penalty", "repetition_window", "seed", "eos", "stop")
+
+    def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
+                 top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
+                 eos=None, stop=None):
+        native = model._native
+        ffi = native.ffi
+        self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
+        opts = ffi.new("tl_generate_options *")
+        native.lib.tl_generate_options_default(opts)
+        opts.max_tokens = self.max_tokens
+        opts.depth = model._check_depth(depth)
+        opts.temperature = _args.real("temperature", temperature, minimum=0.0)
+        opts.top_k = _args.integer("top_k", top_k, minimum=0, maximum=2**31 - 1)
+        opts.top_p = _args.real("top_p", top_p, minimum=0.0, maximum=1.0, exclusive_minimum=True)
+        opts.min_p = _args.real("min_p", min_p, minimum=0.0, maximum=1.0)
+        opts.repetition_penalty = _args.real("repetition_penalty", repetition_penalty,
+                                             minimum=0.0, exclusive_minimum=True)
+        opts.repetition_window = _args.integer("repetition_window", repetition_window,
+                                               minimum=0, maximum=2**31 - 1)
+        opts.seed = _args.integer("seed", seed, minimum=0, maximum=2**64 - 1)
+        opts.eos_token = self._eos(model, eos)
+        self._keepalive = self._set_stop(model, opts, stop)
+        self.c = opts
+
+    @staticmethod
+    def _eos(model: "Model", eos) -> int:
+        if eos is None:
+            return _EOS_MODEL
+        if eos is False:
+            return _EOS_NEVER
+        return _args.integer("eos", eos, minimum=0, maximum=model.info.vocab_size - 1)
+
+    @staticmethod
+    def _set_stop(model: "Model", opts, stop) -> list:
+        if stop is None:
+            return []
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
+            raise TypeError("stop must be a list of strings or of token lists, "
+                            f"got {type(stop).__name__}")
+        sequences = []
+        for item in stop:
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError("stop strings must not be empty")
+                item = model.tokenizer.encode(item, add_bos=False)
+            sequences.append(_args.token_array(item, model.info.vocab_size, name="stop sequence"))
+        if not sequences:
+            return []
+        ffi = model._native.ffi
+        tokens = np.ascontiguousarray(np.concatenate(sequences), dtype=np.int32)
+        lengths = np.array([len(s) for s in sequences], dtype=np.uint32)
+        tokens_c = ffi.from_buffer("int32_t[]", tokens)
+        lengths_c = ffi.from_buffer("uint32_t[]", lengths)
+        opts.stop_tokens = tokens_c
+        opts.stop_lengths = lengths_c
+        opts.n_stop_sequences = len(sequences)
+        return [tokens, lengths, tokens_c, lengths_c]
+
+
+class TokenStream:
+    """Iterator over generated token ids (the C pull iterator, no callbacks).
+
+    After the last token, `.result` holds the GenerateResult. Breaking out early is
+    fine: close() (or garbage collection, or the with-statement) frees the stream."""
+
+    def __init__(self, model: "Model", context: "Context | None", prompt: np.ndarray,
+                 options: _GenerateOptions):
+        native = model._native
+        self._native = native
+        self._model = model
+        self._prompt = prompt          # C reads the prompt during the stream: keep it alive
+        self._options = options
+        self.tokens: list[int] = []
+        self.result: GenerateResult | None = None
+        out = native.ffi.new("tl_stream **")
+        ctx_handle = context._require_open() if context is not None else native.ffi.NULL
+        native.check(native.lib.tl_stream_start(
+            model._require_open(), ctx_handle, native.ffi.from_buffer("int32_t[]", prompt),
+            len(prompt), options.c, out))
+        self._handle = out[0]
+        self._token = native.ffi.new("int32_t *")
+        self._reason = native.ffi.new("tl_stop_reason *")
+        model._children.add(self)
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> int:
+        if self._handle is None:
+            raise StopIteration
+        self._model._require_open()
+        self._native.check(self._native.lib.tl_stream_next(self._handle, self._token,
+                                                           self._reason))
+        token = int(self._token[0])
+        if token < 0:
+            self._finish()
+            raise StopIteration
+        self.tokens.append(token)
+        return token
+
+    def _finish(self) -> None:
+        c_result = self._native.ffi.new("tl_generate_result *")
+        self._native.lib.tl_generate_result_default(c_result)
+        self._native.check(self._native.lib.tl_stream_result(self._handle, c_result))
+        self.result = _result_from_c(c_result, list(self.tokens), None)
+        self.close()
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._native.lib.tl_stream_free(handle)
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+
+def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
+    decoder = tokenizer.incremental_decoder()
+    with stream:
+        for token in stream:
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+
+class _Scoring:
+    """score / generate / stream shared by Model (internal context) and Context."""
+
+    _model: "Model"
+
+    def _ctx_handle(self):
+        return None
+
+    def score(self, tokens, depth: int = 0) -> np.ndarray:
+        """log p(tokens[i+1] | tokens[..i]) for every i, as float32 of length n-1."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
+        native, ffi = model._native, model._native.ffi
+        opts = model._score_options(depth)
+        out = np.empty(len(ids) - 1, dtype=np.float32)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts,
+                ffi.from_buffer("float[]", out, require_writable=True))
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_score(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_score(ctx, *args))
+        return out
+
+    def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
+        """Logits (float32, vocab) of the position after the last token."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size)
+        native, ffi = model._native, model._native.ffi
+        opts = model._score_options(depth)
+        out = np.empty(model.info.vocab_size, dtype=np.float32)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts,
+                ffi.from_buffer("float[]", out, require_writable=True))
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_score_last_token(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_score_last_token(ctx, *args))
+        return out
+
+    def generate(self, prompt, **options) -> GenerateResult:
+        """Generate up to max_tokens tokens after `prompt` (a str or token ids).
+
+        Options: max_tokens, depth, temperature (0 = greedy), top_k, top_p, min_p,
+        repetition_penalty, repetition_window, seed, eos (None: the model's, an id, or
+        False: never stop on EOS), stop (strings or token lists). `text` is set when
+        the prompt was a str."""
+        model = self._model
+        ids = model._prompt_ids(prompt)
+        opts = _GenerateOptions(model, **options)
+        native, ffi = model._native, model._native.ffi
+        out = np.empty(opts.max_tokens, dtype=np.int32)
+        c_result = ffi.new("tl_generate_result *")
+        native.lib.tl_generate_result_default(c_result)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts.c,
+                ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), c_result)
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_generate(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_generate(ctx, *args))
+        tokens = out[:int(c_result.n_tokens)].tolist()
+        text = model.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+        return _result_from_c(c_result, tokens, text)
+
+    def stream(self, prompt, **options) -> TokenStream:
+        """Like generate(), yielding token ids as they are produced."""
+        model = self._model
+        ids = model._prompt_ids(prompt)
+        opts = _GenerateOptions(model, **options)
+        return TokenStream(model, self if isinstance(self, Context) else None, ids, opts)
+
+    def stream_text(self, prompt, **options) -> Iterator[str]:
+        """Like stream(), yielding decoded text pieces (whole UTF-8 characters only)."""
+        return _text_stream(self.stream(prompt, **options), self._model.tokenizer)
+
+
+class Model(_Scoring):
+    """A loaded .tinyloop model. Weights are mmapped and shared by all contexts."""
+
+    def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
+                 default_depth: int = 0, verify_checksums: bool = False,
+                 prefill_chunk: int = 0):
+        self._handle = None
+        self._native = _native.get()
+        native, ffi = self._native, self._native.ffi
+        self.path = os.fspath(path)
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a str, got {type(device).__name__}")
+        opts = ffi.new("tl_load_options *")
+        native.lib.tl_load_options_default(opts)
+        device_c = ffi.new("char[]", device.encode())
+        opts.device = device_c
+        opts.n_threads = _args.max_int32("threads", threads)
+        opts.max_seq_len = _args.max_int32("max_seq_len", max_seq_len)
+        opts.default_depth = _args.max_int32("default_depth", default_depth)
+        opts.prefill_chunk = _args.max_int32("prefill_chunk", prefill_chunk)
+        opts.verify_checksums = 1 if verify_checksums else 0
+        out = ffi.new("tl_model **")
+        native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
+        self._handle = out[0]
+        self._lock = threading.Lock()
+        self._children: weakref.WeakSet = weakref.WeakSet()
+        self._tokenizer: Tokenizer | None = None
+        self.info = self._read_info()
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> "Model":
+        """Load the model a tinyloop.toml (path or tinyloop.config.Config) describes.
+
+        Active modes adjust the load options; keyword overrides win over both."""
+        from .config import Config, load_config
+        if not isinstance(config, Config):
+            config = load_config(config)
+        if config.model.path is None:
+            raise TinyLoopError(f"{config.source}: [model] path is not set")
+        kwargs = config.load_options()
+        kwargs.update(overrides)
+        path = kwargs.pop("path")
+        return cls(path, **kwargs)
+
+    # -- lifetime ---------------------------------------------------------------
+    @property
+    def _model(self) -> "Model":
+        return self
+
+    def _require_open(self):
+        handle = self._handle
+        if handle is None:
+            raise TinyLoopError(f"model {self.path} is closed")
+        return handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Free the model, and first every context and stream still open on it.
+
+        Idempotent. Other threads must be done with the model before it is closed."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            if handle is None:
+                return
+            for child in list(self._children):
+                child.close()
+            self._native.lib.tl_free_model(handle)
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.info.device_name
+        return f"<tinyloop.Model {self.path!r} ({state})>"
+
+    # -- facts ------------------------------------------------------------------
+    def _read_info(self) -> ModelInfo:
+        ffi = self._native.ffi
+        c_info = ffi.new("tl_model_info *")
+        self._native.lib.tl_model_info_default(c_info)
+        self._native.check(self._native.lib.tl_model_get_info(self._handle, c_info))
+        values = {}
+        for f in fields(ModelInfo):
+            if f.name in ("path", "metadata"):
+                continue
+            value = getattr(c_info, f.name)
+            if f.name in ("device_name", "name"):
+                value = ffi.string(value).decode("utf-8", "replace")
+            values[f.name] = value if isinstance(value, str) else int(value)
+        return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
+
+    def _file_metadata(self) -> dict:
+        # the ABI reads string metadata by key only, so the full (typed) table comes
+        # from the Python reader of the same file
+        from .format import read_file
+        with read_file(self.path) as f:
+            return {k: v for k, v in f.metadata.items() if k != "tokenizer.json"}
+
+    def metadata_string(self, key: str) -> str | None:
+        """A string metadata value of the file, or None when the key is absent."""
+        native, ffi = self._native, self._native.ffi
+        value = ffi.new("const char **")
+        length = ffi.new("size_t *")
+        status = native.lib.tl_model_get_metadata_string(self._require_open(), key.encode(),
+                                                         value, length)
+        if status != 0:
+            return None
+        return bytes(ffi.buffer(value[0], length[0])).decode("utf-8", "replace")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer stored in the file (built on first use)."""
+        if self._tokenizer is None:
+            tokenizer_json = self.metadata_string("tokenizer.json")
+            if tokenizer_json is None:
+                raise TinyLoopError(f"{self.path} has no tokenizer (tokenizer.json metadata); "
+                                    "pass token ids instead of text")
+            self._tokenizer = Tokenizer(tokenizer_json, bos_id=self.info.bos_token,
+                                        eos_id=self.info.eos_token,
+                                        add_bos=bool(self.info.metadata.get("tokenizer.add_bos", 0)))
+        return self._tokenizer
+
+    def memory_report(self) -> dict:
+        """Bytes used: weights, repacked weights, buffers, KV caches, total, device."""
+        c_report = self._native.ffi.new("tl_memory_report *")
+        self._native.lib.tl_memory_report_default(c_report)
+        self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
+        return {name: int(getattr(c_report, name)) for name in (
+            "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
+            "total_bytes", "device_bytes")}
+
+    def vram_usage_bytes(self) -> int:
+        out = self._native.ffi.new("uint64_t *")
+        self._native.check(self._native.lib.tl_vram_usage_bytes(self._require_open(), out))
+        return int(out[0])
+
+    # -- calls --------------------------------------------------------------------
+    def _check_depth(self, depth) -> int:
+        depth = _args.integer("depth", depth, minimum=0)
+        if self.info.max_depth > 0 and depth > self.info.max_depth:
+            raise ValueError(f"depth {depth} exceeds the model's max_depth {self.info.max_depth}")
+        return depth
+
+    def _score_options(self, depth):
+        opts = self._native.ffi.new("tl_score_options *")
+        self._native.lib.tl_score_options_default(opts)
+        opts.depth = self._check_depth(depth)
+        return opts
+
+    def _prompt_ids(self, prompt) -> np.ndarray:
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        return _args.token_array(prompt, self.info.vocab_size, name="prompt")
+
+    def score_windows(self, tokens, depth: int = 0, ctx: int = 0, progress=None) -> np.ndarray:
+        """Log-probs of tokens[1:], scoring windows of at most `ctx` tokens.
+
+        Window k covers tokens [k*(ctx-1), k*(ctx-1)+ctx): consecutive windows share one
+        token, so every token after the first is predicted exactly once, each window
+        from a fresh context. ctx=0 scores the whole sequence at once. `progress`, when
+        given, is called as progress(done_windows, total_windows)."""
+        ids = _args.token_array(tokens, self.info.vocab_size, min_length=2)
+        ctx = _args.integer("ctx", ctx, minimum=0)
+        if ctx == 1:
+            raise ValueError("ctx must be 0 (whole sequence) or at least 2")
+        if ctx == 0 or ctx >= len(ids):
+            out = self.score(ids, depth)
+            if progress:
+                progress(1, 1)
+            return out
+        stride = ctx - 1
+        starts = range(0, len(ids) - 1, stride)
+        pieces = []
+        for done, start in enumerate(starts, 1):
+            pieces.append(self.score(ids[start:start + ctx], depth))
+            if progress:
+                progress(done, len(starts))
+        return np.concatenate(pieces)
+
+    def perplexity(self, tokens, depth: int = 0, ctx: int = 0) -> float:
+        """exp(-mean log p) over tokens[1:], windowed as in score_windows()."""
+        logprobs = self.score_windows(tokens, depth, ctx)
+        return float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+
+    def context(self, max_seq_len: int = 0, max_depth: int = 0) -> "Context":
+        """A new sequence state (KV cache + buffers): one per thread for parallel use."""
+        return Context(self, max_seq_len=max_seq_len, max_depth=max_depth)
+
+
+class Context(_Scoring):
+    """Mutable state of one sequence on a model: its KV cache and buffers.
+
+    Not safe to share between threads; give each thread its own."""
+
+    def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0):
+        self._handle = None
+        self._model = model
+        native, ffi = model._native, model._native.ffi
+        opts = ffi.new("tl_context_options *")
+        native.lib.tl_context_options_default(opts)
+        opts.max_seq_len = _args.max_int32("max_seq_len", max_seq_len)
+        opts.max_depth = _args.max_int32("max_depth", max_depth)
+        out = ffi.new("tl_context **")
+        native.check(native.lib.tl_context_create(model._require_open(), opts, out))
+        self._handle = out[0]
+        model._children.add(self)
+
+    def _ctx_handle(self):
+        return self._require_open()
+
+    def _require_open(self):
+        self._model._require_open()
+        if self._handle is None:
+            raise TinyLoopError("context is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._model._native.lib.tl_context_free(handle)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None and not self._model.closed:
+            self.close()
+
+    def __len__(self) -> int:
+        out = self._model._native.ffi.new("size_t *")
+        self._model._native.check(self._model._native.lib.tl_context_length(
+            self._require_open(), out))
+        return int(out[0])
+
+    def append(self, tokens, depth: int = 0) -> np.ndarray:
+        """Run `tokens` through the model after the sequence so far; return the logits
+        (float32, vocab) of the position after the last one."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size)
+        native, ffi = model._native, model._native.ffi
+        logits = np.empty(model.info.vocab_size, dtype=np.float32)
+        native.check(native.lib.tl_context_append(
+            self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids),
+            model._check_depth(depth), ffi.from_buffer("float[]", logits, require_writable=True)))
+        return logits
+
+    def truncate(self, n_keep: int) -> None:
+        n_keep = _args.integer("n_keep", n_keep, minimum=0)
+        self._model._native.check(self._model._native.lib.tl_context_truncate(
+            self._require_open(), n_keep))
+
+    def reset(self) -> None:
+        self._model._native.check(self._model._native.lib.tl_context_reset(self._require_open()))

@@ -1,0 +1,296 @@
+"""The registry of runtime modes (plugins).
+
+A plugin is a `Plugin` value: a name, a typed option schema, the modes it conflicts
+with or requires, and two optional hooks: `configure_load` adjusts the keyword
+arguments `Model` is loaded with, `strategy` replaces the default generation loop.
+Modes are switched on in tinyloop.toml (`[modes.<name>]`, its keys are the plugin's
+options). Built-in plugins come from the `tinyloop_plugins` package; third parties
+register through the `tinyloop.plugins` entry-point group. The contract is described
+in docs/plugins.md.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import threading
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+from .errors import ConfigError, PluginError
+
+ENTRY_POINT_GROUP = "tinyloop.plugins"
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_TYPES = (bool, int, float, str)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: default of an Option that the user must set
+REQUIRED: Any = _Required()
+
+#: the factory of located config errors: (dotted key, problem) -> ConfigError
+ErrorFactory = Callable[[str, str], ConfigError]
+
+
+def plain_error(key: str, problem: str) -> ConfigError:
+    return ConfigError(f"{key}: {problem}", key=key)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One typed key of a configuration table."""
+
+    name: str
+    type: type
+    default: Any = REQUIRED
+    help: str = ""
+    choices: tuple | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+
+    def check(self, value: Any, key: str, error: ErrorFactory = plain_error) -> Any:
+        """The value converted to the option's type, or a ConfigError naming `key`."""
+        value = self._typed(value, key, error)
+        if self.choices is not None and value not in self.choices:
+            raise error(key, f"must be one of {', '.join(map(repr, self.choices))}, "
+                             f"got {value!r}")
+        if self.minimum is not None:
+            if self.exclusive_minimum and value <= self.minimum:
+                raise error(key, f"must be > {self.minimum}, got {value!r}")
+            if value < self.minimum:
+                raise error(key, f"must be >= {self.minimum}, got {value!r}")
+        if self.maximum is not None and value > self.maximum:
+            raise error(key, f"must be <= {self.maximum}, got {value!r}")
+        return value
+
+    def _typed(self, value: Any, key: str, error: ErrorFactory) -> Any:
+        wanted = self.type
+        if wanted is bool:
+            ok = isinstance(value, bool)
+        elif isinstance(value, bool):    # bool is an int subclass, but never a number here
+            ok = False
+        elif wanted is float:            # TOML ints are fine where floats are expected
+            ok = isinstance(value, (int, float))
+        else:
+            ok = isinstance(value, wanted)
+        if not ok:
+            raise error(key, f"expected {wanted.__name__}, got {type(value).__name__} {value!r}")
+        return float(value) if wanted is float else value
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """A runtime mode.
+
+    configure_load(mode_config, load_options): edit `load_options` (the keyword
+        arguments of tinyloop.Model: device, threads, max_seq_len, default_depth,
+        prefill_chunk, ...) in place.
+    strategy(model, prompt_ids, generate_options, mode_config): produce the generated
+        token ids (an iterable, consumed lazily so that streaming works) instead of the
+        library's default loop. At most one active mode may have a strategy.
+    """
+
+    name: str
+    description: str = ""
+    options: tuple[Option, ...] = ()
+    conflicts: frozenset = frozenset()
+    requires: frozenset = frozenset()
+    configure_load: Callable[[Mapping, dict], None] | None = None
+    strategy: Callable[[Any, Any, dict, Mapping], Iterable[int]] | None = None
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.options if o.name == name), None)
+
+
+@dataclass(frozen=True)
+class ActiveMode:
+    """A plugin switched on, with its checked configuration (defaults filled in)."""
+
+    plugin: Plugin
+    config: Mapping = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def name(self) -> str:
+        return self.plugin.name
+
+
+def validate_plugin(plugin: Any, origin: str) -> Plugin:
+    """Check the shape of a plugin object before it enters a registry."""
+    if not isinstance(plugin, Plugin):
+        raise PluginError(f"{origin}: expected a tinyloop.plugins.Plugin, "
+                          f"got {type(plugin).__name__}")
+    if not isinstance(plugin.name, str) or not _NAME.match(plugin.name):
+        raise PluginError(f"{origin}: plugin name {plugin.name!r} must match {_NAME.pattern}")
+    seen = set()
+    for opt in plugin.options:
+        if not isinstance(opt, Option):
+            raise PluginError(f"{origin}: plugin {plugin.name!r}: options must be Option values")
+        if opt.type not in _TYPES:
+            raise PluginError(f"{origin}: plugin {plugin.name!r}: option {opt.name!r} has type "
+                              f"{opt.type!r}; allowed: bool, int, float, str")
+        if opt.name in seen:
+            raise PluginError(f"{origin}: plugin {plugin.name!r}: option {opt.name!r} twice")
+        seen.add(opt.name)
+        if opt.default is not REQUIRED:
+            opt.check(opt.default, f"{plugin.name}.{opt.name} (default)",
+                      lambda key, problem: PluginError(f"{origin}: {key}: {problem}"))
+    for relation in ("conflicts", "requires"):
+        names = getattr(plugin, relation)
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise PluginError(f"{origin}: plugin {plugin.name!r}: {relation} must be a set "
+                              "of mode names")
+        if plugin.name in names:
+            raise PluginError(f"{origin}: plugin {plugin.name!r} lists itself in {relation}")
+    for hook in ("configure_load", "strategy"):
+        value = getattr(plugin, hook)
+        if value is not None and not callable(value):
+            raise PluginError(f"{origin}: plugin {plugin.name!r}: {hook} must be callable")
+    return plugin
+
+
+class PluginRegistry:
+    def __init__(self):
+        self._plugins: dict[str, Plugin] = {}
+        self._origins: dict[str, str] = {}
+
+    def register(self, plugin: Plugin, origin: str = "code") -> None:
+        validate_plugin(plugin, origin)
+        if plugin.name in self._plugins:
+            raise PluginError(f"plugin {plugin.name!r} is registered twice: by "
+                              f"{self._origins[plugin.name]} and by {origin}")
+        self._plugins[plugin.name] = plugin
+        self._origins[plugin.name] = origin
+
+    def get(self, name: str) -> Plugin:
+        return self._plugins[name]
+
+    def origin(self, name: str) -> str:
+        return self._origins[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._plugins)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._plugins
+
+    def __len__(self) -> int:
+        return len(self._plugins)
+
+    def load_builtins(self) -> None:
+        """Register the plugins shipped in the `tinyloop_plugins` package."""
+        try:
+            import tinyloop_plugins
+        except ImportError as e:
+            raise PluginError(f"the built-in plugin package tinyloop_plugins is missing ({e}); "
+                              "reinstall tinyloop") from None
+        for plugin in tinyloop_plugins.builtin_plugins():
+            self.register(plugin, origin="built-in package tinyloop_plugins")
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+        """Register third-party plugins: each entry point names a Plugin, or a callable
+        returning one, and its name must be the plugin's name."""
+        for ep in importlib.metadata.entry_points(group=group):
+            dist = getattr(ep, "dist", None)
+            origin = (f"entry point {ep.name!r} ({ep.value})"
+                      + (f" of distribution {dist.name!r}" if dist is not None else ""))
+            try:
+                obj = ep.load()
+                plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
+            except Exception as e:
+                raise PluginError(f"{origin} failed to load: {type(e).__name__}: {e}") from e
+            validate_plugin(plugin, origin)
+            if plugin.name != ep.name:
+                raise PluginError(f"{origin} provides plugin {plugin.name!r}; the entry point "
+                                  "must carry the plugin's name")
+            self.register(plugin, origin)
+
+    def resolve(self, modes: Mapping[str, Any],
+                error: ErrorFactory = plain_error) -> tuple[ActiveMode, ...]:
+        """Check the `modes` table of a config (mode name -> option table) and return
+        the active modes in a stable order. Errors name the offending key."""
+        active = []
+        for name, table in modes.items():
+            key = f"modes.{name}"
+            if name not in self._plugins:
+                known = ", ".join(self.names()) or "none installed"
+                raise error(key, f"unknown mode {name!r} (available modes: {known})")
+            if not isinstance(table, Mapping):
+                raise error(key, f"must be a table, got {type(table).__name__}")
+            active.append(ActiveMode(self._plugins[name],
+                                     self._check_options(self._plugins[name], table, key, error)))
+        self._check_relations(active, error)
+        return tuple(sorted(active, key=lambda m: m.name))
+
+    @staticmethod
+    def _check_options(plugin: Plugin, table: Mapping, key: str,
+                       error: ErrorFactory) -> Mapping:
+        config = {}
+        for opt_name, value in table.items():
+            opt = plugin.option(opt_name)
+            if opt is None:
+                allowed = ", ".join(o.name for o in plugin.options) or "none"
+                raise error(f"{key}.{opt_name}",
+                            f"unknown option of mode {plugin.name!r} (allowed: {allowed})")
+            config[opt_name] = opt.check(value, f"{key}.{opt_name}", error)
+        for opt in plugin.options:
+            if opt.name not in config:
+                if opt.default is REQUIRED:
+                    raise error(f"{key}.{opt.name}", f"required by mode {plugin.name!r}")
+                config[opt.name] = opt.default
+        return MappingProxyType(config)
+
+    def _check_relations(self, active: list[ActiveMode], error: ErrorFactory) -> None:
+        names = {m.name for m in active}
+        for mode in active:
+            for other in sorted(mode.plugin.requires - names):
+                hint = "" if other in self._plugins else " (not installed)"
+                raise error(f"modes.{mode.name}",
+                            f"mode {mode.name!r} requires mode {other!r}{hint}; add [modes.{other}]")
+        for mode in active:
+            for other in sorted(names - {mode.name}):
+                if other in mode.plugin.conflicts or mode.name in self._plugins[other].conflicts:
+                    first, second = sorted((mode.name, other))
+                    raise error(f"modes.{second}",
+                                f"mode {second!r} conflicts with mode {first!r}; "
+                                "enable only one of them")
+        with_strategy = sorted(m.name for m in active if m.plugin.strategy is not None)
+        if len(with_strategy) > 1:
+            raise error(f"modes.{with_strategy[1]}",
+                        "modes " + " and ".join(repr(n) for n in with_strategy) +
+                        " each replace the generation strategy; enable only one of them")
+
+
+def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
+    """Let every active mode adjust the Model keyword arguments; returns them."""
+    for mode in modes:
+        if mode.plugin.configure_load is not None:
+            mode.plugin.configure_load(mode.config, load_options)
+    return load_options
+
+
+def strategy_mode(modes: Iterable[ActiveMode]) -> ActiveMode | None:
+    """The one active mode that replaces the generation loop, if any."""
+    return next((m for m in modes if m.plugin.strategy is not None), None)
+
+
+_default: PluginRegistry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> PluginRegistry:
+    """The process-wide registry: built-ins plus installed entry points (loaded once)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            registry = PluginRegistry()
+            registry.load_builtins()
+            registry.load_entry_points()
+            _default = registry
+        return _default

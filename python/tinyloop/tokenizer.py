@@ -1,0 +1,99 @@
+"""Text <-> token ids through the Hugging Face tokenizer stored in a model file.
+
+BOS handling follows the file's `tokenizer.add_bos` / `tokenizer.bos_id` metadata, not
+the tokenizer.json post-processor, so a prompt gets exactly one BOS whatever the
+tokenizer's own template says.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .errors import TinyLoopError
+
+# decode() yields this when the ids so far end inside a multi-byte UTF-8 character
+_INCOMPLETE = "\ufffd"
+# a character spans at most 4 byte tokens, so at most 3 trailing tokens can still be
+# completed by the next one; anything older that decodes to U+FFFD is invalid for good
+_MAX_PENDING = 3
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str, *, bos_id: int = -1, eos_id: int = -1,
+                 add_bos: bool = False):
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:  # pragma: no cover - a declared dependency
+            raise TinyLoopError("the 'tokenizers' package is needed for text in/out") from None
+        try:
+            self._tok = HFTokenizer.from_str(tokenizer_json)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise TinyLoopError(f"the model's tokenizer.json cannot be loaded: {e}") from None
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = bool(add_bos) and bos_id >= 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; BOS is prepended when `add_bos` (default: the model's
+        tokenizer.add_bos) is true and the model has a BOS token."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id >= 0:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token: int) -> str | None:
+        return self._tok.id_to_token(int(token))
+
+    def incremental_decoder(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces as soon as they are printable.
+
+    Decoding token by token breaks byte-fallback tokens (a character split over
+    several tokens) and the leading-space rules of SentencePiece-style decoders, so
+    each step decodes a short window of recent tokens and emits what was added,
+    holding back text that still ends in an incomplete character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0   # start of the window that gives decode its context
+        self._read_offset = 0     # tokens up to here have been emitted as text
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self._ids.append(int(token))
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if not full.endswith(_INCOMPLETE):
+            return self._emit_until(len(self._ids), full)
+        if len(self._ids) - self._read_offset > _MAX_PENDING:
+            return self._emit_until(len(self._ids) - _MAX_PENDING)
+        return ""
+
+    def _emit_until(self, end: int, text: str | None = None) -> str:
+        """Emit the text of the tokens before `end` not emitted yet."""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        if text is None:
+            text = self._tokenizer.decode(self._ids[self._prefix_offset:end])
+        if len(text) <= len(prefix):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        return text[len(prefix):]
+
+    def push_all(self, tokens: Sequence[int]) -> str:
+        return "".join(self.push(t) for t in tokens)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the end of the stream)."""
+        return self._emit_until(len(self._ids))

@@ -1,0 +1,150 @@
+"""`python -m tinyloop ...` end to end on a tiny random model with a tokenizer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import textmodel
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "text.tinyloop"
+    textmodel.make_text_model(path)
+    return path
+
+
+def run(*args, check=True, cwd=None):
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def last_json(proc) -> dict:
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr
+    return json.loads(lines[-1])
+
+
+def test_generate_streams_text_and_reports(model_path):
+    proc = run("generate", model_path, "Hello", "--max-tokens", 8, "--temperature", 0,
+               "--threads", 1, "--json")
+    report = last_json(proc)
+    assert report["n_tokens"] == len(report["tokens"]) <= 8
+    assert report["prompt_tokens"] == 6
+    assert report["stop_reason"] in ("max_tokens", "eos")
+    assert report["decode_tokens_per_s"] >= 0
+    # the streamed text precedes the JSON line
+    assert proc.stdout.startswith(report["text"])
+    plain = run("generate", model_path, "Hello", "--max-tokens", 8, "--temperature", 0,
+                "--threads", 1)
+    assert plain.stdout.rstrip("\n") == report["text"]
+    assert "tok/s" in plain.stderr
+
+
+def test_generate_is_seeded(model_path):
+    args = ("generate", model_path, "Once", "--max-tokens", 10, "--temperature", 1.0,
+            "--top-k", 0, "--top-p", 1.0, "--min-p", 0, "--seed", 5, "--depth", 3,
+            "--repetition-penalty", 1.1, "--threads", 1, "--json")
+    first, second = last_json(run(*args)), last_json(run(*args))
+    assert first["tokens"] == second["tokens"] and first["depth"] == 3
+
+
+def test_generate_uses_config(tmp_path, model_path):
+    config = tmp_path / "tinyloop.toml"
+    config.write_text(f'[model]\npath = "{model_path}"\nthreads = 1\n'
+                      "[sampling]\ntemperature = 0\nmax_tokens = 4\n")
+    report = last_json(run("generate", "--config", config, "Hi", "--json"))
+    assert report["n_tokens"] <= 4
+    overridden = last_json(run("generate", "--config", config, "Hi", "--max-tokens", 6,
+                               "--json"))
+    assert overridden["n_tokens"] <= 6 and overridden["tokens"][:4] == report["tokens"]
+
+
+def test_bad_config_is_a_clear_error(tmp_path, model_path):
+    config = tmp_path / "tinyloop.toml"
+    config.write_text("[sampling]\ntop_q = 0.5\n")
+    proc = run("generate", model_path, "Hi", "--config", config, "--json", check=False)
+    assert proc.returncode == 1
+    assert "sampling.top_q" in proc.stderr and f"{config}:2" in proc.stderr
+    assert last_json(proc)["error_type"] == "ConfigError"
+
+
+def test_score(tmp_path, model_path):
+    text = tmp_path / "text.txt"
+    text.write_text("A short public-domain text, scored in windows. " * 6, encoding="utf-8")
+    report = last_json(run("score", model_path, text, "--ctx", 32, "--threads", 1, "--json"))
+    assert report["tokens"] == 1 + len(text.read_bytes())  # BOS + one token per byte
+    assert report["scored_tokens"] == report["tokens"] - 1
+    import tinyloop
+    with tinyloop.Model(model_path, threads=1) as model:
+        ids = model.tokenizer.encode(text.read_text(encoding="utf-8"))
+        assert report["perplexity"] == pytest.approx(model.perplexity(ids, ctx=32), rel=1e-6)
+    assert report["tokens_per_s"] > 0
+    plain = run("score", model_path, text, "--ctx", 32, "--threads", 1)
+    assert "perplexity:" in plain.stdout and "tokens_per_s:" in plain.stdout
+
+
+def test_score_window_longer_than_model_fails_cleanly(tmp_path, model_path):
+    text = tmp_path / "long.txt"
+    text.write_text("x" * 200)
+    proc = run("score", model_path, text, "--ctx", 500, "--threads", 1, "--json", check=False)
+    assert proc.returncode == 1
+    assert last_json(proc)["error_type"] == "ContextFullError"
+
+
+def test_bench(model_path):
+    report = last_json(run("bench", model_path, "--prompt-tokens", 16, "--new-tokens", 8,
+                           "--repeat", 2, "--threads", 1, "--json"))
+    assert report["prefill_tokens_per_s"] > 0 and report["decode_tokens_per_s"] > 0
+    assert report["peak_rss_mb"] > 1
+    assert len(report["runs"]["decode_tokens_per_s"]) == 2
+    proc = run("bench", model_path, "--prompt-tokens", 90, "--new-tokens", 90, "--json",
+               check=False)
+    assert proc.returncode == 1 and "max_seq_len" in last_json(proc)["error"]
+
+
+def test_info(model_path):
+    report = last_json(run("info", model_path, "--threads", 1, "--json"))
+    assert report["dims"]["vocab_size"] == textmodel.VOCAB
+    assert report["dims"]["max_depth"] == textmodel.MAX_DEPTH
+    assert report["dtypes"]["f32"]["tensors"] > 0
+    assert report["tokenizer"] is True and report["bos_token"] == textmodel.BOS
+    assert report["memory"]["weights_bytes"] > 0
+    plain = run("info", model_path, "--threads", 1)
+    assert "dtype f32" in plain.stdout and "memory:" in plain.stdout
+
+
+def test_missing_model_names_the_pull_command(tmp_path):
+    env = dict(os.environ, TINYLOOP_CACHE=str(tmp_path))
+    for name, words in (("smollm2-135m", "tinyloop pull smollm2-135m"),
+                        ("no-such-model", "no-such-model")):
+        proc = subprocess.run([sys.executable, "-m", "tinyloop", "info", name, "--json"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 1
+        assert words in last_json(proc)["error"]
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_not_yet_available_commands(command, model_path):
+    proc = run(command, model_path, "--json", check=False)
+    assert proc.returncode == 1
+    assert "not available yet" in last_json(proc)["error"]
+
+
+def test_usage_errors_exit_2(model_path):
+    assert run("generate", model_path, "x", "--max-tokens", 0, check=False).returncode == 2
+    assert run("frobnicate", check=False).returncode == 2
+
+
+def test_tool_commands_are_delegated():
+    proc = run("convert", "--help")
+    assert "--output" in proc.stdout
+    proc = run("pull", "--help")
+    assert "smollm2-135m" in proc.stdout
