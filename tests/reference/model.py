@@ -1,0 +1,198 @@
+"""The model family of docs/model.md as a plain float64 numpy program.
+
+This is the oracle the backends are checked against: it reads a `.tinyloop` file with the
+Python reader, dequantizes every weight to float64 and evaluates the forward pass formula
+by formula. It never calls libtinyloop.
+"""
+
+import numpy as np
+
+from tinyloop.format import read_file
+
+from . import ops
+from .config import ModelConfig
+from .noise import seeded_normal
+
+
+class _KeyValueStore:
+    """Keys (after RoPE) and values of the positions seen so far, per virtual layer.
+
+    A whole-sequence pass fills each layer in one go; the `warm` state init, whose loop
+    input depends on the previous position's loop output, runs positions one at a time
+    and reads earlier positions from here."""
+
+    def __init__(self):
+        self._layers = {}
+
+    def extend(self, layer, k, v):
+        if layer in self._layers:
+            old_k, old_v = self._layers[layer]
+            k, v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
+        self._layers[layer] = (k, v)
+        return k, v
+
+
+class ReferenceModel:
+    """`int8_activations=True` also models the one approximation docs/model.md allows the
+    CPU backend: activations multiplied by a quantized matrix are first rounded to int8
+    per block of 32. Off (the default), the forward pass is exact."""
+
+    def __init__(self, config: ModelConfig, weights: dict, quantized=frozenset(),
+                 int8_activations: bool = False):
+        self.config = config
+        self.weights = weights
+        self.quantized = frozenset(quantized)     # names of q8/q4/q2 tensors
+        self.int8_activations = int8_activations
+
+    @classmethod
+    def from_file(cls, path, int8_activations: bool = False) -> "ReferenceModel":
+        with read_file(path) as f:
+            config = ModelConfig.from_header(f.dims, f.metadata)
+            weights = {name: np.array(f.tensor(name), dtype=np.float64) for name in f.tensors}
+            quantized = {name for name, entry in f.tensors.items() if entry.dtype in ("q8", "q4", "q2")}
+        return cls(config, weights, quantized, int8_activations)
+
+    # ------------------------------------------------------------------ public API
+
+    def logits(self, tokens, depth: int = 0) -> np.ndarray:
+        """Logits [n, V] of every position of `tokens` at loop depth `depth` (0 = default)."""
+        return self._forward(tokens, depth)[0]
+
+    def final_states(self, tokens, depth: int = 0) -> np.ndarray:
+        """Loop states s [n, d] after the last iteration (before the coda)."""
+        return self._forward(tokens, depth)[1]
+
+    def logprobs(self, tokens, depth: int = 0) -> np.ndarray:
+        """log p(tokens[i+1] | tokens[:i+1]) for i = 0..n-2, as the C `tl_score` defines it."""
+        return ops.next_token_logprobs(self.logits(tokens, depth), tokens)
+
+    # ------------------------------------------------------------------ forward pass
+
+    def _forward(self, tokens, depth):
+        cfg = self.config
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0 or tokens.size > cfg.max_seq_len:
+            raise ValueError(f"need 1..{cfg.max_seq_len} tokens, got {tokens.size}")
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
+        depth = cfg.resolve_depth(depth)
+        kv = _KeyValueStore()
+        positions = np.arange(tokens.size)
+        if cfg.state_init != "warm":
+            return self._forward_span(tokens, positions, depth, kv, previous_state=None)
+        # warm: position p starts its loop from position p-1's final state, so one at a time
+        logits, states, previous = [], [], None
+        for p in positions:
+            lg, s = self._forward_span(tokens[p:p + 1], positions[p:p + 1], depth, kv, previous)
+            logits.append(lg)
+            states.append(s)
+            previous = s[0]
+        return np.concatenate(logits), np.concatenate(states)
+
+    def _forward_span(self, tokens, positions, depth, kv, previous_state):
+        """Positions `positions` (contiguous, after those already in `kv`) through the model."""
+        cfg, w = self.config, self.weights
+        h = w["embed.weight"][tokens] * cfg.embed_scale
+        for b in range(cfg.n_pre):
+            h = self._block(f"pre.{b}.", h, positions, kv, layer=("pre", b))
+        e = h
+        s = self._initial_state(e, positions, previous_state)
+        if cfg.n_core:
+            for i in range(1, depth + 1):
+                u = self._inject(s, e)
+                for c in range(cfg.n_core):
+                    u = self._block(f"core.{c}.", u, positions, kv, layer=("core", i, c))
+                s = self._norm("loop_norm", u) if cfg.loop_norm else u
+        final_state = s
+        for b in range(cfg.n_post):
+            s = self._block(f"post.{b}.", s, positions, kv, layer=("post", b))
+        head = "embed.weight" if cfg.tied_embeddings else "output.weight"
+        return self._linear(head, self._norm("final_norm", s)), final_state
+
+    # ------------------------------------------------------------------ loop pieces
+
+    def _initial_state(self, e, positions, previous_state):
+        cfg = self.config
+        kind = cfg.state_init
+        if kind == "prelude":
+            return e
+        if kind == "zeros":
+            return np.zeros_like(e)
+        if kind == "noise":
+            return cfg.noise_sigma * np.stack(
+                [seeded_normal(cfg.noise_seed, int(p), cfg.d_model) for p in positions])
+        if kind == "warm":
+            # position 0 has no previous state and starts like `prelude`
+            return e if previous_state is None else previous_state[None, :].copy()
+        raise ValueError(f"unknown state init {kind!r}")
+
+    def _inject(self, s, e):
+        cfg, w = self.config, self.weights
+        if cfg.injection == "none":
+            return s
+        if cfg.injection == "add":
+            return s + e
+        if cfg.injection == "concat":
+            u = self._linear("inject.weight", np.concatenate([s, e], axis=-1))
+            return u + w["inject.bias"] if cfg.injection_bias else u
+        raise ValueError(f"unknown injection {cfg.injection!r}")
+
+    # ------------------------------------------------------------------ block pieces
+
+    def _norm(self, name, x):
+        cfg, w = self.config, self.weights
+        if cfg.norm_type == "rmsnorm":
+            return ops.rmsnorm(x, w[f"{name}.weight"], cfg.norm_eps, bool(cfg.norm_unit_offset))
+        if cfg.norm_type == "layernorm":
+            return ops.layernorm(x, w[f"{name}.weight"], w[f"{name}.bias"], cfg.norm_eps)
+        raise ValueError(f"unknown norm type {cfg.norm_type!r}")
+
+    def _block(self, prefix, x, positions, kv, layer):
+        placement = self.config.norm_placement
+
+        def attn(n):
+            return self._attention(prefix, n, positions, kv, layer)
+
+        def norm(name, v):
+            return self._norm(prefix + name, v)
+
+        if placement == "pre":
+            x = x + attn(norm("attn_norm", x))
+            return x + self._mlp(prefix, norm("mlp_norm", x))
+        if placement == "sandwich_outer":
+            x = norm("attn_post_norm", x + attn(norm("attn_norm", x)))
+            return norm("mlp_post_norm", x + self._mlp(prefix, norm("mlp_norm", x)))
+        if placement == "sandwich_branch":
+            x = x + norm("attn_post_norm", attn(norm("attn_norm", x)))
+            return x + norm("mlp_post_norm", self._mlp(prefix, norm("mlp_norm", x)))
+        raise ValueError(f"unknown norm placement {placement!r}")
+
+    def _linear(self, weight_name, x):
+        """y = W x for each row of x."""
+        if self.int8_activations and weight_name in self.quantized:
+            x = ops.int8_blocks(x)
+        return x @ self.weights[weight_name].T
+
+    def _projection(self, name, n):
+        y = self._linear(f"{name}.weight", n)
+        bias = self.weights.get(f"{name}.bias")
+        return y if bias is None else y + bias
+
+    def _attention(self, prefix, n, positions, kv, layer):
+        cfg = self.config
+        rows = n.shape[0]
+        q = self._projection(prefix + "attn.q", n).reshape(rows, cfg.n_head, cfg.head_dim)
+        k = self._projection(prefix + "attn.k", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
+        v = self._projection(prefix + "attn.v", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
+        q = ops.rope(q, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
+        k = ops.rope(k, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
+        k_all, v_all = kv.extend(layer, k, v)
+        o = ops.attention(q, k_all, v_all, positions, np.arange(k_all.shape[0]),
+                          cfg.attn_scale, cfg.sliding_window)
+        return self._linear(prefix + "attn.o.weight", o)
+
+    def _mlp(self, prefix, n):
+        act = ops.ACTIVATIONS[self.config.activation]
+        gate = self._linear(prefix + "mlp.gate.weight", n)
+        up = self._linear(prefix + "mlp.up.weight", n)
+        return self._linear(prefix + "mlp.down.weight", act(gate) * up)
