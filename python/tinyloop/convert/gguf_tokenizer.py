@@ -1,0 +1,109 @@
+"""GGUF `tokenizer.ggml.*` metadata -> a Hugging Face `tokenizers` JSON (byte-level BPE).
+
+GGUF stores the vocabulary (`tokens`, `token_type`), the BPE `merges` and the name of the
+pre-tokenizer (`pre`) that llama.cpp applies before BPE. We rebuild the same pipeline with
+the `tokenizers` building blocks: control and user-defined tokens become added tokens (matched
+before pre-tokenization), the pre-tokenizer follows `pre`, decoding is byte-level.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import FormatError
+
+# tokenizer.ggml.token_type values
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# The GPT-2 split is what ByteLevel(use_regex=True) applies by itself.
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_BYTE_LEVEL_NO_REGEX = dict(_BYTE_LEVEL, use_regex=False)
+_SINGLE_DIGITS = {"type": "Digits", "individual_digits": True}
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(regex: str) -> dict:
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+    return {"type": "Sequence", "pretokenizers": [split, _BYTE_LEVEL_NO_REGEX]}
+
+
+_DIGITS_THEN_GPT2 = {"type": "Sequence", "pretokenizers": [_SINGLE_DIGITS, _BYTE_LEVEL]}
+
+# tokenizer.ggml.pre -> HF pre-tokenizer (same splits as llama.cpp uses for that name)
+PRE_TOKENIZERS = {
+    "default": _BYTE_LEVEL, "gpt-2": _BYTE_LEVEL, "mpt": _BYTE_LEVEL, "olmo": _BYTE_LEVEL,
+    "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
+    "codeshell": _DIGITS_THEN_GPT2,
+    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+def tokenizer_json_from_gguf(metadata: dict, source: str = "GGUF") -> str:
+    """Build the tokenizer.json text from GGUF metadata; FormatError when unsupported."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise FormatError(f"{source}: tokenizer.ggml.model {model!r} is not supported; only "
+                          "byte-level BPE ('gpt2') tokenizers can be imported")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise FormatError(f"{source}: pre-tokenizer {pre!r} is not supported; known: "
+                          f"{sorted(PRE_TOKENIZERS)}")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if tokens is None or merges is None:
+        raise FormatError(f"{source}: tokenizer.ggml.tokens and tokenizer.ggml.merges are required")
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [TOKEN_NORMAL] * len(tokens) if types is None else [int(t) for t in types]
+    if len(types) != len(tokens):
+        raise FormatError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    return build_tokenizer_json(list(tokens), [str(m) for m in merges], types, PRE_TOKENIZERS[pre])
+
+
+def build_tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre_tokenizer: dict) -> str:
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        # duplicates would make ids ambiguous; the first id wins as in llama.cpp's map
+        vocab.setdefault(tok, i)
+    for m in merges:
+        # GGUF and tokenizers share the "left right" form; byte-level pieces have no spaces
+        if m.count(" ") != 1:
+            raise FormatError(f"BPE merge {m!r} is not two pieces separated by one space")
+    added = [
+        {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": t == TOKEN_CONTROL}
+        for i, (tok, t) in enumerate(zip(tokens, types))
+        if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": None,  # BOS is added by the runtime per tokenizer.add_bos
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+            "ignore_merges": False, "vocab": vocab, "merges": list(merges),
+        },
+    }
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def check_round_trip(tokenizer_json: str, samples: list[str]) -> None:
+    """Encode and decode `samples` with the built tokenizer; FormatError on a mismatch."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    for text in samples:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        back = tok.decode(ids, skip_special_tokens=False)
+        if back != text:
+            raise FormatError(f"tokenizer round trip failed: {text!r} -> {ids} -> {back!r}")
