@@ -1,0 +1,92 @@
+"""Builds the C test programs under AddressSanitizer + UBSan and runs them on model
+files generated here, so the loader, kernels and ABI are checked at the C level."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinyloop.random_model import make_random_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name):
+    exe = Path(sys.executable).parent / name
+    found = str(exe) if exe.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is needed to build the C tests; install the [test] extra")
+    return found
+
+
+@pytest.fixture(scope="session")
+def c_build(tmp_path_factory):
+    build = tmp_path_factory.mktemp("c-asan")
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    setup = [_tool("meson"), "setup", str(build), str(ROOT), "-Dbuild_tests=true",
+             "-Dcuda=disabled", "-Dbuildtype=debugoptimized",
+             "-Db_sanitize=address,undefined", "-Db_lundef=false"]
+    subprocess.run(setup, check=True, env=env, capture_output=True, text=True)
+    done = subprocess.run([_tool("ninja"), "-C", str(build), "-j2"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return build
+
+
+@pytest.fixture(scope="session")
+def c_models(tmp_path_factory):
+    """A float model and a quantized looped model exercising most options."""
+    d = tmp_path_factory.mktemp("c-models")
+    dense = d / "dense.tinyloop"
+    looped = d / "looped_q4.tinyloop"
+    make_random_model(dense, seed=1, vocab_size=96, d_model=64, n_head=4, n_kv_head=2,
+                      head_dim=16, ffn_dim=128, n_pre=2, n_core=0, n_post=0,
+                      default_depth=0, max_depth=0, max_seq_len=64)
+    make_random_model(looped, seed=2, vocab_size=96, d_model=64, n_head=4, n_kv_head=2,
+                      head_dim=16, ffn_dim=128, n_pre=1, n_core=1, n_post=1,
+                      default_depth=3, max_depth=6, max_seq_len=64, dtype="q4",
+                      group_size=32, injection="concat", loop_norm=True,
+                      norm_placement="sandwich_outer")
+    return dense, looped
+
+
+def _run(build, program, *args, timeout=600):
+    env = dict(os.environ)
+    env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=0:halt_on_error=1"
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    exe = build / "tests" / "c" / program
+    done = subprocess.run([str(exe), *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, f"{program} failed:\n{out[-6000:]}"
+    assert "ERROR: AddressSanitizer" not in out and "runtime error:" not in out, out[-6000:]
+    return out
+
+
+def test_format_c(c_build, c_models):
+    out = _run(c_build, "test_format", *c_models)
+    assert " 0 failed" in out
+
+
+def test_loader_fuzz_c(c_build, c_models):
+    out = _run(c_build, "fuzz_loader", c_models[1], 4000, 7)
+    assert " 0 failed" in out
+
+
+def test_kernels_c(c_build):
+    out = _run(c_build, "test_kernels")
+    assert " 0 failed" in out
+
+
+def test_api_c(c_build, c_models):
+    out = _run(c_build, "test_api", *c_models)
+    assert " 0 failed" in out
+
+
+def test_c_example_links_only_the_shared_library(c_build, c_models):
+    out = _run(c_build, "c_generate", c_models[0], 1, 2, 3)
+    ids = [int(t) for t in out.split() if t.lstrip("-").isdigit()]
+    assert ids, out
