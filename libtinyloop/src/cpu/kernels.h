@@ -1,6 +1,7 @@
-/* cpu/kernels.h — CPU compute kernels on host memory. Every function has an
+/* cpu/kernels.h — CPU compute kernels on host memory. The hot kernels have an
  * AVX2/FMA/F16C path and a portable C path, chosen once at run time
- * (tl_cpu_features()); results of the two agree within float rounding.
+ * (tl_cpu_features()); results of the two agree within float rounding
+ * (docs/cpu-backend.md).
  * Matrices are row-major; W is [rows=out, cols=in]; y = x W^T. */
 #ifndef TL_CPU_KERNELS_H
 #define TL_CPU_KERNELS_H
@@ -17,6 +18,10 @@ typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1 } tl_cpu_level;
  * both paths). */
 tl_cpu_level tl_cpu_features(void);
 const char *tl_cpu_level_name(tl_cpu_level level);
+/* Switch paths at run time (tests and benchmarks compare both). Returns 0, or -1 when
+ * this CPU cannot run `level` (nothing changes then). Not thread-safe against running
+ * kernels. */
+int tl_cpu_set_level(tl_cpu_level level);
 
 /* Scratch a matmul needs for n input rows of width cols (quantized activations);
  * callers pass a buffer of at least this many bytes (64-byte aligned). */
@@ -29,6 +34,15 @@ size_t tl_cpu_matmul_scratch_bytes(const tl_tensor *w, int n);
  * groups it needs in registers. */
 void tl_cpu_matmul(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy,
                    void *scratch, tl_threadpool *pool);
+
+/* Several weights with the same cols applied to one input (q/k/v, gate/up): the input
+ * is quantized once and all their rows share one parallel_for. ws[t] writes ys[t]
+ * (row stride ldys[t]); up to TL_CPU_MATMUL_MAX_MULTI share one loop; scratch: the largest
+ * tl_cpu_matmul_scratch_bytes() of the weights. */
+#define TL_CPU_MATMUL_MAX_MULTI 4
+void tl_cpu_matmul_multi(const tl_tensor *const *ws, int count, const float *x, int n,
+                         size_t ldx, float *const *ys, const size_t *ldys, void *scratch,
+                         tl_threadpool *pool);
 
 /* out[c] = W[row, c] as floats (embedding lookup, tests). */
 void tl_cpu_dequant_row(const tl_tensor *w, int64_t row, float *out);

@@ -1,0 +1,318 @@
+/* cpu/dispatch.c — the public CPU kernel entry points (cpu/kernels.h).
+ *
+ * Picks the AVX2/FMA/F16C or the portable table of inner kernels once, splits work
+ * over the thread pool and does the bookkeeping that does not depend on the
+ * instruction set (norm weights, RoPE angles, softmax structure). */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "kernels_impl.h"
+
+/* ---- path selection ------------------------------------------------------ */
+
+static tl_cpu_level cpu_supports_avx2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return TL_CPU_AVX2;
+#endif
+    return TL_CPU_GENERIC;
+}
+
+static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
+static atomic_int current_level = TL_CPU_GENERIC;
+
+static void detect(void) {
+    const char *env = getenv("TINYLOOP_CPU");
+    tl_cpu_level level = cpu_supports_avx2();
+    if (env && strcmp(env, "generic") == 0) level = TL_CPU_GENERIC;
+    atomic_store(&current_level, level);
+}
+
+tl_cpu_level tl_cpu_features(void) {
+    pthread_once(&detect_once, detect);
+    return (tl_cpu_level)atomic_load_explicit(&current_level, memory_order_relaxed);
+}
+
+const char *tl_cpu_level_name(tl_cpu_level level) {
+    return level == TL_CPU_AVX2 ? "avx2" : "generic";
+}
+
+int tl_cpu_set_level(tl_cpu_level level) {
+    pthread_once(&detect_once, detect);
+    if (level == TL_CPU_AVX2 && cpu_supports_avx2() != TL_CPU_AVX2) return -1;
+    atomic_store(&current_level, level);
+    return 0;
+}
+
+static const tl_cpu_ops *ops(void) {
+    return tl_cpu_features() == TL_CPU_AVX2 ? &tl_cpu_ops_avx2 : &tl_cpu_ops_generic;
+}
+
+/* ---- matmul ---------------------------------------------------------------- */
+
+/* Rows per work item grain: the AVX2 kernel keeps this many weight rows in L1 while
+ * it walks the input rows. */
+#define MATMUL_ROW_GRAIN 16
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t tl_cpu_matmul_scratch_bytes(const tl_tensor *w, int n) {
+    if (!tl_dtype_is_quantized(w->dtype) || n <= 0) return 0;
+    size_t blocks = (size_t)n * (size_t)(w->cols / TL_QBLOCK);
+    return align64((size_t)n * (size_t)w->cols) + 2 * align64(blocks * sizeof(float));
+}
+
+typedef struct matmul_job {
+    const tl_cpu_ops *ops;
+    int count;
+    const tl_tensor *const *ws;
+    int64_t row_end[TL_CPU_MATMUL_MAX_MULTI]; /* cumulative rows: weight t owns [end[t-1], end[t]) */
+    const float *x;
+    int n;
+    size_t ldx;
+    float *const *ys;
+    const size_t *ldys;
+    tl_qact qa;
+    int8_t *qs;
+    float *qd, *qsum;
+} matmul_job;
+
+static void quantize_rows_task(void *arg, int begin, int end, int thread_index) {
+    matmul_job *job = arg;
+    int64_t cols = job->qa.cols, nb = cols / TL_QBLOCK;
+    for (int i = begin; i < end; i++)
+        job->ops->quantize_row(job->x + (size_t)i * job->ldx, cols, job->qs + i * cols,
+                               job->qd + i * nb, job->qsum + i * nb);
+}
+
+static void matmul_rows_task(void *arg, int begin, int end, int thread_index) {
+    matmul_job *job = arg;
+    int64_t start = 0;
+    for (int t = 0; t < job->count; start = job->row_end[t], t++) {
+        int64_t r0 = begin > start ? begin : start;
+        int64_t r1 = end < job->row_end[t] ? end : job->row_end[t];
+        if (r0 >= r1) continue;
+        const tl_tensor *w = job->ws[t];
+        if (tl_dtype_is_quantized(w->dtype))
+            job->ops->matmul_quant_rows(w, &job->qa, job->n, job->ys[t], job->ldys[t],
+                                        r0 - start, r1 - start);
+        else
+            job->ops->matmul_float_rows(w, job->x, job->n, job->ldx, job->ys[t], job->ldys[t],
+                                        r0 - start, r1 - start);
+    }
+}
+
+void tl_cpu_matmul_multi(const tl_tensor *const *ws, int count, const float *x, int n,
+                         size_t ldx, float *const *ys, const size_t *ldys, void *scratch,
+                         tl_threadpool *pool) {
+    if (n <= 0 || count <= 0) return;
+    if (count > TL_CPU_MATMUL_MAX_MULTI) { /* more than one job holds: run them in slices */
+        tl_cpu_matmul_multi(ws, TL_CPU_MATMUL_MAX_MULTI, x, n, ldx, ys, ldys, scratch, pool);
+        tl_cpu_matmul_multi(ws + TL_CPU_MATMUL_MAX_MULTI, count - TL_CPU_MATMUL_MAX_MULTI, x, n, ldx,
+                            ys + TL_CPU_MATMUL_MAX_MULTI, ldys + TL_CPU_MATMUL_MAX_MULTI, scratch, pool);
+        return;
+    }
+    matmul_job job = {.ops = ops(), .count = count, .ws = ws, .x = x, .n = n, .ldx = ldx,
+                      .ys = ys, .ldys = ldys};
+    int any_quantized = 0;
+    int64_t total = 0;
+    for (int t = 0; t < count; t++) {
+        total += ws[t]->rows;
+        job.row_end[t] = total;
+        any_quantized |= tl_dtype_is_quantized(ws[t]->dtype);
+    }
+    if (any_quantized) {
+        int64_t cols = ws[0]->cols;
+        size_t blocks = (size_t)n * (size_t)(cols / TL_QBLOCK);
+        job.qs = scratch;
+        job.qd = (float *)((char *)scratch + align64((size_t)n * (size_t)cols));
+        job.qsum = (float *)((char *)job.qd + align64(blocks * sizeof(float)));
+        job.qa = (tl_qact){.qs = job.qs, .d = job.qd, .s = job.qsum, .cols = cols};
+        /* one row is ~1 us of work: only prefill is worth splitting */
+        if (n >= 4)
+            tl_parallel_for(pool, n, 1, quantize_rows_task, &job);
+        else
+            quantize_rows_task(&job, 0, n, 0);
+    }
+    tl_parallel_for(pool, (int)total, MATMUL_ROW_GRAIN, matmul_rows_task, &job);
+}
+
+void tl_cpu_matmul(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy,
+                   void *scratch, tl_threadpool *pool) {
+    tl_cpu_matmul_multi(&w, 1, x, n, ldx, &y, &ldy, scratch, pool);
+}
+
+void tl_cpu_dequant_row(const tl_tensor *w, int64_t row, float *out) {
+    if (!tl_dtype_is_quantized(w->dtype)) {
+        tl_convert_float_row(w, row, 0, (int)w->cols, out);
+        return;
+    }
+    int64_t nb = w->cols / TL_QBLOCK, ng = w->cols / w->group;
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t q[TL_QBLOCK];
+        tl_unpack_qblock(w, row, b, q);
+        int64_t g = row * ng + b * TL_QBLOCK / w->group;
+        float scale = tl_half_to_float(w->scales[g]);
+        float min = w->mins ? tl_half_to_float(w->mins[g]) : 0.0f;
+        for (int j = 0; j < TL_QBLOCK; j++) out[b * TL_QBLOCK + j] = scale * (float)q[j] + min;
+    }
+}
+
+/* ---- norms and elementwise ops -------------------------------------------- */
+
+/* Element j of a 1-D f32/f16/bf16 tensor (norm weights, biases). */
+static inline float vector_at(const tl_tensor *t, int j) {
+    switch (t->dtype) {
+    case TL_DTYPE_F32: return ((const float *)t->data)[j];
+    case TL_DTYPE_F16: return tl_half_to_float(((const uint16_t *)t->data)[j]);
+    default: return tl_bfloat_to_float(((const uint16_t *)t->data)[j]);
+    }
+}
+
+void tl_cpu_rmsnorm(const float *x, int n, int d, const tl_tensor *weight, int unit_offset,
+                    float eps, float *out) {
+    const tl_cpu_ops *k = ops();
+    float offset = unit_offset ? 1.0f : 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float *xi = x + (size_t)i * d;
+        float *oi = out + (size_t)i * d;
+        float inv = 1.0f / sqrtf(k->sum_squares(xi, d) / (float)d + eps);
+        for (int j = 0; j < d; j++) oi[j] = xi[j] * inv * (offset + vector_at(weight, j));
+    }
+}
+
+void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
+                      const tl_tensor *bias, float eps, float *out) {
+    for (int i = 0; i < n; i++) {
+        const float *xi = x + (size_t)i * d;
+        float *oi = out + (size_t)i * d;
+        float mean = 0.0f, var = 0.0f;
+        for (int j = 0; j < d; j++) mean += xi[j];
+        mean /= (float)d;
+        for (int j = 0; j < d; j++) var += (xi[j] - mean) * (xi[j] - mean);
+        float inv = 1.0f / sqrtf(var / (float)d + eps);
+        for (int j = 0; j < d; j++)
+            oi[j] = (xi[j] - mean) * inv * vector_at(weight, j) + (bias ? vector_at(bias, j) : 0.0f);
+    }
+}
+
+/* Pairs whose cos/sin are computed together and applied to every head. */
+#define ROPE_PAIR_CHUNK 64
+
+void tl_cpu_rope(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
+                 float theta, const int32_t *positions) {
+    int pairs = rope_dims / 2;
+    for (int i = 0; i < n; i++) {
+        for (int p0 = 0; p0 < pairs; p0 += ROPE_PAIR_CHUNK) {
+            int np = pairs - p0 < ROPE_PAIR_CHUNK ? pairs - p0 : ROPE_PAIR_CHUNK;
+            float c[ROPE_PAIR_CHUNK], s[ROPE_PAIR_CHUNK];
+            for (int p = 0; p < np; p++) {
+                /* angles in double: positions reach thousands of radians */
+                double angle = (double)positions[i] * pow((double)theta, -2.0 * (p0 + p) / rope_dims);
+                c[p] = (float)cos(angle);
+                s[p] = (float)sin(angle);
+            }
+            for (int h = 0; h < n_heads; h++) {
+                float *v = x + ((size_t)i * n_heads + h) * head_dim;
+                for (int p = 0; p < np; p++) {
+                    int ia = style ? 2 * (p0 + p) : p0 + p;
+                    int ib = style ? ia + 1 : ia + pairs;
+                    float a = v[ia], b = v[ib];
+                    v[ia] = a * c[p] - b * s[p];
+                    v[ib] = a * s[p] + b * c[p];
+                }
+            }
+        }
+    }
+}
+
+void tl_cpu_gated_act(const float *gate, const float *up, size_t count, int act, float *out) {
+    ops()->gated_act(gate, up, count, act, out);
+}
+
+void tl_cpu_add(float *y, const float *x, size_t count) { ops()->add(y, x, count); }
+
+void tl_cpu_add_bias(float *y, int n, int d, const tl_tensor *b) {
+    const tl_cpu_ops *k = ops();
+    for (int i = 0; i < n; i++) {
+        float *yi = y + (size_t)i * d;
+        if (b->dtype == TL_DTYPE_F32)
+            k->add(yi, b->data, (size_t)d);
+        else
+            for (int j = 0; j < d; j++) yi[j] += vector_at(b, j);
+    }
+}
+
+float tl_cpu_logsumexp(const float *x, int n) {
+    float max = -INFINITY;
+    for (int j = 0; j < n; j++) max = fmaxf(max, x[j]);
+    if (!isfinite(max)) return max;
+    return max + logf(ops()->exp_sum(NULL, x, n, max));
+}
+
+/* ---- attention --------------------------------------------------------------- */
+
+/* Per-thread score rows are padded to a cache line. */
+static size_t score_stride(int len) { return ((size_t)len + 15) & ~(size_t)15; }
+
+size_t tl_cpu_attention_scratch_bytes(int n_threads, int max_seq) {
+    if (n_threads < 1) n_threads = 1;
+    return (size_t)n_threads * score_stride(max_seq) * sizeof(float);
+}
+
+typedef struct attention_job {
+    const tl_cpu_ops *ops;
+    const float *q, *k_cache, *v_cache;
+    float *out, *scratch;
+    int n_head, head_dim, group, pos0, window;
+    size_t kv_stride, stride;
+    float scale;
+} attention_job;
+
+static void attention_task(void *arg, int begin, int end, int thread_index) {
+    const attention_job *job = arg;
+    const tl_cpu_ops *k = job->ops;
+    float *scores = job->scratch + (size_t)thread_index * job->stride;
+    int hd = job->head_dim;
+    for (int item = begin; item < end; item++) {
+        int i = item / job->n_head, h = item % job->n_head;
+        int pos = job->pos0 + i;
+        int first = job->window > 0 && pos - job->window + 1 > 0 ? pos - job->window + 1 : 0;
+        int len = pos - first + 1;
+        size_t q_off = ((size_t)i * job->n_head + h) * hd;
+        const float *q = job->q + q_off;
+        const float *keys = job->k_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
+        const float *vals = job->v_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
+        /* two passes: scores and their max, then exp and the weighted sum of values */
+        float max = -INFINITY;
+        for (int j = 0; j < len; j++) {
+            scores[j] = job->scale * k->dot(q, keys + (size_t)j * job->kv_stride, hd);
+            max = fmaxf(max, scores[j]);
+        }
+        float sum = k->exp_sum(scores, scores, len, max);
+        float *o = job->out + q_off;
+        memset(o, 0, (size_t)hd * sizeof *o);
+        for (int j = 0; j < len; j++) k->axpy(o, scores[j], vals + (size_t)j * job->kv_stride, hd);
+        k->scale(o, 1.0f / sum, hd);
+    }
+}
+
+void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
+                      const float *v_cache, int n_head, int n_kv_head, int head_dim,
+                      float scale, int window, float *out, void *scratch,
+                      tl_threadpool *pool) {
+    attention_job job = {
+        .ops = ops(), .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+        .scratch = scratch, .n_head = n_head, .head_dim = head_dim,
+        .group = n_head / n_kv_head, .pos0 = pos0, .window = window,
+        .kv_stride = (size_t)n_kv_head * head_dim,
+        /* the longest row is pos0 + n keys, within the max_seq the scratch was sized for */
+        .stride = score_stride(pos0 + n), .scale = scale};
+    tl_parallel_for(pool, n * n_head, 1, attention_task, &job);
+}

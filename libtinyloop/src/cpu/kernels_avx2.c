@@ -1,0 +1,432 @@
+/* cpu/kernels_avx2.c — AVX2/FMA/F16C inner kernels (built with -mavx2 -mfma -mf16c and
+ * only called after dispatch.c has checked the CPU). Computes what kernels_generic.c
+ * computes; docs/cpu-backend.md explains the tiling and the quantized dot products. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "kernels_impl.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Weight rows kept hot in L1 while the input rows stream past them. */
+#define ROW_TILE 16
+/* Register tile for n > 1: ROWS weight rows x INPUTS input rows of accumulators. */
+#define TILE_ROWS 2
+#define TILE_INPUTS 4
+/* Register tile for n == 1: more rows share each activation load. */
+#define DECODE_ROWS 4
+/* Decode prefetches the weight rows this far ahead: the hardware prefetcher alone left
+ * the q8 head at ~60% of the read bandwidth. */
+#define PREFETCH_ROWS 8
+/* Blocks whose scale products are computed together (one vector). */
+#define SCALE_CHUNK 8
+/* Array bounds of any register tile; fixed sizes (not VLAs) let the compiler keep the
+ * accumulators in registers once RB and NI are constants. */
+#define MAX_RB 4
+#define MAX_NI 4
+
+ALWAYS_INLINE float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS_INLINE int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+ALWAYS_INLINE float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+/* ---- activation quantization ------------------------------------------------ */
+
+static void quantize_row(const float *x, int64_t cols, int8_t *qs, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < cols / TL_QBLOCK; b++) {
+        const float *xb = x + b * TL_QBLOCK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), mode));
+        __m256i q1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), mode));
+        __m256i q2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), mode));
+        __m256i q3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), mode));
+        int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
+        /* packs interleave the 128-bit lanes; the permute restores element order */
+        __m256i q16 = _mm256_packs_epi32(q0, q1), q16b = _mm256_packs_epi32(q2, q3);
+        __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
+        _mm256_storeu_si256((__m256i *)(qs + b * TL_QBLOCK), q8);
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+    }
+}
+
+/* ---- quantized matmul ---------------------------------------------------------- */
+
+/* Packed bytes per block of 32 weights. */
+ALWAYS_INLINE int64_t qblock_bytes(tl_dtype dt) {
+    return dt == TL_DTYPE_Q8 ? 32 : dt == TL_DTYPE_Q4 ? 16 : 8;
+}
+
+/* The 32 weights of the block at p as bytes: unsigned 0..15 / 0..3 for q4 / q2, signed
+ * for q8. */
+ALWAYS_INLINE __m256i load_qblock(const uint8_t *p, tl_dtype dt) {
+    if (dt == TL_DTYPE_Q8) return _mm256_loadu_si256((const __m256i *)p);
+    if (dt == TL_DTYPE_Q4) {
+        /* the 16 bytes in both halves; the upper half shifts its high nibbles down */
+        __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+        v = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4));
+        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    }
+    /* q2: byte j holds elements j, j+8, j+16, j+24: shift each 64-bit copy by 2k */
+    int64_t bits;
+    memcpy(&bits, p, sizeof bits);
+    __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_and_si256(v, _mm256_set1_epi8(3));
+}
+
+/* Eight int32 partial sums of w . a over a block. maddubs wants an unsigned first
+ * operand: q8 weights move their sign onto the activations (|w| <= 128 keeps the
+ * pairwise int16 sums below saturation). */
+ALWAYS_INLINE __m256i block_dot(__m256i w, __m256i a, tl_dtype dt) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (dt == TL_DTYPE_Q8)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+}
+
+/* Per-group f16 values (scales or mins) of row r spread over blocks [b0, b0 + count),
+ * zero-padded to SCALE_CHUNK. */
+ALWAYS_INLINE void block_values(const tl_tensor *w, const uint16_t *plane, int64_t r, int64_t b0, int count,
+                                float *out) {
+    const int64_t ng = w->cols / w->group;
+    const int shift = __builtin_ctz((unsigned)(w->group / TL_QBLOCK)); /* blocks per group: 1, 2, 4 */
+    const uint16_t *row = plane + r * ng;
+    if (shift == 0 && count == SCALE_CHUNK) {
+        _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + b0))));
+        return;
+    }
+    _mm256_storeu_ps(out, _mm256_setzero_ps());
+    for (int k = 0; k < count; k++) out[k] = half_to_float(row[(b0 + k) >> shift]);
+}
+
+/* Eight per-block activation values from `src`; lanes past `count` read as zero. */
+ALWAYS_INLINE __m256 load_blocks(const float *src, int count) {
+    if (count == SCALE_CHUNK) return _mm256_loadu_ps(src);
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_ps(src, mask);
+}
+
+/* A register tile: rows r..r+RB-1 against activation rows i0..i0+NI-1, over all blocks. */
+ALWAYS_INLINE void quant_tile(const tl_tensor *w, const tl_qact *a, int64_t r, int i0, float *y,
+                              size_t ldy, tl_dtype dt, const int RB, const int NI) {
+    const int64_t cols = w->cols, nb = cols / TL_QBLOCK, row_bytes = nb * qblock_bytes(dt);
+    const uint8_t *wrow = (const uint8_t *)w->data + r * row_bytes;
+    __m256 acc[MAX_RB][MAX_NI];
+#pragma GCC unroll 4
+    for (int ri = 0; ri < RB; ri++)
+#pragma GCC unroll 4
+        for (int ii = 0; ii < NI; ii++) acc[ri][ii] = _mm256_setzero_ps();
+
+    for (int64_t b0 = 0; b0 < nb; b0 += SCALE_CHUNK) {
+        const int count = nb - b0 < SCALE_CHUNK ? (int)(nb - b0) : SCALE_CHUNK;
+        /* products of weight scale and activation scale for each (row, input, block);
+         * the min term sum_b min_b * s_b goes straight into the accumulator lanes */
+        float prod[MAX_RB][MAX_NI][SCALE_CHUNK];
+#pragma GCC unroll 4
+        for (int ri = 0; ri < RB; ri++) {
+            float sc[SCALE_CHUNK], mn[SCALE_CHUNK];
+            block_values(w, w->scales, r + ri, b0, count, sc);
+            if (dt != TL_DTYPE_Q8) block_values(w, w->mins, r + ri, b0, count, mn);
+#pragma GCC unroll 4
+            for (int ii = 0; ii < NI; ii++) {
+                const int64_t first = (int64_t)(i0 + ii) * nb + b0;
+                _mm256_storeu_ps(prod[ri][ii], _mm256_mul_ps(_mm256_loadu_ps(sc), load_blocks(a->d + first, count)));
+                if (dt != TL_DTYPE_Q8)
+                    acc[ri][ii] = _mm256_fmadd_ps(_mm256_loadu_ps(mn), load_blocks(a->s + first, count), acc[ri][ii]);
+            }
+        }
+        for (int k = 0; k < count; k++) {
+            const int64_t b = b0 + k;
+            __m256i wv[MAX_RB];
+#pragma GCC unroll 4
+            for (int ri = 0; ri < RB; ri++) {
+                const uint8_t *p = wrow + ri * row_bytes + b * qblock_bytes(dt);
+                if (NI == 1) _mm_prefetch((const char *)(p + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+                wv[ri] = load_qblock(p, dt);
+            }
+#pragma GCC unroll 4
+            for (int ii = 0; ii < NI; ii++) {
+                __m256i av = _mm256_loadu_si256((const __m256i *)(a->qs + (int64_t)(i0 + ii) * cols + b * TL_QBLOCK));
+#pragma GCC unroll 4
+                for (int ri = 0; ri < RB; ri++) {
+                    __m256 p = _mm256_cvtepi32_ps(block_dot(wv[ri], av, dt));
+                    acc[ri][ii] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&prod[ri][ii][k]), acc[ri][ii]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int ri = 0; ri < RB; ri++)
+#pragma GCC unroll 4
+        for (int ii = 0; ii < NI; ii++) y[(size_t)(i0 + ii) * ldy + r + ri] = hsum_ps(acc[ri][ii]);
+}
+
+ALWAYS_INLINE void quant_rows(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy,
+                              int64_t r0, int64_t r1, tl_dtype dt) {
+    for (int64_t rt = r0; rt < r1; rt += ROW_TILE) {
+        const int64_t re = rt + ROW_TILE < r1 ? rt + ROW_TILE : r1;
+        if (n == 1) {
+            int64_t r = rt;
+            for (; r + DECODE_ROWS <= re; r += DECODE_ROWS) quant_tile(w, a, r, 0, y, ldy, dt, DECODE_ROWS, 1);
+            for (; r < re; r++) quant_tile(w, a, r, 0, y, ldy, dt, 1, 1);
+            continue;
+        }
+        for (int i0 = 0; i0 < n; i0 += TILE_INPUTS) {
+            const int ni = n - i0 < TILE_INPUTS ? n - i0 : TILE_INPUTS;
+            for (int64_t r = rt; r < re; r += TILE_ROWS) {
+                const int rb = re - r < TILE_ROWS ? (int)(re - r) : TILE_ROWS;
+                switch (rb * 8 + ni) {
+                case 2 * 8 + 4: quant_tile(w, a, r, i0, y, ldy, dt, 2, 4); break;
+                case 2 * 8 + 3: quant_tile(w, a, r, i0, y, ldy, dt, 2, 3); break;
+                case 2 * 8 + 2: quant_tile(w, a, r, i0, y, ldy, dt, 2, 2); break;
+                case 2 * 8 + 1: quant_tile(w, a, r, i0, y, ldy, dt, 2, 1); break;
+                case 1 * 8 + 4: quant_tile(w, a, r, i0, y, ldy, dt, 1, 4); break;
+                case 1 * 8 + 3: quant_tile(w, a, r, i0, y, ldy, dt, 1, 3); break;
+                case 1 * 8 + 2: quant_tile(w, a, r, i0, y, ldy, dt, 1, 2); break;
+                default: quant_tile(w, a, r, i0, y, ldy, dt, 1, 1); break;
+                }
+            }
+        }
+    }
+}
+
+static void quant_rows_q8(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    quant_rows(w, a, n, y, ldy, r0, r1, TL_DTYPE_Q8);
+}
+static void quant_rows_q4(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    quant_rows(w, a, n, y, ldy, r0, r1, TL_DTYPE_Q4);
+}
+static void quant_rows_q2(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    quant_rows(w, a, n, y, ldy, r0, r1, TL_DTYPE_Q2);
+}
+
+static void matmul_quant_rows(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy,
+                              int64_t r0, int64_t r1) {
+    switch (w->dtype) {
+    case TL_DTYPE_Q8: quant_rows_q8(w, a, n, y, ldy, r0, r1); break;
+    case TL_DTYPE_Q4: quant_rows_q4(w, a, n, y, ldy, r0, r1); break;
+    default: quant_rows_q2(w, a, n, y, ldy, r0, r1); break;
+    }
+}
+
+/* ---- float-weight matmul --------------------------------------------------------- */
+
+/* Eight weights starting at element `first` as floats. */
+ALWAYS_INLINE __m256 load_float8(const void *data, int64_t first, tl_dtype dt) {
+    if (dt == TL_DTYPE_F32) return _mm256_loadu_ps((const float *)data + first);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)data + first));
+    if (dt == TL_DTYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16 */
+}
+
+ALWAYS_INLINE float load_float1(const void *data, int64_t first, tl_dtype dt) {
+    if (dt == TL_DTYPE_F32) return ((const float *)data)[first];
+    if (dt == TL_DTYPE_F16) return half_to_float(((const uint16_t *)data)[first]);
+    return tl_bfloat_to_float(((const uint16_t *)data)[first]);
+}
+
+ALWAYS_INLINE void float_tile(const tl_tensor *w, const float *x, size_t ldx, int64_t r, int i0,
+                              float *y, size_t ldy, tl_dtype dt, const int RB, const int NI) {
+    const int64_t cols = w->cols, c8 = cols & ~(int64_t)7;
+    __m256 acc[MAX_RB][MAX_NI];
+#pragma GCC unroll 4
+    for (int ri = 0; ri < RB; ri++)
+#pragma GCC unroll 4
+        for (int ii = 0; ii < NI; ii++) acc[ri][ii] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < c8; c += 8) {
+        __m256 wv[MAX_RB];
+#pragma GCC unroll 4
+        for (int ri = 0; ri < RB; ri++) wv[ri] = load_float8(w->data, (r + ri) * cols + c, dt);
+#pragma GCC unroll 4
+        for (int ii = 0; ii < NI; ii++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)(i0 + ii) * ldx + c);
+#pragma GCC unroll 4
+            for (int ri = 0; ri < RB; ri++) acc[ri][ii] = _mm256_fmadd_ps(wv[ri], xv, acc[ri][ii]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int ri = 0; ri < RB; ri++)
+#pragma GCC unroll 4
+        for (int ii = 0; ii < NI; ii++) {
+            float v = hsum_ps(acc[ri][ii]);
+            const float *xi = x + (size_t)(i0 + ii) * ldx;
+            for (int64_t c = c8; c < cols; c++) v += load_float1(w->data, (r + ri) * cols + c, dt) * xi[c];
+            y[(size_t)(i0 + ii) * ldy + r + ri] = v;
+        }
+}
+
+ALWAYS_INLINE void float_rows(const tl_tensor *w, const float *x, int n, size_t ldx, float *y,
+                              size_t ldy, int64_t r0, int64_t r1, tl_dtype dt) {
+    for (int64_t rt = r0; rt < r1; rt += ROW_TILE) {
+        const int64_t re = rt + ROW_TILE < r1 ? rt + ROW_TILE : r1;
+        if (n == 1) {
+            int64_t r = rt;
+            for (; r + DECODE_ROWS <= re; r += DECODE_ROWS) float_tile(w, x, ldx, r, 0, y, ldy, dt, DECODE_ROWS, 1);
+            for (; r < re; r++) float_tile(w, x, ldx, r, 0, y, ldy, dt, 1, 1);
+            continue;
+        }
+        for (int i0 = 0; i0 < n; i0 += TILE_INPUTS) {
+            const int ni = n - i0 < TILE_INPUTS ? n - i0 : TILE_INPUTS;
+            for (int64_t r = rt; r < re; r += TILE_ROWS) {
+                const int rb = re - r < TILE_ROWS ? (int)(re - r) : TILE_ROWS;
+                switch (rb * 8 + ni) {
+                case 2 * 8 + 4: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 4); break;
+                case 2 * 8 + 3: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 3); break;
+                case 2 * 8 + 2: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 2); break;
+                case 2 * 8 + 1: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 1); break;
+                case 1 * 8 + 4: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 4); break;
+                case 1 * 8 + 3: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 3); break;
+                case 1 * 8 + 2: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 2); break;
+                default: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 1); break;
+                }
+            }
+        }
+    }
+}
+
+static void float_rows_f32(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    float_rows(w, x, n, ldx, y, ldy, r0, r1, TL_DTYPE_F32);
+}
+static void float_rows_f16(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    float_rows(w, x, n, ldx, y, ldy, r0, r1, TL_DTYPE_F16);
+}
+static void float_rows_bf16(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy, int64_t r0, int64_t r1) {
+    float_rows(w, x, n, ldx, y, ldy, r0, r1, TL_DTYPE_BF16);
+}
+
+static void matmul_float_rows(const tl_tensor *w, const float *x, int n, size_t ldx, float *y,
+                              size_t ldy, int64_t r0, int64_t r1) {
+    switch (w->dtype) {
+    case TL_DTYPE_F32: float_rows_f32(w, x, n, ldx, y, ldy, r0, r1); break;
+    case TL_DTYPE_F16: float_rows_f16(w, x, n, ldx, y, ldy, r0, r1); break;
+    default: float_rows_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
+/* ---- vector helpers --------------------------------------------------------------- */
+
+/* exp(x), Cephes-style: 2^n * p(r) with r = x - n ln2; relative error ~2e-7. */
+ALWAYS_INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n may be 128 at the upper clamp: split 2^n into two factors that stay normal */
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i half = _mm256_srai_epi32(ni, 1);
+    __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+static float dot(const float *a, const float *b, int n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+    }
+    for (; j + 8 <= n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    float sum = hsum_ps(_mm256_add_ps(acc0, acc1));
+    for (; j < n; j++) sum += a[j] * b[j];
+    return sum;
+}
+
+static void axpy(float *y, float a, const float *x, int n) {
+    __m256 av = _mm256_set1_ps(a);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+    for (; j < n; j++) y[j] += a * x[j];
+}
+
+static void scale(float *y, float a, int n) {
+    __m256 av = _mm256_set1_ps(a);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, _mm256_mul_ps(av, _mm256_loadu_ps(y + j)));
+    for (; j < n; j++) y[j] *= a;
+}
+
+static float exp_sum(float *out, const float *x, int n, float shift) {
+    __m256 acc = _mm256_setzero_ps(), sv = _mm256_set1_ps(shift);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), sv));
+        if (out) _mm256_storeu_ps(out + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum_ps(acc);
+    for (; j < n; j++) {
+        float e = expf(x[j] - shift);
+        if (out) out[j] = e;
+        sum += e;
+    }
+    return sum;
+}
+
+static float sum_squares(const float *x, int n) { return dot(x, x, n); }
+
+/* silu(g) = g / (1 + e^-g); gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3) */
+static void gated_act(const float *gate, const float *up, size_t count, int act, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 k2 = _mm256_set1_ps(-2.0f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
+    size_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256 g = _mm256_loadu_ps(gate + j);
+        __m256 arg = act ? _mm256_mul_ps(k2, _mm256_fmadd_ps(_mm256_mul_ps(c3, g), _mm256_mul_ps(g, g), g))
+                         : _mm256_sub_ps(_mm256_setzero_ps(), g);
+        __m256 a = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(arg)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(a, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < count; j++) out[j] = (act ? tl_act_gelu_tanh(gate[j]) : tl_act_silu(gate[j])) * up[j];
+}
+
+static void add(float *y, const float *x, size_t count) {
+    size_t j = 0;
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), _mm256_loadu_ps(x + j)));
+    for (; j < count; j++) y[j] += x[j];
+}
+
+const tl_cpu_ops tl_cpu_ops_avx2 = {
+    .quantize_row = quantize_row,
+    .matmul_float_rows = matmul_float_rows,
+    .matmul_quant_rows = matmul_quant_rows,
+    .dot = dot,
+    .axpy = axpy,
+    .scale = scale,
+    .exp_sum = exp_sum,
+    .sum_squares = sum_squares,
+    .gated_act = gated_act,
+    .add = add,
+};

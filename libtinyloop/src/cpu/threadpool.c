@@ -1,0 +1,206 @@
+/* cpu/threadpool.c — persistent workers for tl_parallel_for.
+ *
+ * A parallel_for publishes a job and bumps a generation counter. Workers spin on
+ * the counter for a short while after each job (decode issues several jobs per
+ * layer a few microseconds apart, and waking a sleeping thread costs far more than
+ * that), then fall asleep on a condition variable so an idle pool burns no CPU.
+ * Items are handed out in contiguous chunks through an atomic cursor, so a thread
+ * that was descheduled simply takes fewer chunks; the caller works too. */
+#define _GNU_SOURCE
+#include "threadpool.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TL_CPU_RELAX() _mm_pause()
+#else
+#define TL_CPU_RELAX() ((void)0)
+#endif
+
+/* How long a worker keeps polling for the next job before it sleeps. */
+#define TL_SPIN_NS 200000LL
+/* Chunks per thread: more than one so a slow thread does not hold up the rest. */
+#define TL_CHUNKS_PER_THREAD 4
+
+typedef struct tl_job {
+    tl_parallel_fn fn;
+    void *arg;
+    int n_items;
+    int chunk;              /* items per chunk, a multiple of grain */
+    atomic_int next;        /* first unclaimed item */
+} tl_job;
+
+struct tl_threadpool {
+    int n_threads;
+    pthread_t *threads;
+    tl_job job;
+    atomic_uint generation;  /* bumped once per parallel_for */
+    atomic_int pending;      /* workers that have not finished the current job */
+    atomic_int sleepers;     /* workers blocked (or about to block) on wake */
+    atomic_int stop;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+};
+
+typedef struct tl_worker_arg {
+    tl_threadpool *pool;
+    int index;
+} tl_worker_arg;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void run_chunks(tl_job *job, int thread_index) {
+    for (;;) {
+        int begin = atomic_fetch_add_explicit(&job->next, job->chunk, memory_order_relaxed);
+        if (begin >= job->n_items) break;
+        int end = begin + job->chunk < job->n_items ? begin + job->chunk : job->n_items;
+        job->fn(job->arg, begin, end, thread_index);
+    }
+}
+
+/* Wait until the generation differs from `seen` or the pool stops; spins first. */
+static unsigned wait_for_job(tl_threadpool *pool, unsigned seen) {
+    int64_t deadline = now_ns() + TL_SPIN_NS;
+    for (int spins = 0;; spins++) {
+        unsigned g = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        if (g != seen || atomic_load_explicit(&pool->stop, memory_order_acquire)) return g;
+        TL_CPU_RELAX();
+        if ((spins & 255) == 255 && now_ns() > deadline) break;
+    }
+    pthread_mutex_lock(&pool->lock);
+    /* seq_cst pairs with the publisher: it bumps generation then reads sleepers,
+     * we bump sleepers then read generation, so one of us sees the other. */
+    atomic_fetch_add(&pool->sleepers, 1);
+    unsigned g;
+    while ((g = atomic_load(&pool->generation)) == seen && !atomic_load(&pool->stop))
+        pthread_cond_wait(&pool->wake, &pool->lock);
+    atomic_fetch_sub(&pool->sleepers, 1);
+    pthread_mutex_unlock(&pool->lock);
+    return g;
+}
+
+static void *worker_main(void *p) {
+    tl_worker_arg wa = *(tl_worker_arg *)p;
+    free(p);
+    tl_threadpool *pool = wa.pool;
+    unsigned seen = 0; /* the generation at creation: a job posted before we ran is still ours */
+    for (;;) {
+        seen = wait_for_job(pool, seen);
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
+        run_chunks(&pool->job, wa.index);
+        atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+tl_threadpool *tl_threadpool_create(int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    tl_threadpool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->n_threads = n_threads;
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->wake, NULL);
+    atomic_init(&pool->generation, 0);
+    atomic_init(&pool->pending, 0);
+    atomic_init(&pool->sleepers, 0);
+    atomic_init(&pool->stop, 0);
+    atomic_init(&pool->job.next, 0);
+    if (n_threads > 1) {
+        pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
+        if (!pool->threads) {
+            pool->n_threads = 1;
+            tl_threadpool_destroy(pool);
+            return NULL;
+        }
+    }
+    for (int i = 1; i < n_threads; i++) {
+        tl_worker_arg *wa = malloc(sizeof *wa);
+        if (wa) {
+            wa->pool = pool;
+            wa->index = i;
+        }
+        if (!wa || pthread_create(&pool->threads[i - 1], NULL, worker_main, wa) != 0) {
+            free(wa);
+            pool->n_threads = i; /* destroy joins only the threads 1..i-1 that exist */
+            tl_threadpool_destroy(pool);
+            return NULL;
+        }
+    }
+    return pool;
+}
+
+void tl_threadpool_destroy(tl_threadpool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->lock);
+    atomic_store(&pool->stop, 1);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 1; i < pool->n_threads; i++) pthread_join(pool->threads[i - 1], NULL);
+    free(pool->threads);
+    pthread_cond_destroy(&pool->wake);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool);
+}
+
+int tl_threadpool_size(const tl_threadpool *pool) { return pool ? pool->n_threads : 1; }
+
+void tl_parallel_for(tl_threadpool *pool, int n_items, int grain, tl_parallel_fn fn, void *arg) {
+    if (n_items <= 0) return;
+    if (grain < 1) grain = 1;
+    int n_threads = tl_threadpool_size(pool);
+    int n_grains = (n_items + grain - 1) / grain;
+    if (n_threads == 1 || n_grains == 1) {
+        fn(arg, 0, n_items, 0);
+        return;
+    }
+    int n_chunks = n_threads * TL_CHUNKS_PER_THREAD;
+    if (n_chunks > n_grains) n_chunks = n_grains;
+    int grains_per_chunk = (n_grains + n_chunks - 1) / n_chunks;
+
+    tl_job *job = &pool->job;
+    job->fn = fn;
+    job->arg = arg;
+    job->n_items = n_items;
+    job->chunk = grains_per_chunk * grain;
+    atomic_store_explicit(&job->next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool->pending, n_threads - 1, memory_order_relaxed);
+    atomic_fetch_add(&pool->generation, 1); /* seq_cst: publishes the job */
+    if (atomic_load(&pool->sleepers) > 0) {
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_broadcast(&pool->wake);
+        pthread_mutex_unlock(&pool->lock);
+    }
+
+    run_chunks(job, 0);
+
+    /* Workers still inside a chunk finish soon; yield if one was descheduled. */
+    for (int spins = 0; atomic_load_explicit(&pool->pending, memory_order_acquire) > 0; spins++) {
+        if (spins < 4096)
+            TL_CPU_RELAX();
+        else
+            sched_yield();
+    }
+}
+
+int tl_num_cores(void) {
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
