@@ -1,0 +1,123 @@
+"""Write the trained student as a .tinyloop file (docs/format.md).
+
+Reads the fp16 weight shards and student.json that train.py leaves in RUN/weights, takes
+the tied embedding from the teacher GGUF (it is not trained by default), quantizes the
+matrices (q4 by default) and writes dims, architecture/loop metadata, the tokenizer and
+provenance. Fails when the file is larger than --max-bytes.
+
+  python3 tools/train/export.py --weights RUN/weights --gguf TEACHER.gguf --out student.tinyloop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "python"))
+from gguf_tokenizer import special_ids, tokenizer_json  # noqa: E402
+from gguf_weights import GGUFWeights  # noqa: E402
+from tinyloop.format import TinyLoopWriter, read_file  # noqa: E402
+from tinyloop.quantize import quantize  # noqa: E402
+
+MODEL_NAME = "tinyloop-smollm2-looped"
+
+
+def load_weights(folder: Path) -> tuple[dict, dict]:
+    info = json.loads((folder / "student.json").read_text())
+    state = {}
+    for shard in info["shards"]:
+        state.update(torch.load(folder / shard, map_location="cpu", weights_only=True))
+    return info, {k: v.float().numpy() for k, v in state.items()}
+
+
+def tokenizer_metadata(gguf_meta: dict, teacher_tinyloop: str | None) -> dict:
+    """tokenizer.* keys: copied from a converted teacher file when given, else built from
+    the GGUF vocabulary."""
+    if teacher_tinyloop:
+        with read_file(teacher_tinyloop) as f:
+            meta = {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
+        if "tokenizer.json" not in meta:
+            raise SystemExit(f"{teacher_tinyloop} has no tokenizer.json metadata")
+        return meta
+    ids = special_ids(gguf_meta)
+    meta = {"tokenizer.json": tokenizer_json(gguf_meta), "tokenizer.bos_id": ids["bos_id"],
+            "tokenizer.eos_id": ids["eos_id"], "tokenizer.add_bos": ids["add_bos"]}
+    if "tokenizer.chat_template" in gguf_meta:
+        meta["tokenizer.chat_template"] = str(gguf_meta["tokenizer.chat_template"])
+    return meta
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", required=True, help="RUN/weights folder written by train.py")
+    ap.add_argument("--gguf", required=True, help="teacher GGUF (embedding, tokenizer)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--teacher-tinyloop", help="converted teacher: copy its tokenizer.* metadata")
+    ap.add_argument("--dtype", default="q4", choices=("q4", "q8", "f16"), help="block matrices")
+    ap.add_argument("--embed-dtype", default="q4", choices=("q4", "q8", "f16"))
+    ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
+    ap.add_argument("--embed-group-size", type=int, default=64, choices=(32, 64, 128),
+                    help="64 keeps a q4 embedding + six q4 blocks under 32 MB")
+    ap.add_argument("--method", default="rtn", choices=("rtn", "search"))
+    ap.add_argument("--default-depth", type=int, default=0, help="override the trained default")
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--max-bytes", type=int, default=32_000_000)
+    args = ap.parse_args(argv)
+
+    info, state = load_weights(Path(args.weights))
+    dims, cfg = info["dims"], info["student"]
+    gguf = GGUFWeights(args.gguf)
+    if not info.get("embed_trained"):
+        state["embed.weight"] = gguf.tensor("token_embd.weight")
+    default_depth = args.default_depth or cfg["default_depth"]
+    if not 1 <= default_depth <= cfg["max_depth"]:
+        raise SystemExit(f"default depth {default_depth} is outside 1..{cfg['max_depth']}")
+
+    writer = TinyLoopWriter({
+        "vocab_size": dims["vocab"], "d_model": dims["d"], "n_head": dims["heads"],
+        "n_kv_head": dims["kv_heads"], "head_dim": dims["head_dim"], "ffn_dim": dims["ffn"],
+        "n_pre": cfg["n_pre"], "n_core": cfg["n_core"], "n_post": cfg["n_post"],
+        "default_depth": default_depth, "max_depth": cfg["max_depth"],
+        "max_seq_len": args.max_seq_len})
+    meta = {
+        "arch.norm_placement": "pre", "arch.norm_type": "rmsnorm", "arch.norm_eps": float(dims["eps"]),
+        "arch.rope_style": "interleaved", "arch.rope_theta": float(dims["rope_theta"]),
+        "arch.rope_dims": dims["head_dim"], "arch.activation": "silu", "arch.tied_embeddings": 1,
+        "loop.injection": cfg["injection"], "loop.state_init": cfg["state_init"],
+        "loop.norm": int(cfg["loop_norm"]),
+        "general.name": MODEL_NAME,
+        "general.source": f"distilled from {info.get('teacher', 'SmolLM2-135M-Instruct')} "
+                          f"(HuggingFaceTB) by tools/train, step {info.get('step')}",
+        "general.license": "apache-2.0",
+        "general.converter": "tools/train/export.py",
+        **tokenizer_metadata(gguf.metadata, args.teacher_tinyloop),
+    }
+    for key, value in meta.items():
+        writer.add_metadata(key, value)
+
+    for name in sorted(state):
+        w = np.ascontiguousarray(state[name], dtype=np.float32)
+        dtype = args.embed_dtype if name == "embed.weight" else args.dtype
+        if w.ndim == 1 or dtype == "f16":
+            writer.add_tensor(name, w, "f32" if w.ndim == 1 else "f16")
+        else:
+            group = args.embed_group_size if name == "embed.weight" else args.group_size
+            writer.add_tensor(name, quantize(w, dtype, group, args.method))
+    out = Path(args.out)
+    writer.write(str(out))
+    size = out.stat().st_size
+    print(f"wrote {out}: {size} bytes, {len(state)} tensors, default depth {default_depth}")
+    if size > args.max_bytes:
+        raise SystemExit(f"{out} is {size} bytes, over the limit of {args.max_bytes}")
+
+
+if __name__ == "__main__":
+    main()

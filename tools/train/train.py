@@ -1,0 +1,345 @@
+"""Distil the GGUF teacher into the looped student.
+
+loss = kl_weight * T^2 * KL(teacher_T || student_T) + ce_weight * next-token CE, with the
+loop depth drawn uniformly from 1..max_depth at every step so every depth is trained.
+bf16 autocast on CUDA, AdamW, warmup then cosine decay driven by the larger of step and
+time progress (a time-limited run still anneals). Seeded and resumable: --out holds
+latest.pt (weights, optimizer, sampler state, elapsed time), log.jsonl, and at the end
+weights/ (fp16 shards of the trained tensors, each < 15 MiB, + student.json) and
+results.json (per-depth validation and held-out perplexity).
+
+Smoke test on CPU:
+  python3 tools/train/train.py --teacher T.gguf --out /tmp/run --device cpu \
+      --batch 1 --seq 64 --max-steps 3 --eval-every 2 --eval-windows 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from student import LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher  # noqa: E402
+from teacher import load_teacher  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD_BYTES = 15 << 20  # files come back from the GPU machine only below 16 MiB each
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--teacher", required=True, help="teacher GGUF")
+    ap.add_argument("--data", default=str(REPO / ".traindata" / "tokens"))
+    ap.add_argument("--out", required=True, help="run folder (checkpoint, logs, weights)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    # student
+    ap.add_argument("--n-pre", type=int, default=2)
+    ap.add_argument("--n-core", type=int, default=2)
+    ap.add_argument("--n-post", type=int, default=2)
+    ap.add_argument("--max-depth", type=int, default=8)
+    ap.add_argument("--default-depth", type=int, default=8)
+    ap.add_argument("--injection", default="add", choices=("none", "add", "concat"))
+    ap.add_argument("--state-init", default="zeros", choices=("prelude", "zeros"))
+    ap.add_argument("--loop-norm", type=int, default=1, choices=(0, 1))
+    ap.add_argument("--core-init", default="average", choices=("average", "stepwise"))
+    ap.add_argument("--train-embed", action="store_true",
+                    help="also train the tied embedding (off: it stays the teacher's)")
+    # optimisation
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--kl-weight", type=float, default=1.0, help="0 trains with CE only, no teacher pass")
+    ap.add_argument("--ce-weight", type=float, default=0.5)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    # budget and reporting
+    ap.add_argument("--max-steps", type=int, default=0, help="schedule length in steps (0: time only)")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="schedule length in training minutes, summed over resumed runs")
+    ap.add_argument("--run-minutes", type=float, default=0.0,
+                    help="stop this invocation cleanly (and save) after this many minutes")
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-windows", type=int, default=32, help="validation windows per depth")
+    ap.add_argument("--save-every-minutes", type=float, default=2.0)
+    ap.add_argument("--final-eval-tokens", type=int, default=65536,
+                    help="held-out SOTU tokens scored per depth at the end (0: skip)")
+    args = ap.parse_args(argv)
+    if args.max_steps <= 0 and args.max_minutes <= 0:
+        ap.error("give --max-steps and/or --max-minutes")
+    return args
+
+
+def student_config(args) -> StudentConfig:
+    return StudentConfig(n_pre=args.n_pre, n_core=args.n_core, n_post=args.n_post,
+                         max_depth=args.max_depth, default_depth=args.default_depth,
+                         injection=args.injection, state_init=args.state_init,
+                         loop_norm=bool(args.loop_norm), core_init=args.core_init)
+
+
+class Log:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, kind: str, **fields) -> None:
+        rec = {"kind": kind, "time": round(time.time(), 1), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"[{kind}] " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run tools/train/data.py first")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def sample_batch(tokens: np.ndarray, batch: int, seq: int, gen: torch.Generator, device):
+    starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=gen).tolist()
+    x = np.stack([tokens[s:s + seq + 1] for s in starts]).astype(np.int64)
+    x = torch.from_numpy(x).to(device, non_blocking=True)
+    return x[:, :-1], x[:, 1:]
+
+
+def fixed_windows(tokens: np.ndarray, count: int, seq: int) -> list[np.ndarray]:
+    """Evenly spaced, non-random windows so every evaluation sees the same text."""
+    count = max(1, min(count, (len(tokens) - 1) // (seq + 1)))
+    step = (len(tokens) - seq - 1) // count
+    return [np.asarray(tokens[i * step:i * step + seq + 1], dtype=np.int64) for i in range(count)]
+
+
+def lr_at(args, step: int, progress: float) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
+
+
+def distill_loss(s_logits, t_logits, targets, args):
+    """(total, kl, ce); logits [B, T, V] in any float dtype, reduced in float32."""
+    s = s_logits.float().flatten(0, 1)
+    ce = F.cross_entropy(s, targets.flatten())
+    if t_logits is None:
+        return args.ce_weight * ce, torch.zeros((), device=s.device), ce
+    T = args.temperature
+    t_logp = F.log_softmax(t_logits.float().flatten(0, 1) / T, dim=-1)
+    s_logp = F.log_softmax(s / T, dim=-1)
+    kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+    return args.kl_weight * T * T * kl + args.ce_weight * ce, kl, ce
+
+
+@torch.no_grad()
+def mean_nll(model_fn, windows, device, autocast) -> float:
+    total, count = 0.0, 0
+    for w in windows:
+        x = torch.from_numpy(w).to(device)[None]
+        with autocast():
+            logits = model_fn(x[:, :-1])
+        nll = F.cross_entropy(logits.float()[0], x[0, 1:], reduction="sum")
+        total += nll.item()
+        count += x.shape[1] - 1
+    return total / count
+
+
+@torch.no_grad()
+def per_depth_nll(student, windows, device, autocast) -> dict:
+    student.eval()
+    out = {d: mean_nll(lambda x, d=d: student(x, d), windows, device, autocast)
+           for d in range(1, student.cfg.max_depth + 1)}
+    student.train()
+    return out
+
+
+@torch.no_grad()
+def draft_agreement(student, windows, device, autocast, default_depth: int) -> dict:
+    """Share of positions where the greedy token at depth d equals the default depth's."""
+    student.eval()
+    agree = {d: 0 for d in range(1, default_depth)}
+    total = 0
+    for w in windows:
+        x = torch.from_numpy(w).to(device)[None, :-1]
+        with autocast():
+            ref = student(x, default_depth).argmax(-1)
+            for d in agree:
+                agree[d] += (student(x, d).argmax(-1) == ref).sum().item()
+        total += ref.numel()
+    student.train()
+    return {d: a / total for d, a in agree.items()}
+
+
+def save_atomic(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_weights(student, out: Path, extra: dict) -> list[str]:
+    """fp16 shards of every trained tensor (the frozen embedding is re-read from the GGUF at
+    export), small enough to come back from the GPU machine, plus student.json."""
+    folder = out / "weights"
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("student-*.pt"):
+        old.unlink()
+    shards, current, size = [], {}, 0
+    for name, p in student.state_dict().items():
+        if name == "embed.weight" and not extra.get("embed_trained"):
+            continue
+        t = p.detach().to("cpu", torch.float16)
+        if current and size + t.numel() * 2 > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += t.numel() * 2
+    shards.append(current)
+    names = []
+    for i, shard in enumerate(shards):
+        path = folder / f"student-{i:02d}.pt"
+        torch.save(shard, path)
+        names.append(path.name)
+    (folder / "student.json").write_text(json.dumps({**student.config_dict(), **extra, "shards": names},
+                                                    indent=1) + "\n")
+    return names
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "log.jsonl")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    data = Path(args.data)
+    train_tokens = load_tokens(data / "train.u16")
+    val_windows = fixed_windows(load_tokens(data / "val.u16"), args.eval_windows, args.seq)
+
+    t0 = time.time()
+    teacher, meta = load_teacher(args.teacher)
+    teacher.to(device)
+    if device.type == "cuda":
+        teacher.to(torch.bfloat16)
+    cfg = student_config(args)
+    student = LoopedStudent(teacher.dims, cfg).to(device)
+    student.embed.weight.requires_grad_(args.train_embed)
+    log("setup", device=str(device), teacher_load_s=round(time.time() - t0, 1),
+        student=asdict(cfg), train_tokens=len(train_tokens), val_windows=len(val_windows))
+
+    decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
+    no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    step, elapsed = 0, 0.0
+    ckpt = out / "latest.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        if state["student_config"] != asdict(cfg):
+            raise SystemExit(f"{ckpt} was made with {state['student_config']}, not {asdict(cfg)}")
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["sampler"])
+        step, elapsed = state["step"], state["elapsed"]
+        log("resume", step=step, elapsed_s=round(elapsed, 1))
+    else:
+        init_from_teacher(student, teacher.float())
+        if device.type == "cuda":
+            teacher.to(torch.bfloat16)
+        x, _ = sample_batch(train_tokens, min(args.batch, 4), args.seq, torch.Generator().manual_seed(args.seed + 1), device)
+        gain = calibrate_loop_norm(student, x)
+        log("init", loop_norm_gain=round(gain, 3),
+            val_nll={d: round(v, 4) for d, v in per_depth_nll(student, val_windows[:4], device, autocast).items()})
+        if args.kl_weight > 0:
+            log("teacher", val_nll=round(mean_nll(teacher, val_windows, device, autocast), 4))
+
+    def checkpoint():
+        save_atomic({"model": student.state_dict(), "optimizer": opt.state_dict(),
+                     "sampler": gen.get_state(), "step": step, "elapsed": elapsed,
+                     "student_config": asdict(cfg), "args": vars(args)}, ckpt)
+
+    def progress() -> float:
+        p = 0.0
+        if args.max_steps > 0:
+            p = max(p, step / args.max_steps)
+        if args.max_minutes > 0:
+            p = max(p, elapsed / (args.max_minutes * 60))
+        return p
+
+    run_start = time.time()
+    last_save, last_tick = time.time(), time.time()
+    student.train()
+    while progress() < 1.0:
+        if args.run_minutes > 0 and time.time() - run_start > args.run_minutes * 60:
+            log("stop", reason="run-minutes reached", step=step)
+            break
+        depth = int(torch.randint(1, cfg.max_depth + 1, (1,), generator=gen))
+        x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device)
+        lr = lr_at(args, step, progress())
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with autocast():
+            t_logits = teacher(x) if args.kl_weight > 0 else None
+            s_logits = student(x, depth)
+        loss, kl, ce = distill_loss(s_logits, t_logits, y, args)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - last_tick
+        last_tick = now
+        if step % 10 == 0 or step == 1:
+            log("train", step=step, depth=depth, loss=round(loss.item(), 4), kl=round(kl.item(), 4),
+                ce=round(ce.item(), 4), lr=f"{lr:.2e}", gnorm=round(gnorm.item(), 3),
+                elapsed_s=round(elapsed, 1), tok_s=round(step * args.batch * args.seq / max(elapsed, 1e-9)))
+        if step % args.eval_every == 0:
+            log("val", step=step, nll={d: round(v, 4) for d, v in
+                                       per_depth_nll(student, val_windows, device, autocast).items()})
+        if now - last_save > args.save_every_minutes * 60:
+            checkpoint()
+            last_save = now
+    checkpoint()
+
+    results = {"step": step, "elapsed_s": round(elapsed, 1), "finished": progress() >= 1.0,
+               "val_nll": per_depth_nll(student, val_windows, device, autocast)}
+    results["val_ppl"] = {d: math.exp(v) for d, v in results["val_nll"].items()}
+    eval_path = data / "eval_sotu.u16"
+    if args.final_eval_tokens > 0 and eval_path.exists():
+        eval_tokens = load_tokens(eval_path)[:args.final_eval_tokens]
+        windows = fixed_windows(eval_tokens, len(eval_tokens) // (args.seq + 1), args.seq)
+        nll = per_depth_nll(student, windows, device, autocast)
+        results["heldout_sotu_ppl"] = {d: math.exp(v) for d, v in nll.items()}
+        results["heldout_sotu_teacher_ppl"] = math.exp(mean_nll(teacher, windows, device, autocast))
+        results["heldout_draft_agreement"] = draft_agreement(student, windows, device, autocast,
+                                                             cfg.default_depth)
+    log("final", **{k: v for k, v in results.items()})
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    shards = save_weights(student, out, {"embed_trained": bool(args.train_embed), "step": step,
+                                         "teacher": Path(args.teacher).name})
+    log("saved", weights=shards)
+
+
+if __name__ == "__main__":
+    main()
