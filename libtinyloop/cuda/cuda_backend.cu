@@ -1,13 +1,314 @@
-// cuda_backend.cu — entry points of libtinyloop_cuda.so, the CUDA backend that the
-// core dlopen()s only when a CUDA device is requested (src/backend_loader.c).
-// Every entry point is extern "C", catches nothing (no exceptions are thrown in
-// here) and reports CUDA errors as text, never by aborting.
-#include <cuda_runtime.h>
+// cuda_backend.cu — entry points of libtinyloop_cuda.so and its tl_backend_ops table.
+// The core dlopen()s this library only when a CUDA device is requested
+// (src/backend_loader.c). Nothing here aborts: synchronous failures return a
+// tl_status with the message in a thread-local buffer (tl_cuda_last_error()), and
+// failures of the asynchronous ops are recorded in the tl_exec and reported by
+// ops->status(). All ops of one context run in order on that context's stream;
+// download() and logprobs() synchronise it.
+#include "cuda_common.cuh"
 
-#include <cstddef>
+#include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 
-#define TL_CUDA_API extern "C" __attribute__((visibility("default")))
+// ---- errors --------------------------------------------------------------------------
+
+namespace {
+thread_local char error_text[1024];
+}
+
+tl_status cuda_fail(tl_status st, const char *fmt, ...) {
+    char scratch[sizeof error_text];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(scratch, sizeof scratch, fmt, args);
+    va_end(args);
+    memcpy(error_text, scratch, sizeof scratch);
+    return st;
+}
+
+const char *cuda_error_text() { return error_text; }
+
+int exec_check(tl_exec *ex, cudaError_t err, const char *what) {
+    if (err == cudaSuccess) return 0;
+    if (ex->error == TL_OK) {
+        ex->error = TL_ERR_BACKEND;
+        snprintf(ex->message, sizeof ex->message, "CUDA error in %s: %s (%s)", what,
+                 cudaGetErrorString(err), cudaGetErrorName(err));
+    }
+    return 1;
+}
+
+namespace {
+
+// Ops may be called from any host thread: make the backend's device current.
+int bind(tl_exec *ex) { return exec_check(ex, cudaSetDevice(ex->be->device), "cudaSetDevice"); }
+
+// Where an op's arguments are out of what this execution state was sized for.
+int exec_reject(tl_exec *ex, const char *what) {
+    if (ex->error == TL_OK) {
+        ex->error = TL_ERR_INTERNAL;
+        snprintf(ex->message, sizeof ex->message, "CUDA backend: %s", what);
+    }
+    return 1;
+}
+
+cuda_backend *impl_of(const tl_backend *be) { return static_cast<cuda_backend *>(be->impl); }
+
+__global__ void probe_kernel(int *out) {
+    if (out) *out = 1;
+}
+
+// ---- model -----------------------------------------------------------------------------
+
+tl_status cuda_prepare_model(tl_backend *be, const struct tl_model *model) {
+    cuda_backend *impl = impl_of(be);
+    impl->model = model;
+    cudaError_t err = cudaSetDevice(impl->device);
+    if (err != cudaSuccess)
+        return cuda_fail(TL_ERR_BACKEND, "cudaSetDevice(%d): %s", impl->device, cudaGetErrorString(err));
+    return cuda_upload_model(impl, model);
+}
+
+void cuda_destroy(tl_backend *be) {
+    if (!be) return;
+    cuda_backend *impl = impl_of(be);
+    if (impl) {
+        cudaSetDevice(impl->device);
+        cuda_free_model(impl);
+        delete impl;
+    }
+    free(be);
+}
+
+void cuda_memory(const tl_backend *be, uint64_t *weights, uint64_t *repacked, uint64_t *device) {
+    const cuda_backend *impl = impl_of(be);
+    *weights = impl->weight_bytes;
+    *repacked = 0;   // the kernels read the file's layout
+    *device = impl->device_bytes.load();
+}
+
+// ---- execution state -------------------------------------------------------------------
+
+void cuda_exec_destroy(tl_exec *ex) {
+    if (!ex) return;
+    cudaSetDevice(ex->be->device);
+    if (ex->stream) {
+        cudaStreamSynchronize(ex->stream);
+        cudaStreamDestroy(ex->stream);
+    }
+    cudaFree(ex->d_ints);
+    cudaFree(ex->d_floats);
+    cudaFree(ex->attn_partial);
+    ex->be->device_bytes -= ex->bytes;
+    free(ex);
+}
+
+// n_threads is a CPU notion: the device needs no host workers.
+tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int max_seq, tl_exec **out) {
+    cuda_backend *impl = impl_of(be);
+    const tl_hparams &hp = impl->model->hp;
+    tl_exec *ex = static_cast<tl_exec *>(calloc(1, sizeof *ex));
+    if (!ex) return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a CUDA execution state");
+    ex->be = impl;
+    ex->max_rows = max_rows;
+    ex->max_seq = max_seq;
+    size_t rows = max_rows > 0 ? (size_t)max_rows : 1;
+    ex->attn_partial_floats = attention_partial_floats(hp.n_head, hp.head_dim, max_seq);
+    cudaError_t err = cudaSetDevice(impl->device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&ex->sm_count, cudaDevAttrMultiProcessorCount, impl->device);
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
+    if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
+    if (err == cudaSuccess) err = cudaMalloc(&ex->attn_partial, ex->attn_partial_floats * sizeof(float));
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        ex->bytes = 0;
+        cuda_exec_destroy(ex);
+        return cuda_fail(TL_ERR_BACKEND, "cannot create a CUDA execution state: %s", cudaGetErrorString(err));
+    }
+    ex->bytes = rows * (sizeof(int32_t) + sizeof(float)) + ex->attn_partial_floats * sizeof(float);
+    impl->device_bytes += ex->bytes;
+    *out = ex;
+    return TL_OK;
+}
+
+size_t cuda_exec_bytes(const tl_exec *ex) { return ex->bytes; }
+
+// Waits for the context's queued work, so kernel faults surface here, and returns the
+// first error since the last call (message via tl_cuda_last_error()).
+tl_status cuda_status(tl_exec *ex) {
+    if (!bind(ex)) exec_check(ex, cudaStreamSynchronize(ex->stream), "a queued kernel");
+    tl_status st = ex->error;
+    if (st != TL_OK) {
+        cuda_fail(st, "%s", ex->message);
+        ex->error = TL_OK;
+        ex->message[0] = '\0';
+    }
+    return st;
+}
+
+// ---- buffers and transfers --------------------------------------------------------------
+
+tl_status cuda_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
+    cuda_backend *impl = impl_of(be);
+    tl_buf *b = static_cast<tl_buf *>(malloc(sizeof *b));
+    if (!b) return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a buffer descriptor");
+    size_t bytes = (n_floats ? n_floats : 1) * sizeof(float);
+    cudaError_t err = cudaSetDevice(impl->device);
+    if (err == cudaSuccess) err = cudaMalloc(&b->data, bytes);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        free(b);
+        return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of device memory: %s",
+                         bytes / 1048576.0, cudaGetErrorString(err));
+    }
+    b->n = n_floats;
+    b->owner = impl;
+    impl->device_bytes += bytes;
+    *out = b;
+    return TL_OK;
+}
+
+void cuda_buf_free(tl_buf *b) {
+    if (!b) return;
+    cudaSetDevice(b->owner->device);
+    cudaFree(b->data);
+    b->owner->device_bytes -= (b->n ? b->n : 1) * sizeof(float);
+    free(b);
+}
+
+// From pageable host memory, cudaMemcpyAsync returns once the source has been staged,
+// so callers may reuse `src` immediately.
+void cuda_upload(tl_exec *ex, tl_act dst, const float *src, size_t count) {
+    if (bind(ex) || count == 0) return;
+    exec_check(ex, cudaMemcpyAsync(P(dst), src, count * sizeof(float), cudaMemcpyHostToDevice, ex->stream),
+               "upload");
+}
+
+void cuda_download(tl_exec *ex, float *dst, tl_act src, size_t count) {
+    if (bind(ex) || count == 0) return;
+    if (!exec_check(ex, cudaMemcpyAsync(dst, P(src), count * sizeof(float), cudaMemcpyDeviceToHost, ex->stream),
+                    "download"))
+        exec_check(ex, cudaStreamSynchronize(ex->stream), "download (or a kernel before it)");
+}
+
+void cuda_copy_rows(tl_exec *ex, tl_act dst, size_t ld_dst, tl_act src, size_t ld_src, int n, int width) {
+    if (!bind(ex)) launch_copy_rows(ex, P(dst), ld_dst, P(src), ld_src, n, width);
+}
+
+void cuda_fill(tl_exec *ex, tl_act dst, size_t count, float value) {
+    if (!bind(ex)) launch_fill(ex, P(dst), count, value);
+}
+
+void cuda_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0, float sigma) {
+    if (!bind(ex)) launch_fill_noise(ex, P(dst), n, d, seed, pos0, sigma);
+}
+
+// Host ints (token ids, targets) into the execution state's device array.
+int upload_ints(tl_exec *ex, const int32_t *values, int n, const char *what) {
+    if (n > ex->max_rows) return exec_reject(ex, "more rows than the context was sized for");
+    return exec_check(ex, cudaMemcpyAsync(ex->d_ints, values, (size_t)n * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, ex->stream), what);
+}
+
+// ---- math -------------------------------------------------------------------------------
+
+void cuda_embed(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n, float scale, tl_act out) {
+    if (bind(ex) || n <= 0 || upload_ints(ex, tokens, n, "embed (token upload)")) return;
+    launch_embed(ex, *W(table), ex->d_ints, n, scale, P(out));
+}
+
+void cuda_matmul(tl_exec *ex, const tl_tensor *w, tl_act x, size_t ldx, int n, tl_act y, size_t ldy) {
+    if (!bind(ex)) launch_matmul(ex, *W(w), P(x), ldx, n, P(y), ldy);
+}
+
+// Activations are not quantized, so there is nothing to share: one matmul each.
+void cuda_matmul_multi(tl_exec *ex, const tl_tensor *const *ws, int n_w, tl_act x, size_t ldx, int n,
+                       const tl_act *ys, const size_t *ldys) {
+    if (bind(ex)) return;
+    for (int j = 0; j < n_w; j++) launch_matmul(ex, *W(ws[j]), P(x), ldx, n, P(ys[j]), ldys[j]);
+}
+
+void cuda_add_bias(tl_exec *ex, tl_act y, int n, int d, const tl_tensor *bias) {
+    if (!bind(ex)) launch_add_bias(ex, P(y), n, d, *W(bias));
+}
+
+void cuda_add(tl_exec *ex, tl_act y, tl_act x, size_t count) {
+    if (!bind(ex)) launch_add(ex, P(y), P(x), count);
+}
+
+void cuda_norm(tl_exec *ex, const tl_norm_weights *w, const tl_norm_params *p, tl_act x, int n, int d,
+               tl_act out) {
+    if (bind(ex)) return;
+    const dev_weight *bias = (p->type == TL_NORMTYPE_LAYER && w->bias.data) ? W(&w->bias) : nullptr;
+    launch_norm(ex, *W(&w->weight), bias, *p, P(x), n, d, P(out));
+}
+
+void cuda_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, int pos0, const tl_rope_params *p) {
+    if (!bind(ex)) launch_rope(ex, P(x), n, n_heads, head_dim, pos0, *p);
+}
+
+void cuda_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count, tl_activation act) {
+    if (!bind(ex)) launch_gated_act(ex, P(gate), P(up), count, act == TL_ACT_GELU_TANH ? 1 : 0);
+}
+
+void cuda_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache, tl_act v_cache,
+                    const tl_attn_geom *g, tl_act out) {
+    if (!bind(ex)) launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out));
+}
+
+void cuda_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets, float *out) {
+    if (bind(ex) || n <= 0 || upload_ints(ex, targets, n, "logprobs (target upload)")) return;
+    launch_logprobs(ex, P(logits), n, vocab, ex->d_ints, ex->d_floats);
+    if (!exec_check(ex, cudaMemcpyAsync(out, ex->d_floats, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
+                                        ex->stream), "logprobs (download)"))
+        exec_check(ex, cudaStreamSynchronize(ex->stream), "logprobs (or a kernel before it)");
+}
+
+const tl_backend_ops cuda_ops = {
+    /* prepare_model */ cuda_prepare_model,
+    /* destroy */ cuda_destroy,
+    /* memory */ cuda_memory,
+    /* exec_create */ cuda_exec_create,
+    /* exec_destroy */ cuda_exec_destroy,
+    /* exec_bytes */ cuda_exec_bytes,
+    /* status */ cuda_status,
+    /* buf_alloc */ cuda_buf_alloc,
+    /* buf_free */ cuda_buf_free,
+    /* upload */ cuda_upload,
+    /* download */ cuda_download,
+    /* copy_rows */ cuda_copy_rows,
+    /* fill */ cuda_fill,
+    /* fill_noise */ cuda_fill_noise,
+    /* embed */ cuda_embed,
+    /* matmul */ cuda_matmul,
+    /* matmul_multi */ cuda_matmul_multi,
+    /* add_bias */ cuda_add_bias,
+    /* add */ cuda_add,
+    /* norm */ cuda_norm,
+    /* rope */ cuda_rope,
+    /* gated_act */ cuda_gated_act,
+    /* attention */ cuda_attention,
+    /* logprobs */ cuda_logprobs,
+};
+
+int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int write_msg(char *msg, size_t msg_len, const char *fmt, ...) {
+    if (msg && msg_len) {
+        va_list args;
+        va_start(args, fmt);
+        vsnprintf(msg, msg_len, fmt, args);
+        va_end(args);
+    }
+    return 1;
+}
+
+}  // namespace
+
+// ---- exported entry points ----------------------------------------------------------------
 
 // Fills *device_count and a human-readable description of device 0 (or the error).
 // Returns 0 when at least one device is usable, non-zero otherwise.
@@ -15,22 +316,54 @@ TL_CUDA_API int tl_cuda_probe(int *device_count, char *msg, size_t msg_len) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (device_count) *device_count = (err == cudaSuccess) ? count : 0;
-    if (err != cudaSuccess) {
-        if (msg && msg_len) snprintf(msg, msg_len, "CUDA unavailable: %s", cudaGetErrorString(err));
-        return 1;
-    }
-    if (count == 0) {
-        if (msg && msg_len) snprintf(msg, msg_len, "no CUDA device found");
-        return 1;
-    }
+    if (err != cudaSuccess) return write_msg(msg, msg_len, "CUDA unavailable: %s", cudaGetErrorString(err));
+    if (count == 0) return write_msg(msg, msg_len, "no CUDA device found");
     cudaDeviceProp prop;
     err = cudaGetDeviceProperties(&prop, 0);
-    if (err != cudaSuccess) {
-        if (msg && msg_len) snprintf(msg, msg_len, "cudaGetDeviceProperties: %s", cudaGetErrorString(err));
-        return 1;
-    }
-    if (msg && msg_len)
-        snprintf(msg, msg_len, "%d device(s); device 0: %s (sm_%d%d, %.1f GiB)", count, prop.name,
-                 prop.major, prop.minor, prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
+    if (err != cudaSuccess) return write_msg(msg, msg_len, "cudaGetDeviceProperties: %s", cudaGetErrorString(err));
+    write_msg(msg, msg_len, "%d device(s); device 0: %s (sm_%d%d, %.1f GiB)", count, prop.name, prop.major,
+              prop.minor, prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
     return 0;
 }
+
+// Creates the backend on device `device_index` (-1 = device 0). Returns 0 and *out, or
+// non-zero with the reason in msg.
+TL_CUDA_API int tl_cuda_backend_create(int device_index, tl_backend **out, char *msg, size_t msg_len) {
+    *out = nullptr;
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) return write_msg(msg, msg_len, "CUDA unavailable: %s", cudaGetErrorString(err));
+    int device = device_index < 0 ? 0 : device_index;
+    if (device >= count)
+        return write_msg(msg, msg_len, "CUDA device %d requested but %d device(s) found", device, count);
+    cudaDeviceProp prop;
+    err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaGetDeviceProperties(&prop, device);
+    if (err != cudaSuccess) return write_msg(msg, msg_len, "CUDA device %d: %s", device, cudaGetErrorString(err));
+    // Fails when the library holds no code this GPU can run (built for other archs).
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, probe_kernel);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return write_msg(msg, msg_len, "CUDA device %d (%s, sm_%d%d) cannot run this build's kernels: %s; "
+                         "rebuild with -Dgpu_archs=%d%d", device, prop.name, prop.major, prop.minor,
+                         cudaGetErrorString(err), prop.major, prop.minor);
+    }
+    tl_backend *be = static_cast<tl_backend *>(calloc(1, sizeof *be));
+    cuda_backend *impl = new (std::nothrow) cuda_backend();
+    if (!be || !impl) {
+        free(be);
+        delete impl;
+        return write_msg(msg, msg_len, "cannot allocate the CUDA backend");
+    }
+    impl->device = device;
+    be->ops = &cuda_ops;
+    be->impl = impl;
+    be->device_index = device;
+    snprintf(be->name, sizeof be->name, "cuda:%d (%.40s)", device, prop.name);
+    *out = be;
+    return 0;
+}
+
+// This thread's message of the last failed op that returned a tl_status.
+TL_CUDA_API const char *tl_cuda_last_error(void) { return cuda_error_text(); }

@@ -3,15 +3,20 @@
  * "cpu" (or NULL) is the built-in CPU backend. "cuda" / "cuda:N" dlopen()s
  * libtinyloop_cuda.so from the directory of libtinyloop.so itself (found with
  * dladdr, so it works from a build tree, an install or a Python wheel alike) and
- * asks it for devices through tl_cuda_probe(). "auto" prefers CUDA and falls back
- * to the CPU when CUDA cannot serve. The CUDA ops table is not built yet, so a
- * CUDA request that finds a device still ends in TL_ERR_UNSUPPORTED. */
+ * asks it for a backend through tl_cuda_backend_create(). "auto" prefers CUDA and
+ * falls back to the CPU when CUDA cannot serve.
+ *
+ * The CUDA library cannot reach the core's tl_fail(): its ops that return a status
+ * leave their message in a thread-local buffer of the library. The loader therefore
+ * hands out a copy of the library's ops table whose status-returning entries relay
+ * that message to tl_fail(), so orchestration sees ordinary TinyLoop errors. */
 #define _GNU_SOURCE
 #include "backend.h"
 
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +25,8 @@
 
 #define TL_CUDA_LIBRARY "libtinyloop_cuda.so"
 
-typedef int (*tl_cuda_probe_fn)(int *device_count, char *msg, size_t msg_len);
+typedef int (*tl_cuda_create_fn)(int device_index, tl_backend **out, char *msg, size_t msg_len);
+typedef const char *(*tl_cuda_error_fn)(void);
 
 /* Parse "cuda" / "cuda:N": returns 1 and sets *index (-1 = any) on a CUDA string,
  * 0 when the string is not a CUDA one, -1 when it is malformed. */
@@ -68,9 +74,33 @@ static void *open_cuda_library(char *tried, size_t tried_cap) {
     return NULL;
 }
 
-/* Can CUDA serve `device` (index -1 = any)? TL_OK means a device exists; otherwise
- * the error names why not. */
-static tl_status probe_cuda(const char *device, int index) {
+/* The library's ops table and message function, and the relaying copy handed out.
+ * The library stays loaded for the life of the process once a backend came from it. */
+static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
+static const tl_backend_ops *cuda_lib_ops;
+static tl_cuda_error_fn cuda_lib_error;
+static tl_backend_ops cuda_relay_ops;
+
+static tl_status relay(tl_status st) {
+    if (st == TL_OK) return st;
+    const char *msg = cuda_lib_error ? cuda_lib_error() : NULL;
+    return tl_fail(st, "%s", msg && msg[0] ? msg : "CUDA backend error");
+}
+
+static tl_status relay_prepare_model(tl_backend *be, const struct tl_model *model) {
+    return relay(cuda_lib_ops->prepare_model(be, model));
+}
+static tl_status relay_exec_create(tl_backend *be, int n_threads, int max_rows, int max_seq,
+                                   tl_exec **out) {
+    return relay(cuda_lib_ops->exec_create(be, n_threads, max_rows, max_seq, out));
+}
+static tl_status relay_status(tl_exec *ex) { return relay(cuda_lib_ops->status(ex)); }
+static tl_status relay_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
+    return relay(cuda_lib_ops->buf_alloc(be, n_floats, out));
+}
+
+/* Open the CUDA library and create a backend on device `index` (-1 = the first). */
+static tl_status open_cuda(const char *device, int index, tl_backend **out) {
     char tried[2 * PATH_MAX + 256];
     void *lib = open_cuda_library(tried, sizeof tried);
     if (!lib)
@@ -78,43 +108,55 @@ static tl_status probe_cuda(const char *device, int index) {
                        "device \"%s\" requested but the CUDA backend library was not found "
                        "(tried %s); build with -Dcuda=enabled on a machine with nvcc",
                        device, tried);
-    tl_cuda_probe_fn probe = (tl_cuda_probe_fn)(uintptr_t)dlsym(lib, "tl_cuda_probe");
-    if (!probe) {
+    tl_cuda_create_fn create = (tl_cuda_create_fn)(uintptr_t)dlsym(lib, "tl_cuda_backend_create");
+    tl_cuda_error_fn error = (tl_cuda_error_fn)(uintptr_t)dlsym(lib, "tl_cuda_last_error");
+    if (!create || !error) {
         dlclose(lib);
-        return tl_fail(TL_ERR_UNSUPPORTED, "device \"%s\": %s does not export tl_cuda_probe",
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "device \"%s\": %s does not export tl_cuda_backend_create / tl_cuda_last_error",
                        device, TL_CUDA_LIBRARY);
     }
-    int count = 0;
-    char msg[256] = "";
-    int rc = probe(&count, msg, sizeof msg);
-    dlclose(lib);
+    char msg[512] = "";
+    tl_backend *be = NULL;
+    int rc = create(index, &be, msg, sizeof msg);
     msg[sizeof msg - 1] = '\0';
-    if (rc != 0 || count <= 0)
+    if (rc != 0 || !be) {
+        dlclose(lib);
         return tl_fail(TL_ERR_UNSUPPORTED, "device \"%s\" requested but no CUDA device is usable%s%s",
                        device, msg[0] ? ": " : "", msg);
-    if (index >= count)
-        return tl_fail(TL_ERR_UNSUPPORTED, "device \"%s\" requested but only %d CUDA device%s found",
-                       device, count, count == 1 ? " was" : "s were");
+    }
+    pthread_mutex_lock(&cuda_lock);
+    if (!cuda_lib_ops) {
+        cuda_lib_ops = be->ops;
+        cuda_lib_error = error;
+        cuda_relay_ops = *be->ops;
+        cuda_relay_ops.prepare_model = relay_prepare_model;
+        cuda_relay_ops.exec_create = relay_exec_create;
+        cuda_relay_ops.status = relay_status;
+        cuda_relay_ops.buf_alloc = relay_buf_alloc;
+    } else {
+        dlclose(lib);   /* already loaded: drop the extra reference */
+    }
+    pthread_mutex_unlock(&cuda_lock);
+    be->ops = &cuda_relay_ops;
+    *out = be;
     return TL_OK;
 }
 
 tl_status tl_backend_open(const char *device, tl_backend **out) {
     if (!device || strcmp(device, "cpu") == 0) return tl_backend_cpu_create(out);
     if (strcmp(device, "auto") == 0) {
-        /* No CUDA ops table exists yet, so even a found device falls back to the CPU. */
+        if (open_cuda(device, -1, out) == TL_OK) return TL_OK;
+        tl_clear_error();   /* no usable CUDA device is the normal case for auto */
         return tl_backend_cpu_create(out);
     }
     int index = -1;
     int kind = parse_cuda(device, &index);
-    if (kind == 0 || kind < 0)
+    if (kind <= 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "unknown device \"%s\" (expected \"cpu\", \"auto\", \"cuda\" or \"cuda:N\")",
                        device);
-    tl_status st = probe_cuda(device, index);
-    if (st != TL_OK) return st;
-    return tl_fail(TL_ERR_UNSUPPORTED,
-                   "device \"%s\": a CUDA device was found, but the CUDA backend ops are not "
-                   "built yet; use device \"cpu\"", device);
+    return open_cuda(device, index, out);
 }
 
 void tl_backend_close(tl_backend *be) {

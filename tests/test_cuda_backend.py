@@ -1,0 +1,165 @@
+"""The CUDA backend against the CPU backend on the same random models.
+
+Covers every weight dtype and group size, shapes that take each kernel path (GEMV for
+up to 8 rows and the tiled GEMM above, one and several GEMM tiles, head_dim 16 to 128,
+split-sequence decode attention over long contexts, sliding windows), cached decode
+against full scoring on the device, greedy generation, and the memory report.
+
+Without a usable CUDA device (the normal case in CI) every test is skipped with the
+reason; with TINYLOOP_TEST_DEVICE=cuda (tools/gpu_check) a missing device fails instead.
+The oracle comparison on CUDA is tests/test_parity.py with TINYLOOP_TEST_DEVICE=cuda.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop.random_model import make_random_model
+from test_parity import DEVICE_TOLERANCE, TOLERANCES
+
+CUDA = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu")
+if not CUDA.startswith("cuda"):
+    CUDA = "cuda"
+REQUIRED = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu").startswith("cuda")
+
+# CUDA keeps activations fp32; the CPU rounds them against quantized weights, so those
+# models are compared at the sum of both backends' bounds to the exact oracle
+# (tests/test_parity.py), float models at the CUDA bound.
+FLOAT_TOLERANCE = DEVICE_TOLERANCE
+QUANTIZED_TOLERANCE = tuple(a + b for a, b in zip(TOLERANCES["quantized"], DEVICE_TOLERANCE))
+
+SMALL = dict(seed=5, vocab_size=160, d_model=128, n_head=4, n_kv_head=2, head_dim=32, ffn_dim=256,
+             n_pre=1, n_core=1, n_post=1, default_depth=3, max_depth=4, max_seq_len=96)
+DTYPES = {
+    "f32": dict(dtype="f32"),
+    "f16": dict(dtype="f16"),
+    "bf16": dict(dtype="bf16"),
+    **{f"{q}-g{g}": dict(dtype=q, group_size=g) for q in ("q8", "q4", "q2") for g in (32, 64, 128)},
+    "q4-embed-f16-untied": dict(dtype="q4", group_size=64, embed_dtype="f16", tied_embeddings=0),
+}
+# Long enough for several GEMM tiles in prefill and many attention splits in decode.
+LONG = dict(seed=9, vocab_size=300, d_model=256, n_head=4, n_kv_head=1, head_dim=128, ffn_dim=512,
+            n_pre=1, n_core=1, n_post=0, default_depth=2, max_depth=2, max_seq_len=600)
+LONG_CASES = {
+    "long-f16": dict(dtype="f16"),
+    "long-q4-window": dict(dtype="q4", group_size=64, sliding_window=100),
+    "long-q2-warm": dict(dtype="q2", group_size=128, state_init="warm"),
+}
+
+
+def _cuda_unusable_reason():
+    path = "/nonexistent.tinyloop"
+    try:
+        tinyloop.Model(path, device=CUDA)
+    except tinyloop.UnsupportedError as e:
+        return str(e)
+    except Exception:   # the device opened; the file then failed, as intended
+        return None
+    return None
+
+
+_REASON = _cuda_unusable_reason()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_device():
+    if _REASON is not None:
+        if REQUIRED:
+            pytest.fail(f"TINYLOOP_TEST_DEVICE={CUDA} but CUDA is not usable: {_REASON}")
+        pytest.skip(f"CUDA BACKEND NOT TESTED: {_REASON}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cuda")
+
+
+def _model(model_dir, name, base, overrides):
+    path = model_dir / f"{name}.tinyloop"
+    if not path.exists():
+        make_random_model(path, **{**base, **overrides})
+    return path
+
+
+def _tolerance(config):
+    quantized = ("q8", "q4", "q2")
+    return QUANTIZED_TOLERANCE if config.get("dtype") in quantized else FLOAT_TOLERANCE
+
+
+def assert_close(actual, expected, tolerance, what):
+    atol, rtol = tolerance
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    err = np.abs(actual - expected)
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    assert np.all(err <= atol + rtol * np.abs(expected)), f"{what}: max |error| {err.max():.3g}"
+
+
+def _tokens(seed, vocab, n):
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("n_tokens", [5, 40, 70])   # GEMV, one GEMM tile, two GEMM tiles
+def test_scores_match_cpu(model_dir, name, n_tokens):
+    config = {**SMALL, **DTYPES[name]}
+    path = _model(model_dir, name, SMALL, DTYPES[name])
+    tokens = _tokens(n_tokens, SMALL["vocab_size"], n_tokens)
+    with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
+        for depth in (1, SMALL["max_depth"]):
+            assert_close(gpu.score(tokens, depth=depth), cpu.score(tokens, depth=depth),
+                         _tolerance(config), f"{name} depth {depth} log-probs")
+            assert_close(gpu.score_last_token(tokens, depth=depth),
+                         cpu.score_last_token(tokens, depth=depth), _tolerance(config),
+                         f"{name} depth {depth} last logits")
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_long_prefill_and_split_decode(model_dir, name):
+    """A 500-token prefill (several GEMM and attention tiles), then decode steps whose
+    attention is split over the sequence, against the CPU and against full scoring."""
+    config = {**LONG, **LONG_CASES[name]}
+    path = _model(model_dir, name, LONG, LONG_CASES[name])
+    tokens = _tokens(3, LONG["vocab_size"], 508)
+    depth = LONG["default_depth"]
+    with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
+        full_gpu = gpu.score_last_token(tokens, depth=depth)
+        assert_close(full_gpu, cpu.score_last_token(tokens, depth=depth), _tolerance(config),
+                     f"{name} last logits")
+        with gpu.context() as ctx:
+            ctx.append(tokens[:500], depth=depth)
+            for t in tokens[500:-1]:
+                ctx.append([int(t)], depth=depth)
+            step = ctx.append([int(tokens[-1])], depth=depth)
+        assert_close(step, full_gpu, FLOAT_TOLERANCE, f"{name} cached decode vs full scoring")
+
+
+def test_greedy_generation_matches_cpu(model_dir):
+    path = _model(model_dir, "f32", SMALL, DTYPES["f32"])
+    prompt = _tokens(1, SMALL["vocab_size"], 8)
+    with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
+        a = cpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
+        b = gpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
+    assert a.tokens == b.tokens
+
+
+def test_memory_report_counts_device_allocations(model_dir):
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    with tinyloop.Model(path, device=CUDA) as gpu:
+        assert gpu.info.device_index >= 0 and "cuda" in gpu.info.device_name
+        before = gpu.memory_report()
+        assert before["device_bytes"] >= before["weights_bytes"] > 0
+        with gpu.context() as ctx:
+            ctx.append(_tokens(2, SMALL["vocab_size"], 4))
+            during = gpu.memory_report()
+            assert during["device_bytes"] >= before["device_bytes"] + during["kv_cache_bytes"]
+            assert gpu.vram_usage_bytes() == during["device_bytes"]
+        assert gpu.memory_report()["device_bytes"] < during["device_bytes"]
+
+
+def test_out_of_range_device_is_a_clear_error(model_dir):
+    path = _model(model_dir, "f32", SMALL, DTYPES["f32"])
+    with pytest.raises(tinyloop.UnsupportedError, match="cuda:999"):
+        tinyloop.Model(path, device="cuda:999")

@@ -1,0 +1,262 @@
+"""Helpers of tools/gpu_check, one subcommand each (every one writes its own JSON):
+
+  make PATH --dtype D --group-size G [--dims k=v,...]   write a loop-1b model (dims override)
+  short-run PATH --device D                              a few scores and tokens (memcheck)
+  tinyloop PATH --device D --out JSON                    decode / prefill / memory of TinyLoop
+  peer F16PATH --out JSON                                the HF transformers bf16 peer and the
+                                                         measured device copy bandwidth
+"""
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 256
+PREFILL_TOKENS = 512
+REPEATS = 3
+
+
+def _dims(text):
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, value = item.split("=")
+        out[key.strip()] = int(value)
+    return out
+
+
+def cmd_make(args):
+    from tinyloop.random_model import PRESETS, make_random_model
+    config = {**PRESETS["loop-1b"], **_dims(args.dims)}
+    t0 = time.monotonic()
+    make_random_model(args.path, seed=0, dtype=args.dtype, group_size=args.group_size, **config)
+    print(f"wrote {args.path} in {time.monotonic() - t0:.1f} s")
+
+
+def _tokens(n, vocab, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+def cmd_short_run(args):
+    import tinyloop
+    with tinyloop.Model(args.path, device=args.device) as model:
+        tokens = _tokens(40, model.info.vocab_size)
+        scores = model.score(tokens)
+        result = model.generate(tokens[:12], max_tokens=8, temperature=0.0, eos=False)
+        with model.context() as ctx:
+            ctx.append(tokens[:20])
+            for t in tokens[20:24]:
+                ctx.append([int(t)])
+        print(model.info.device_name, float(scores.sum()), result.tokens)
+        assert np.all(np.isfinite(scores))
+
+
+def _weight_bytes_per_token(path, depth):
+    """Bytes of weights one decode step reads: prelude and coda once, the core `depth`
+    times (or once when it stays in L2), the head once; the embedding row is negligible."""
+    from tinyloop.format import read_file
+    sizes = {"pre": 0, "core": 0, "post": 0, "head": 0}
+    with read_file(path) as f:
+        tied = "output.weight" not in f.tensors
+        for name, entry in f.tensors.items():
+            part = name.split(".")[0]
+            if part in ("pre", "core", "post"):
+                sizes[part] += entry.size
+            elif name == "output.weight" or (tied and name == "embed.weight"):
+                sizes["head"] += entry.size
+            elif name != "embed.weight":
+                sizes["head"] += entry.size   # norms, injection: small
+    once = sizes["pre"] + sizes["post"] + sizes["head"]
+    return {"bytes_per_token": once + depth * sizes["core"],
+            "bytes_per_token_core_in_l2": once + sizes["core"],
+            "core_bytes": sizes["core"]}
+
+
+def cmd_tinyloop(args):
+    import tinyloop
+    out = {"model": args.path, "device": args.device}
+    try:
+        t0 = time.monotonic()
+        with tinyloop.Model(args.path, device=args.device) as model:
+            out["load_s"] = time.monotonic() - t0
+            out["device_name"] = model.info.device_name
+            depth = model.info.default_depth
+            out["depth"] = depth
+            out.update(_weight_bytes_per_token(args.path, depth))
+            vocab = model.info.vocab_size
+            peak = 0
+            prefill = []
+            for r in range(REPEATS + 1):
+                with model.context() as ctx:
+                    t = time.monotonic()
+                    ctx.append(_tokens(PREFILL_TOKENS, vocab, r))
+                    if r:   # the first pass warms up
+                        prefill.append(time.monotonic() - t)
+                    peak = max(peak, model.memory_report()["device_bytes"])
+            out["prefill_512_ms"] = 1000 * min(prefill)
+            prompt = _tokens(PROMPT_TOKENS, vocab, 7)
+            decode = []
+            for r in range(2):
+                res = model.generate(prompt, max_tokens=NEW_TOKENS if r else 16, temperature=0.0, eos=False)
+                if r:
+                    decode.append(res.decode_tokens_per_s)
+                peak = max(peak, model.memory_report()["device_bytes"])
+            out["decode_tok_s"] = max(decode)
+            out["peak_device_bytes"] = peak
+            out["memory_report"] = model.memory_report()
+    except Exception as e:   # recorded, not raised: the report shows it
+        out["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    _write(args.out, out)
+    return 0 if "error" not in out else 1
+
+
+def _copy_bandwidth(torch):
+    """Device-to-device copy of 2 GiB, bytes read + written per second (best of 5)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1000)
+    del a, b
+    return 2 * n / best
+
+
+def _peer_model(path, torch):
+    """An unrolled LlamaForCausalLM on the loop-1b weights: prelude blocks, then the core
+    block repeated `depth` times with its parameters shared, bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tinyloop.format import read_file
+    with read_file(path) as f:
+        dims = f.dims
+        n_pre, depth = dims["n_pre"], dims["default_depth"]
+        config = LlamaConfig(vocab_size=dims["vocab_size"], hidden_size=dims["d_model"],
+                             intermediate_size=dims["ffn_dim"], num_attention_heads=dims["n_head"],
+                             num_key_value_heads=dims["n_kv_head"], head_dim=dims["head_dim"],
+                             num_hidden_layers=n_pre + depth, rms_norm_eps=1e-5, rope_theta=10000.0,
+                             max_position_embeddings=2048, tie_word_embeddings=False,
+                             attention_bias=False, mlp_bias=False)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        layers = model.model.layers
+        core = layers[n_pre]
+        for layer in layers[n_pre + 1:]:   # share, keeping each layer's own cache index
+            for attr in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, attr).weight = getattr(core.self_attn, attr).weight
+            for attr in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, attr).weight = getattr(core.mlp, attr).weight
+            layer.input_layernorm.weight = core.input_layernorm.weight
+            layer.post_attention_layernorm.weight = core.post_attention_layernorm.weight
+
+        def put(param, name):
+            value = torch.from_numpy(np.ascontiguousarray(f.tensor(name), dtype=np.float32))
+            param.data.copy_(value.to(device="cuda", dtype=torch.bfloat16))
+
+        put(model.model.embed_tokens.weight, "embed.weight")
+        put(model.lm_head.weight, "output.weight" if "output.weight" in f.tensors else "embed.weight")
+        put(model.model.norm.weight, "final_norm.weight")
+        for i in range(n_pre + 1):
+            layer, prefix = layers[i], (f"pre.{i}." if i < n_pre else "core.0.")
+            for attr, key in (("q_proj", "attn.q"), ("k_proj", "attn.k"), ("v_proj", "attn.v"),
+                              ("o_proj", "attn.o")):
+                put(getattr(layer.self_attn, attr).weight, prefix + key + ".weight")
+            for attr, key in (("gate_proj", "mlp.gate"), ("up_proj", "mlp.up"), ("down_proj", "mlp.down")):
+                put(getattr(layer.mlp, attr).weight, prefix + key + ".weight")
+            put(layer.input_layernorm.weight, prefix + "attn_norm.weight")
+            put(layer.post_attention_layernorm.weight, prefix + "mlp_norm.weight")
+    model.eval()
+    return model, config
+
+
+def _peer_decode(model, torch, vocab, **generate_options):
+    prompt = torch.from_numpy(_tokens(PROMPT_TOKENS, vocab, 7).astype(np.int64)).cuda()[None]
+
+    def run(new):
+        torch.cuda.synchronize()
+        t = time.monotonic()
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       **generate_options)
+        torch.cuda.synchronize()
+        return time.monotonic() - t
+
+    run(8)   # warm-up
+    first = run(1)
+    full = run(NEW_TOKENS)
+    return (NEW_TOKENS - 1) / max(full - first, 1e-9)
+
+
+def cmd_peer(args):
+    out = {}
+    try:
+        import torch
+        out["copy_bandwidth_Bps"] = _copy_bandwidth(torch)
+        out["l2_bytes"] = torch.cuda.get_device_properties(0).L2_cache_size
+        with torch.inference_mode():
+            model, config = _peer_model(args.path, torch)
+            vocab = config.vocab_size
+            for name, opts in (("eager", {}), ("static_cache", {"cache_implementation": "static"})):
+                try:
+                    out[f"decode_tok_s_{name}"] = _peer_decode(model, torch, vocab, **opts)
+                except Exception as e:
+                    out[f"error_{name}"] = f"{type(e).__name__}: {e}"
+                    traceback.print_exc()
+            ids = torch.from_numpy(_tokens(PREFILL_TOKENS, vocab).astype(np.int64)).cuda()[None]
+            model(ids)
+            times = []
+            for _ in range(REPEATS):
+                torch.cuda.synchronize()
+                t = time.monotonic()
+                model(ids)
+                torch.cuda.synchronize()
+                times.append(time.monotonic() - t)
+            out["prefill_512_ms"] = 1000 * min(times)
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    _write(args.out, out)
+    return 0 if "error" not in out else 1
+
+
+def _write(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    print(json.dumps(data, indent=1, default=str))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="tools/gpu/bench.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("path")
+    m.add_argument("--dtype", required=True)
+    m.add_argument("--group-size", type=int, default=64)
+    m.add_argument("--dims", default="")
+    s = sub.add_parser("short-run")
+    s.add_argument("path")
+    s.add_argument("--device", default="cuda")
+    t = sub.add_parser("tinyloop")
+    t.add_argument("path")
+    t.add_argument("--device", default="cuda")
+    t.add_argument("--out", required=True)
+    q = sub.add_parser("peer")
+    q.add_argument("path")
+    q.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    return {"make": cmd_make, "short-run": cmd_short_run, "tinyloop": cmd_tinyloop,
+            "peer": cmd_peer}[args.cmd](args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Merges the step records of tools/gpu_check into OUT/gpu_check.json and OUT/gpu_check.md.
+
+Reads OUT/steps/*.json (one per step: rc, seconds, timed_out; *.result.json: benchmark
+numbers) and OUT/pytest.xml (test counts and the first failures)."""
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import xml.etree.ElementTree as ET
+
+GIB = 1024 ** 3
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _pytest_summary(path):
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    summary = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = []
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                failed.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                               "message": (node.get("message") or "")[:400]})
+    summary["failed"] = failed[:30]
+    return summary
+
+
+def _floor(bench, bandwidth):
+    if not bandwidth or "bytes_per_token" not in bench:
+        return {}
+    floor = bandwidth / bench["bytes_per_token"]
+    floor_l2 = bandwidth / bench["bytes_per_token_core_in_l2"]
+    out = {"floor_tok_s": floor, "floor_tok_s_core_in_l2": floor_l2}
+    if bench.get("decode_tok_s"):
+        out["fraction_of_floor"] = bench["decode_tok_s"] / floor
+        out["fraction_of_floor_core_in_l2"] = bench["decode_tok_s"] / floor_l2
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--archs", default="")
+    p.add_argument("--device", default="")
+    p.add_argument("--elapsed", type=int, default=0)
+    args = p.parse_args()
+    steps_dir = os.path.join(args.out, "steps")
+    steps = {}
+    for path in sorted(glob.glob(os.path.join(steps_dir, "*.json")), key=os.path.getmtime):
+        if not path.endswith(".result.json"):
+            record = _load(path)
+            if record:
+                steps[record["name"]] = record
+    peer = _load(os.path.join(steps_dir, "peer.result.json")) or {}
+    bandwidth = peer.get("copy_bandwidth_Bps")
+    benches = {}
+    for path in sorted(glob.glob(os.path.join(steps_dir, "bench-*.result.json"))):
+        tag = os.path.basename(path)[len("bench-"):-len(".result.json")]
+        bench = _load(path) or {}
+        bench.update(_floor(bench, bandwidth))
+        benches[tag] = bench
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "tools/gpu_check", "device": args.device, "gpu_archs": args.archs,
+        "elapsed_s": args.elapsed, "steps": steps,
+        "pytest": _pytest_summary(os.path.join(args.out, "pytest.xml")),
+        "tinyloop": benches, "peer": peer,
+    }
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+    lines = [f"# gpu_check {report['date']} ({args.elapsed} s, device {args.device}, archs {args.archs})", "",
+             "| step | rc | seconds |", "|---|---:|---:|"]
+    for name, s in steps.items():
+        lines.append(f"| {name} | {s['rc']}{' (timed out)' if s.get('timed_out') else ''} | {s['seconds']} |")
+    t = report["pytest"]
+    if t:
+        lines += ["", f"pytest: {t['tests']} tests, {t['failures']} failures, {t['errors']} errors, "
+                      f"{t['skipped']} skipped"]
+        lines += [f"- FAILED {x['test']}: {x['message'][:160]}" for x in t["failed"][:10]]
+
+    def num(v, fmt="{:.1f}"):
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    lines += ["", "| loop-1b | decode tok/s | prefill 512 ms | peak device GiB | floor tok/s (L=8 / core in L2) | of floor |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for tag, b in benches.items():
+        lines.append(f"| tinyloop {tag} | {num(b.get('decode_tok_s'))} | {num(b.get('prefill_512_ms'))} | "
+                     f"{num(b.get('peak_device_bytes', 0) / GIB if b.get('peak_device_bytes') else None, '{:.2f}')} | "
+                     f"{num(b.get('floor_tok_s'), '{:.0f}')} / {num(b.get('floor_tok_s_core_in_l2'), '{:.0f}')} | "
+                     f"{num(b.get('fraction_of_floor'), '{:.1%}')} |"
+                     + (f" error: {b['error'][:120]}" if b.get("error") else ""))
+    if peer:
+        peak = peer.get("peak_device_bytes")
+        for mode in ("eager", "static_cache"):
+            lines.append(f"| HF bf16 {mode} | {num(peer.get(f'decode_tok_s_{mode}'))} | "
+                         f"{num(peer.get('prefill_512_ms'))} | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
+                         + (f" error: {peer[f'error_{mode}'][:120]}" if peer.get(f"error_{mode}") else ""))
+        if bandwidth:
+            lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
+                          f"L2 {peer.get('l2_bytes', 0) / 2**20:.0f} MiB"]
+        if peer.get("error"):
+            lines += ["", f"peer error: {peer['error'][:300]}"]
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
