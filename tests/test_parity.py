@@ -3,11 +3,15 @@
 Every architecture option is checked against a small base model, every weight dtype
 against the same base, and a few combinations of both, at depths 1, default and max.
 The oracle reads the same file, so quantized weights are compared on identical
-dequantized values: only the backend's arithmetic (f32 accumulation, int8 activations
+dequantized values: only the backend's arithmetic (f32 accumulation, int16 activations
 against quantized weights) is measured. Tolerances are explained in docs/testing.md.
 
 Also checked: KV-cached decode equals full-sequence scoring, chunked prefill equals
 one-shot prefill, and the portable (generic) kernels match like the AVX2 ones.
+
+TINYLOOP_TEST_DEVICE (default "cpu") picks the device the models are opened on, e.g.
+"cuda" (tools/gpu_check); a device that cannot be opened fails the tests, it does not
+skip them. The CPU-kernel tests run only on "cpu".
 """
 
 import json
@@ -29,6 +33,8 @@ BASE = dict(seed=11, vocab_size=96, d_model=64, n_head=4, n_kv_head=2, head_dim=
 # group 128 needs every matrix's input width to be a multiple of 128
 WIDE = dict(d_model=128, head_dim=32, ffn_dim=256)
 N_TOKENS = 12
+DEVICE = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu")
+ON_CPU = DEVICE == "cpu"
 
 ARCH_CASES = {
     "base": {},
@@ -101,13 +107,20 @@ CASES = {**ARCH_CASES, **DTYPE_CASES, **COMBINED_CASES}
 # (atol, rtol) on log-probs and on last-position logits, derived in docs/testing.md from the
 # measured worst errors. "float": every matrix the backend multiplies is f32/f16/bf16;
 # "quantized": some matrix is q8/q4/q2, and the backend rounds the activations it multiplies
-# with it to int8 per block of 32. Those cases are held to the exact oracle loosely and to
-# the oracle that rounds activations the same way tightly.
-TOLERANCES = {"float": (5e-5, 1e-5), "quantized": (0.2, 0.01)}
-INT8_ACTIVATION_TOLERANCE = (0.06, 0.005)
+# with it to int16 per block of 32 (a relative step of 1/32767 of the block's largest value).
+# Those cases are held to the exact oracle and to the oracle that rounds activations the same
+# way; both bounds are 2x the worst error measured on both kernel paths.
+TOLERANCES = {"float": (5e-5, 1e-5), "quantized": (1e-3, 1e-4)}
+INT16_ACTIVATION_TOLERANCE = (8e-4, 1e-4)
 # cached decode and chunked prefill against one-shot scoring by the same backend
 SAME_BACKEND_TOLERANCE = (2e-5, 2e-6)
 QUANTIZED_DTYPES = ("q8", "q4", "q2")
+# Other devices (CUDA) keep activations fp32 against every weight dtype, so every case is
+# held to the exact oracle at about the float tolerance; the same bound covers their own
+# cached-vs-full comparisons, whose row counts pick different kernels (GEMV vs GEMM,
+# split-sequence vs tiled attention) and thus different summation orders.
+DEVICE_TOLERANCE = (1e-4, 2e-5)
+SAME = SAME_BACKEND_TOLERANCE if ON_CPU else DEVICE_TOLERANCE
 
 
 def case_config(name: str) -> dict:
@@ -159,10 +172,10 @@ class ModelFiles:
             make_random_model(path, **case_config(name))
         return path
 
-    def reference(self, name: str, int8_activations: bool = False) -> ReferenceModel:
-        key = (name, int8_activations)
+    def reference(self, name: str, int16_activations: bool = False) -> ReferenceModel:
+        key = (name, int16_activations)
         if key not in self._references:
-            self._references[key] = ReferenceModel.from_file(self.path(name), int8_activations)
+            self._references[key] = ReferenceModel.from_file(self.path(name), int16_activations)
         return self._references[key]
 
 
@@ -187,13 +200,15 @@ def _expected(reference: ReferenceModel, tokens, depth):
 
 def check_against_references(files, name, depth, logprobs, last_logits, label):
     """The backend's log-probs and last logits against the exact oracle and, for quantized
-    models, against the oracle with int8 activations."""
+    models, against the oracle with int16 activations."""
     config = case_config(name)
     tokens = case_tokens(config)
     checks = [(files.reference(name), TOLERANCES[arithmetic(config)], "oracle")]
-    if arithmetic(config) == "quantized":
-        checks.append((files.reference(name, int8_activations=True), INT8_ACTIVATION_TOLERANCE,
-                       "int8-activation oracle"))
+    if not ON_CPU:
+        checks = [(files.reference(name), DEVICE_TOLERANCE, "oracle")]
+    elif arithmetic(config) == "quantized":
+        checks.append((files.reference(name, int16_activations=True), INT16_ACTIVATION_TOLERANCE,
+                       "int16-activation oracle"))
     for reference, tolerance, which in checks:
         expected_logprobs, expected_last = _expected(reference, tokens, depth)
         assert_close(logprobs, expected_logprobs, tolerance, f"{label} depth {depth} log-probs vs {which}")
@@ -206,12 +221,13 @@ def check_against_references(files, name, depth, logprobs, last_logits, label):
 def test_scores_and_last_logits_match_reference(files, name):
     config = case_config(name)
     tokens = case_tokens(config)
-    with tinyloop.Model(files.path(name), device="cpu") as model:
+    with tinyloop.Model(files.path(name), device=DEVICE) as model:
         for depth in case_depths(config):
             check_against_references(files, name, depth, model.score(tokens, depth=depth),
                                      model.score_last_token(tokens, depth=depth), name)
 
 
+@pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
 def test_default_cpu_path_is_avx2_where_supported(files):
     with tinyloop.Model(files.path("base"), device="cpu") as model:
         name = model.info.device_name
@@ -243,6 +259,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
 def test_generic_kernels_match_reference(files):
     """TINYLOOP_CPU=generic is read once per process, so this runs in a child process."""
     jobs = []
@@ -276,9 +293,9 @@ def test_cached_decode_equals_full_sequence(files, name):
     config = case_config(name)
     tokens = case_tokens(config)
     depth = config["max_depth"] if config["n_core"] else 0
-    same = SAME_BACKEND_TOLERANCE
+    same = SAME
     reference_logits = files.reference(name).logits(tokens, depth)
-    with tinyloop.Model(files.path(name), device="cpu") as model:
+    with tinyloop.Model(files.path(name), device=DEVICE) as model:
         full_scores = model.score(tokens, depth=depth)
         full_last = model.score_last_token(tokens, depth=depth)
         with model.context() as ctx:
@@ -287,7 +304,8 @@ def test_cached_decode_equals_full_sequence(files, name):
                 step_logits.append(ctx.append([int(t)], depth=depth))
             assert len(ctx) == len(tokens)
     for pos in range(4, len(tokens)):
-        assert_close(step_logits[pos], reference_logits[pos], TOLERANCES[arithmetic(config)],
+        assert_close(step_logits[pos], reference_logits[pos],
+                     TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE,
                      f"{name} cached logits at {pos} vs reference")
         if pos + 1 < len(tokens):
             cached_lp = log_softmax(np.asarray(step_logits[pos], dtype=np.float64))[tokens[pos + 1]]
@@ -301,9 +319,9 @@ def test_chunked_prefill_equals_one_shot(files, name, chunk):
     config = case_config(name)
     tokens = case_tokens(config)
     depth = config["default_depth"]
-    same = SAME_BACKEND_TOLERANCE
-    with tinyloop.Model(files.path(name), device="cpu") as one_shot, \
-            tinyloop.Model(files.path(name), device="cpu", prefill_chunk=chunk) as chunked:
+    same = SAME
+    with tinyloop.Model(files.path(name), device=DEVICE) as one_shot, \
+            tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=chunk) as chunked:
         assert_close(chunked.score(tokens, depth=depth), one_shot.score(tokens, depth=depth).astype(np.float64),
                      same, f"{name} chunk {chunk} log-probs")
         assert_close(chunked.score_last_token(tokens, depth=depth),

@@ -1,7 +1,7 @@
 /* bench_kernels.c — matmul throughput on the SmolLM2-135M shapes (q4 group 32 layers,
  * q8 group 32 tied head) against the machine's streaming read bandwidth.
  *
- *   bench_kernels [reps]      (TINYLOOP_CPU=generic times the portable path)
+ *   bench_kernels [reps] [decode|prefill]   (TINYLOOP_CPU=generic times the portable path)
  *
  * Prints, per shape, n (input rows) and thread count: median time per call, GB/s of
  * weight bytes read and GFLOP/s (2 * rows * cols * n); then a whole decode step
@@ -211,6 +211,9 @@ static void bench_model(layer_weights *layers, const tl_tensor *head, int n, tl_
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 15;
     if (reps < 1) reps = 1;
+    /* optional: time only n = 1 (decode) or only n = PREFILL */
+    const char *only = argc > 2 ? argv[2] : "";
+    const int run_decode = strcmp(only, "prefill") != 0, run_prefill = strcmp(only, "decode") != 0;
     printf("kernel path: %s, cores: %d\n", tl_cpu_level_name(tl_cpu_features()), tl_num_cores());
     tl_threadpool *pools[2] = {tl_threadpool_create(1), tl_threadpool_create(2)};
     for (int p = 0; p < 2; p++)
@@ -230,7 +233,8 @@ int main(int argc, char **argv) {
     for (int s = 0; s < 5; s++)
         for (int ni = 0; ni < 2; ni++)
             for (int p = 0; p < 2; p++)
-                bench_shape(shapes[s].name, shapes[s].dtype, shapes[s].rows, shapes[s].cols,
+                if (ni ? run_prefill : run_decode)
+                    bench_shape(shapes[s].name, shapes[s].dtype, shapes[s].rows, shapes[s].cols,
                             ni ? PREFILL : 1, pools[p], reps);
 
     layer_weights *layers = malloc(LAYERS * sizeof *layers);
@@ -243,8 +247,8 @@ int main(int argc, char **argv) {
     }
     tl_tensor head = make_weight(TL_DTYPE_Q8, VOCAB, D);
     for (int p = 0; p < 2; p++) {
-        bench_model(layers, &head, 1, pools[p], reps);
-        bench_model(layers, &head, PREFILL, pools[p], reps < 5 ? reps : 5);
+        if (run_decode) bench_model(layers, &head, 1, pools[p], reps);
+        if (run_prefill) bench_model(layers, &head, PREFILL, pools[p], reps < 5 ? reps : 5);
     }
     for (int l = 0; l < LAYERS; l++) {
         layer_weights *L = &layers[l];

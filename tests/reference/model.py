@@ -33,24 +33,24 @@ class _KeyValueStore:
 
 
 class ReferenceModel:
-    """`int8_activations=True` also models the one approximation docs/model.md allows the
-    CPU backend: activations multiplied by a quantized matrix are first rounded to int8
+    """`int16_activations=True` also models the one approximation docs/model.md allows the
+    CPU backend: activations multiplied by a quantized matrix are first rounded to int16
     per block of 32. Off (the default), the forward pass is exact."""
 
     def __init__(self, config: ModelConfig, weights: dict, quantized=frozenset(),
-                 int8_activations: bool = False):
+                 int16_activations: bool = False):
         self.config = config
         self.weights = weights
         self.quantized = frozenset(quantized)     # names of q8/q4/q2 tensors
-        self.int8_activations = int8_activations
+        self.int16_activations = int16_activations
 
     @classmethod
-    def from_file(cls, path, int8_activations: bool = False) -> "ReferenceModel":
+    def from_file(cls, path, int16_activations: bool = False) -> "ReferenceModel":
         with read_file(path) as f:
             config = ModelConfig.from_header(f.dims, f.metadata)
             weights = {name: np.array(f.tensor(name), dtype=np.float64) for name in f.tensors}
             quantized = {name for name, entry in f.tensors.items() if entry.dtype in ("q8", "q4", "q2")}
-        return cls(config, weights, quantized, int8_activations)
+        return cls(config, weights, quantized, int16_activations)
 
     # ------------------------------------------------------------------ public API
 
@@ -169,8 +169,8 @@ class ReferenceModel:
 
     def _linear(self, weight_name, x):
         """y = W x for each row of x."""
-        if self.int8_activations and weight_name in self.quantized:
-            x = ops.int8_blocks(x)
+        if self.int16_activations and weight_name in self.quantized:
+            x = ops.int16_blocks(x)
         return x @ self.weights[weight_name].T
 
     def _projection(self, name, n):

@@ -90,11 +90,11 @@ def gelu_tanh(x):
 ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 
-def int8_blocks(x, block=32):
-    """x with each run of `block` values of a row rounded to int8 steps of amax/127
+def int16_blocks(x, block=32):
+    """x with each run of `block` values of a row rounded to int16 steps of amax/32767
     (round half to even), the activation quantization of docs/model.md."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
-    step = amax / 127.0
+    step = amax / 32767.0
     codes = np.rint(blocks / np.where(step > 0, step, 1.0))
     return (codes * step).reshape(x.shape)

@@ -65,7 +65,7 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 size_t tl_cpu_matmul_scratch_bytes(const tl_tensor *w, int n) {
     if (!tl_dtype_is_quantized(w->dtype) || n <= 0) return 0;
     size_t blocks = (size_t)n * (size_t)(w->cols / TL_QBLOCK);
-    return align64((size_t)n * (size_t)w->cols) + 2 * align64(blocks * sizeof(float));
+    return align64((size_t)n * (size_t)w->cols * sizeof(int16_t)) + 2 * align64(blocks * sizeof(float));
 }
 
 typedef struct matmul_job {
@@ -79,7 +79,7 @@ typedef struct matmul_job {
     float *const *ys;
     const size_t *ldys;
     tl_qact qa;
-    int8_t *qs;
+    int16_t *qs;
     float *qd, *qsum;
 } matmul_job;
 
@@ -131,7 +131,7 @@ void tl_cpu_matmul_multi(const tl_tensor *const *ws, int count, const float *x, 
         int64_t cols = ws[0]->cols;
         size_t blocks = (size_t)n * (size_t)(cols / TL_QBLOCK);
         job.qs = scratch;
-        job.qd = (float *)((char *)scratch + align64((size_t)n * (size_t)cols));
+        job.qd = (float *)((char *)scratch + align64((size_t)n * (size_t)cols * sizeof(int16_t)));
         job.qsum = (float *)((char *)job.qd + align64(blocks * sizeof(float)));
         job.qa = (tl_qact){.qs = job.qs, .d = job.qd, .s = job.qsum, .cols = cols};
         /* one row is ~1 us of work: only prefill is worth splitting */

@@ -43,9 +43,9 @@ ALWAYS_INLINE float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* ---- activation quantization ------------------------------------------------ */
 
-static void quantize_row(const float *x, int64_t cols, int8_t *qs, float *d, float *s) {
+static void quantize_row(const float *x, int64_t cols, int16_t *qs, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t b = 0; b < cols / TL_QBLOCK; b++) {
         const float *xb = x + b * TL_QBLOCK;
         __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
@@ -56,18 +56,18 @@ static void quantize_row(const float *x, int64_t cols, int8_t *qs, float *d, flo
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         float amax = _mm_cvtss_f32(m4);
-        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? (float)TL_QACT_MAX / amax : 0.0f);
         __m256i q0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), mode));
         __m256i q1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), mode));
         __m256i q2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), mode));
         __m256i q3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), mode));
         int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
-        /* packs interleave the 128-bit lanes; the permute restores element order */
-        __m256i q16 = _mm256_packs_epi32(q0, q1), q16b = _mm256_packs_epi32(q2, q3);
-        __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
-        _mm256_storeu_si256((__m256i *)(qs + b * TL_QBLOCK), q8);
-        d[b] = amax / 127.0f;
+        /* packs interleaves the 128-bit lanes; the 64-bit permute restores element order */
+        __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0));
+        __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm256_storeu_si256((__m256i *)(qs + b * TL_QBLOCK), lo);
+        _mm256_storeu_si256((__m256i *)(qs + b * TL_QBLOCK + 16), hi);
+        d[b] = amax / (float)TL_QACT_MAX;
         s[b] = d[b] * (float)sum;
     }
 }
@@ -79,31 +79,37 @@ ALWAYS_INLINE int64_t qblock_bytes(tl_dtype dt) {
     return dt == TL_DTYPE_Q8 ? 32 : dt == TL_DTYPE_Q4 ? 16 : 8;
 }
 
-/* The 32 weights of the block at p as bytes: unsigned 0..15 / 0..3 for q4 / q2, signed
- * for q8. */
-ALWAYS_INLINE __m256i load_qblock(const uint8_t *p, tl_dtype dt) {
-    if (dt == TL_DTYPE_Q8) return _mm256_loadu_si256((const __m256i *)p);
-    if (dt == TL_DTYPE_Q4) {
-        /* the 16 bytes in both halves; the upper half shifts its high nibbles down */
-        __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-        v = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4));
-        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+/* The 32 weight codes of the block at p widened to int16: elements 0..15 in *lo,
+ * 16..31 in *hi (signed for q8, 0..15 / 0..3 for q4 / q2). */
+ALWAYS_INLINE void load_qblock(const uint8_t *p, tl_dtype dt, __m256i *lo, __m256i *hi) {
+    if (dt == TL_DTYPE_Q8) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+        return;
     }
-    /* q2: byte j holds elements j, j+8, j+16, j+24: shift each 64-bit copy by 2k */
+    if (dt == TL_DTYPE_Q4) {
+        /* byte j holds element j (low nibble) and j + 16 (high nibble) */
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(v, 4);
+        return;
+    }
+    /* q2: byte j holds elements j, j+8, j+16, j+24 in bits 2k. Both 128-bit halves get the
+     * 8 bytes; each half shifts by its own count (bits that cross into the neighbouring
+     * int16 lane land above bit 1 and are masked off). */
     int64_t bits;
     memcpy(&bits, p, sizeof bits);
-    __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
-    return _mm256_and_si256(v, _mm256_set1_epi8(3));
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_set1_epi64x(bits)), three = _mm256_set1_epi16(3);
+    *lo = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), three);
+    *hi = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), three);
 }
 
-/* Eight int32 partial sums of w . a over a block. maddubs wants an unsigned first
- * operand: q8 weights move their sign onto the activations (|w| <= 128 keeps the
- * pairwise int16 sums below saturation). */
-ALWAYS_INLINE __m256i block_dot(__m256i w, __m256i a, tl_dtype dt) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (dt == TL_DTYPE_Q8)
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+/* Eight int32 partial sums of w . a over a block: int16 x int16 products summed in pairs
+ * by madd. Bounds: |w| <= 128, |a| <= 32767, so a block's sum stays below
+ * 32 * 128 * 32767 < 2^27 (docs/cpu-backend.md). */
+ALWAYS_INLINE __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t *a) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)a)),
+                            _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(a + 16))));
 }
 
 /* Per-group f16 values (scales or mins) of row r spread over blocks [b0, b0 + count),
@@ -128,6 +134,21 @@ ALWAYS_INLINE __m256 load_blocks(const float *src, int count) {
     return _mm256_maskload_ps(src, mask);
 }
 
+/* Decode streams each weight byte once: ask for the codes, scales and mins of rows
+ * [r, r + count) (contiguous in each plane) one cache line at a time, well before they are
+ * used. Rows past the end are skipped. */
+ALWAYS_INLINE void prefetch_rows(const tl_tensor *w, int64_t r, int count, int64_t row_bytes) {
+    if (r + count > w->rows) return;
+    const char *codes = (const char *)w->data + r * row_bytes;
+    for (int64_t o = 0; o < count * row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
+    const int64_t plane_bytes = (w->cols / w->group) * (int64_t)sizeof(uint16_t) * count;
+    const int64_t first = r * (w->cols / w->group);
+    for (int64_t o = 0; o < plane_bytes; o += 64) {
+        _mm_prefetch((const char *)(w->scales + first) + o, _MM_HINT_T0);
+        if (w->mins) _mm_prefetch((const char *)(w->mins + first) + o, _MM_HINT_T0);
+    }
+}
+
 /* A register tile: rows r..r+RB-1 against activation rows i0..i0+NI-1, over all blocks. */
 ALWAYS_INLINE void quant_tile(const tl_tensor *w, const tl_qact *a, int64_t r, int i0, float *y,
                               size_t ldy, tl_dtype dt, const int RB, const int NI) {
@@ -139,6 +160,7 @@ ALWAYS_INLINE void quant_tile(const tl_tensor *w, const tl_qact *a, int64_t r, i
 #pragma GCC unroll 4
         for (int ii = 0; ii < NI; ii++) acc[ri][ii] = _mm256_setzero_ps();
 
+    if (NI == 1) prefetch_rows(w, r + PREFETCH_ROWS, RB, row_bytes);
     for (int64_t b0 = 0; b0 < nb; b0 += SCALE_CHUNK) {
         const int count = nb - b0 < SCALE_CHUNK ? (int)(nb - b0) : SCALE_CHUNK;
         /* products of weight scale and activation scale for each (row, input, block);
@@ -159,19 +181,18 @@ ALWAYS_INLINE void quant_tile(const tl_tensor *w, const tl_qact *a, int64_t r, i
         }
         for (int k = 0; k < count; k++) {
             const int64_t b = b0 + k;
-            __m256i wv[MAX_RB];
+            __m256i w_lo[MAX_RB], w_hi[MAX_RB];
 #pragma GCC unroll 4
             for (int ri = 0; ri < RB; ri++) {
                 const uint8_t *p = wrow + ri * row_bytes + b * qblock_bytes(dt);
-                if (NI == 1) _mm_prefetch((const char *)(p + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-                wv[ri] = load_qblock(p, dt);
+                load_qblock(p, dt, &w_lo[ri], &w_hi[ri]);
             }
 #pragma GCC unroll 4
             for (int ii = 0; ii < NI; ii++) {
-                __m256i av = _mm256_loadu_si256((const __m256i *)(a->qs + (int64_t)(i0 + ii) * cols + b * TL_QBLOCK));
+                const int16_t *av = a->qs + (int64_t)(i0 + ii) * cols + b * TL_QBLOCK;
 #pragma GCC unroll 4
                 for (int ri = 0; ri < RB; ri++) {
-                    __m256 p = _mm256_cvtepi32_ps(block_dot(wv[ri], av, dt));
+                    __m256 p = _mm256_cvtepi32_ps(block_dot(w_lo[ri], w_hi[ri], av));
                     acc[ri][ii] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&prod[ri][ii][k]), acc[ri][ii]);
                 }
             }

@@ -16,20 +16,20 @@ float tl_act_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
-static void quantize_row(const float *x, int64_t cols, int8_t *qs, float *d, float *s) {
+static void quantize_row(const float *x, int64_t cols, int16_t *qs, float *d, float *s) {
     for (int64_t b = 0; b < cols / TL_QBLOCK; b++) {
         const float *xb = x + b * TL_QBLOCK;
         float amax = 0.0f;
         for (int j = 0; j < TL_QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
+        float inv = amax > 0.0f ? (float)TL_QACT_MAX / amax : 0.0f;
+        int32_t sum = 0;
         for (int j = 0; j < TL_QBLOCK; j++) {
             int q = (int)nearbyintf(xb[j] * inv); /* round half to even, as AVX2 does */
-            qs[b * TL_QBLOCK + j] = (int8_t)q;
+            qs[b * TL_QBLOCK + j] = (int16_t)q;
             sum += q;
         }
-        d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)sum;
+        d[b] = amax / (float)TL_QACT_MAX;
+        s[b] = d[b] * (float)sum; /* |sum| <= 32 * 32767: exact in float */
     }
 }
 
@@ -72,8 +72,8 @@ static void matmul_quant_rows(const tl_tensor *w, const tl_qact *a, int n, float
                 float scale = tl_half_to_float(w->scales[g]);
                 float min = w->mins ? tl_half_to_float(w->mins[g]) : 0.0f;
                 for (int i = 0; i < ni; i++) {
-                    const int8_t *aq = a->qs + (int64_t)(i0 + i) * cols + b * TL_QBLOCK;
-                    int32_t dot = 0;
+                    const int16_t *aq = a->qs + (int64_t)(i0 + i) * cols + b * TL_QBLOCK;
+                    int32_t dot = 0; /* |dot| <= 32 * 128 * 32767 < 2^31 */
                     for (int j = 0; j < TL_QBLOCK; j++) dot += (int32_t)wq[j] * aq[j];
                     int64_t ab = (int64_t)(i0 + i) * nb + b;
                     acc[i] += scale * (a->d[ab] * (float)dot) + min * a->s[ab];

@@ -13,21 +13,24 @@
 
 #include "../tensor.h"
 
-/* Activations are quantized to int8 in blocks of this many values (docs/cpu-backend.md). */
+/* Activations are quantized to int16 in blocks of this many values (docs/cpu-backend.md). */
 #define TL_QBLOCK 32
+/* Largest activation code: q = round(x * TL_QACT_MAX / max|x|) per block. Products with
+ * any weight code (|w| <= 128) summed over one block stay far inside int32. */
+#define TL_QACT_MAX 32767
 
 /* n activation rows quantized for a quantized matmul; row i of each plane starts at
  * i * cols (qs) or i * (cols / TL_QBLOCK) (d, s). */
 typedef struct tl_qact {
-    const int8_t *qs; /* int8 values, x ~= d * q */
-    const float *d;   /* per block: scale */
-    const float *s;   /* per block: d * sum(q), the factor of a weight group's min */
+    const int16_t *qs; /* int16 codes, x ~= d * q */
+    const float *d;    /* per block: scale, max|x| / TL_QACT_MAX */
+    const float *s;    /* per block: d * sum(q), the factor of a weight group's min */
     int64_t cols;
 } tl_qact;
 
 typedef struct tl_cpu_ops {
     /* One activation row of `cols` (a multiple of TL_QBLOCK) into its planes. */
-    void (*quantize_row)(const float *x, int64_t cols, int8_t *qs, float *d, float *s);
+    void (*quantize_row)(const float *x, int64_t cols, int16_t *qs, float *d, float *s);
     /* y[i, r] for rows [r0, r1), i < n, f32/f16/bf16 weights. */
     void (*matmul_float_rows)(const tl_tensor *w, const float *x, int n, size_t ldx, float *y,
                               size_t ldy, int64_t r0, int64_t r1);
