@@ -394,13 +394,14 @@ static void test_norms(const char *path) {
 static void test_rope(const char *path) {
     const int n = 4, heads = 3, hd = 24;
     const int32_t positions[4] = {0, 1, 17, 5000};
-    float x[4 * 3 * 24], got[4 * 3 * 24];
+    float x[4 * 3 * 24], got[4 * 3 * 24], table[4 * 24];
     double want[4 * 3 * 24];
     fill_uniform(x, sizeof x / sizeof *x, -1.0, 1.0);
     for (int style = 0; style < 2; style++)
         for (int rd = 8; rd <= hd; rd += hd - 8) { /* partial and full rotary dims */
             memcpy(got, x, sizeof x);
-            tl_cpu_rope(got, n, heads, hd, rd, style, 10000.0f, positions);
+            tl_cpu_rope_table(n, rd, 10000.0f, positions, table);
+            tl_cpu_rope_apply(got, n, heads, hd, rd, style, table);
             for (int i = 0; i < n; i++)
                 for (int h = 0; h < heads; h++) {
                     const float *v = x + (i * heads + h) * hd;
@@ -470,7 +471,7 @@ static void test_attention_case(int n, int pos0, int n_head, int n_kv, int hd, i
     fill_uniform(q, (size_t)n * qw, -1.0, 1.0);
     fill_uniform(k, (size_t)total * kvw, -1.0, 1.0);
     fill_uniform(v, (size_t)total * kvw, -1.0, 1.0);
-    void *scratch = alloc_scratch(tl_cpu_attention_scratch_bytes(tl_threadpool_size(pool), total));
+    void *scratch = alloc_scratch(tl_cpu_attention_scratch_bytes(tl_threadpool_size(pool), n_head, total));
     tl_cpu_attention(q, n, pos0, k, v, n_head, n_kv, hd, scale, window, out, scratch, pool);
     for (int i = 0; i < n; i++)
         for (int h = 0; h < n_head; h++) {
@@ -496,6 +497,19 @@ static void test_attention_case(int n, int pos0, int n_head, int n_kv, int hd, i
              n, pos0, n_head, n_kv, hd, window, scale, tl_threadpool_size(pool));
     double err = max_rel_err(out, want, (size_t)n * qw);
     check(err <= 1e-5, what, err, 1e-5);
+    if (n == 1 && pos0 > 0) {
+        /* one query row takes its own path; it must match row 2 of a two-row call exactly */
+        float *q2 = malloc(2 * (size_t)qw * sizeof *q2), *out2 = malloc(2 * (size_t)qw * sizeof *out2);
+        fill_uniform(q2, (size_t)qw, -1.0, 1.0);
+        memcpy(q2 + qw, q, (size_t)qw * sizeof *q);
+        tl_cpu_attention(q2, 2, pos0 - 1, k, v, n_head, n_kv, hd, scale, window, out2, scratch, pool);
+        int same = memcmp(out2 + qw, out, (size_t)qw * sizeof *out) == 0;
+        snprintf(what, sizeof what, "attention %s one row = two-row call, bit for bit, pos0=%d threads=%d",
+                 path, pos0, tl_threadpool_size(pool));
+        check(same, what, same ? 0.0 : 1.0, 0.0);
+        free(out2);
+        free(q2);
+    }
     free(scratch);
     free(p);
     free(want);
@@ -508,6 +522,8 @@ static void test_attention_case(int n, int pos0, int n_head, int n_kv, int hd, i
 static void test_attention(tl_threadpool *pool, const char *path) {
     test_attention_case(1, 0, 4, 4, 16, 0, 0.25f, pool, path);    /* first token */
     test_attention_case(1, 40, 6, 2, 20, 0, 0.2236f, pool, path); /* decode, GQA */
+    test_attention_case(1, 150, 9, 3, 64, 0, 0.125f, pool, path); /* decode, several key blocks */
+    test_attention_case(1, 300, 4, 1, 72, 100, 0.118f, pool, path); /* decode, window, column tail */
     test_attention_case(7, 5, 6, 2, 20, 0, 0.2236f, pool, path);  /* prefill chunk after a prefix */
     test_attention_case(9, 0, 6, 3, 64, 4, 0.125f, pool, path);   /* sliding window */
     test_attention_case(3, 30, 2, 1, 33, 8, 0.1741f, pool, path); /* window, odd head dim */

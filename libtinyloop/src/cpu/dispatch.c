@@ -202,31 +202,33 @@ void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
     }
 }
 
-/* Pairs whose cos/sin are computed together and applied to every head. */
-#define ROPE_PAIR_CHUNK 64
-
-void tl_cpu_rope(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
-                 float theta, const int32_t *positions) {
+void tl_cpu_rope_table(int n, int rope_dims, float theta, const int32_t *positions,
+                       float *table) {
     int pairs = rope_dims / 2;
     for (int i = 0; i < n; i++) {
-        for (int p0 = 0; p0 < pairs; p0 += ROPE_PAIR_CHUNK) {
-            int np = pairs - p0 < ROPE_PAIR_CHUNK ? pairs - p0 : ROPE_PAIR_CHUNK;
-            float c[ROPE_PAIR_CHUNK], s[ROPE_PAIR_CHUNK];
-            for (int p = 0; p < np; p++) {
-                /* angles in double: positions reach thousands of radians */
-                double angle = (double)positions[i] * pow((double)theta, -2.0 * (p0 + p) / rope_dims);
-                c[p] = (float)cos(angle);
-                s[p] = (float)sin(angle);
-            }
-            for (int h = 0; h < n_heads; h++) {
-                float *v = x + ((size_t)i * n_heads + h) * head_dim;
-                for (int p = 0; p < np; p++) {
-                    int ia = style ? 2 * (p0 + p) : p0 + p;
-                    int ib = style ? ia + 1 : ia + pairs;
-                    float a = v[ia], b = v[ib];
-                    v[ia] = a * c[p] - b * s[p];
-                    v[ib] = a * s[p] + b * c[p];
-                }
+        float *c = table + (size_t)i * rope_dims, *s = c + pairs;
+        for (int p = 0; p < pairs; p++) {
+            /* angles in double: positions reach thousands of radians */
+            double angle = (double)positions[i] * pow((double)theta, -2.0 * p / rope_dims);
+            c[p] = (float)cos(angle);
+            s[p] = (float)sin(angle);
+        }
+    }
+}
+
+void tl_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
+                       const float *table) {
+    int pairs = rope_dims / 2;
+    for (int i = 0; i < n; i++) {
+        const float *c = table + (size_t)i * rope_dims, *s = c + pairs;
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + ((size_t)i * n_heads + h) * head_dim;
+            for (int p = 0; p < pairs; p++) {
+                int ia = style ? 2 * p : p;
+                int ib = style ? ia + 1 : ia + pairs;
+                float a = v[ia], b = v[ib];
+                v[ia] = a * c[p] - b * s[p];
+                v[ib] = a * s[p] + b * c[p];
             }
         }
     }
@@ -261,9 +263,12 @@ float tl_cpu_logsumexp(const float *x, int n) {
 /* Per-thread score rows are padded to a cache line. */
 static size_t score_stride(int len) { return ((size_t)len + 15) & ~(size_t)15; }
 
-size_t tl_cpu_attention_scratch_bytes(int n_threads, int max_seq) {
+size_t tl_cpu_attention_scratch_bytes(int n_threads, int n_head, int max_seq) {
     if (n_threads < 1) n_threads = 1;
-    return (size_t)n_threads * score_stride(max_seq) * sizeof(float);
+    /* prefill: one score row per thread; one query row: one score row per head and
+     * the heads' exp sums */
+    int rows = n_threads > n_head ? n_threads : n_head;
+    return ((size_t)rows * score_stride(max_seq) + score_stride(n_head)) * sizeof(float);
 }
 
 typedef struct attention_job {
@@ -273,8 +278,32 @@ typedef struct attention_job {
     int n_head, head_dim, group, pos0, window;
     size_t kv_stride, stride;
     float scale;
+    /* one query row: the visible keys [first, first + len) and each head's exp sum */
+    int first, len;
+    float *sums;
 } attention_job;
 
+static float max_of(const float *x, int n) {
+    float max = -INFINITY;
+    for (int j = 0; j < n; j++) max = x[j] > max ? x[j] : max;   /* scores are never NaN */
+    return max;
+}
+
+/* The first visible key of the query at `pos`. */
+static int first_key(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* Head h's output from its exp(score - max) row p over keys vals[0..len): the weighted
+ * sum of values, then one division. */
+static void weighted_values(const tl_cpu_ops *k, float *o, const float *p, const float *vals,
+                            size_t kv_stride, int len, int width, float sum) {
+    memset(o, 0, (size_t)width * sizeof *o);
+    k->axpy_rows(o, p, vals, kv_stride, len, width);
+    k->scale(o, 1.0f / sum, width);
+}
+
+/* Many query rows (prefill): one item per (row, head), scores in the thread's own row. */
 static void attention_task(void *arg, int begin, int end, int thread_index) {
     const attention_job *job = arg;
     const tl_cpu_ops *k = job->ops;
@@ -283,24 +312,74 @@ static void attention_task(void *arg, int begin, int end, int thread_index) {
     for (int item = begin; item < end; item++) {
         int i = item / job->n_head, h = item % job->n_head;
         int pos = job->pos0 + i;
-        int first = job->window > 0 && pos - job->window + 1 > 0 ? pos - job->window + 1 : 0;
+        int first = first_key(pos, job->window);
         int len = pos - first + 1;
         size_t q_off = ((size_t)i * job->n_head + h) * hd;
         const float *q = job->q + q_off;
         const float *keys = job->k_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
         const float *vals = job->v_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
         /* two passes: scores and their max, then exp and the weighted sum of values */
-        float max = -INFINITY;
-        for (int j = 0; j < len; j++) {
-            scores[j] = job->scale * k->dot(q, keys + (size_t)j * job->kv_stride, hd);
-            max = fmaxf(max, scores[j]);
-        }
+        k->dot_rows(q, keys, job->kv_stride, len, hd, job->scale, scores);
+        float max = max_of(scores, len);
         float sum = k->exp_sum(scores, scores, len, max);
-        float *o = job->out + q_off;
-        memset(o, 0, (size_t)hd * sizeof *o);
-        for (int j = 0; j < len; j++) k->axpy(o, scores[j], vals + (size_t)j * job->kv_stride, hd);
-        k->scale(o, 1.0f / sum, hd);
+        weighted_values(k, job->out + q_off, scores, vals, job->kv_stride, len, hd, sum);
     }
+}
+
+/* One query row (decode). Its n_head items alone would leave most KV rows read from
+ * memory once per query head of their group, and split unevenly over the threads;
+ * instead every KV row is read once for all heads of its group, in three steps whose
+ * arithmetic per head is that of attention_task (the same results, bit for bit):
+ *   1. scores, items (KV head, block of keys);
+ *   2. per head max and exp, inline (a few thousand exps);
+ *   3. weighted values, items (KV head, block of columns). */
+#define DECODE_KEY_BLOCK 64
+#define DECODE_COL_BLOCK 32   /* a multiple of 8: vector / scalar tails fall as in one call */
+
+static void decode_scores_task(void *arg, int begin, int end, int thread_index) {
+    const attention_job *job = arg;
+    const tl_cpu_ops *k = job->ops;
+    int hd = job->head_dim, blocks = (job->len + DECODE_KEY_BLOCK - 1) / DECODE_KEY_BLOCK;
+    for (int item = begin; item < end; item++) {
+        int kvh = item / blocks, j0 = (item % blocks) * DECODE_KEY_BLOCK;
+        int j1 = j0 + DECODE_KEY_BLOCK < job->len ? j0 + DECODE_KEY_BLOCK : job->len;
+        /* the block's keys stay in L1 while every head of the group reads them */
+        const float *keys = job->k_cache + ((size_t)job->first + j0) * job->kv_stride + (size_t)kvh * hd;
+        for (int h = kvh * job->group; h < (kvh + 1) * job->group; h++)
+            k->dot_rows(job->q + (size_t)h * hd, keys, job->kv_stride, j1 - j0, hd, job->scale,
+                        job->scratch + (size_t)h * job->stride + j0);
+    }
+}
+
+static void decode_values_task(void *arg, int begin, int end, int thread_index) {
+    const attention_job *job = arg;
+    int hd = job->head_dim, blocks = (hd + DECODE_COL_BLOCK - 1) / DECODE_COL_BLOCK;
+    for (int item = begin; item < end; item++) {
+        int kvh = item / blocks, c0 = (item % blocks) * DECODE_COL_BLOCK;
+        int width = hd - c0 < DECODE_COL_BLOCK ? hd - c0 : DECODE_COL_BLOCK;
+        const float *vals = job->v_cache + (size_t)job->first * job->kv_stride + (size_t)kvh * hd + c0;
+        for (int h = kvh * job->group; h < (kvh + 1) * job->group; h++)
+            weighted_values(job->ops, job->out + (size_t)h * hd + c0,
+                            job->scratch + (size_t)h * job->stride, vals, job->kv_stride,
+                            job->len, width, job->sums[h]);
+    }
+}
+
+static void attention_one_row(attention_job *job, tl_threadpool *pool) {
+    int n_kv_head = job->n_head / job->group;
+    float *sums = job->scratch + (size_t)job->n_head * job->stride;
+    job->first = first_key(job->pos0, job->window);
+    job->len = job->pos0 - job->first + 1;
+    job->sums = sums;
+    int key_blocks = (job->len + DECODE_KEY_BLOCK - 1) / DECODE_KEY_BLOCK;
+    tl_parallel_for(pool, n_kv_head * key_blocks, 1, decode_scores_task, job);
+    for (int h = 0; h < job->n_head; h++) {
+        float *scores = job->scratch + (size_t)h * job->stride;
+        float max = max_of(scores, job->len);
+        sums[h] = job->ops->exp_sum(scores, scores, job->len, max);
+    }
+    int col_blocks = (job->head_dim + DECODE_COL_BLOCK - 1) / DECODE_COL_BLOCK;
+    tl_parallel_for(pool, n_kv_head * col_blocks, 1, decode_values_task, job);
 }
 
 void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
@@ -314,5 +393,8 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
         .kv_stride = (size_t)n_kv_head * head_dim,
         /* the longest row is pos0 + n keys, within the max_seq the scratch was sized for */
         .stride = score_stride(pos0 + n), .scale = scale};
-    tl_parallel_for(pool, n * n_head, 1, attention_task, &job);
+    if (n == 1)
+        attention_one_row(&job, pool);
+    else
+        tl_parallel_for(pool, n * n_head, 1, attention_task, &job);
 }

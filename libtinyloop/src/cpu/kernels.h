@@ -55,11 +55,16 @@ void tl_cpu_rmsnorm(const float *x, int n, int d, const tl_tensor *weight, int u
 void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
                       const tl_tensor *bias, float eps, float *out);
 
-/* Rotate the first rope_dims dims of each head in place. x: n rows of n_heads*head_dim,
- * row i at position positions[i]. style 0 = half (pairs i, i+rope_dims/2),
- * 1 = interleaved (pairs 2i, 2i+1). freq_i = theta^(-2i/rope_dims). */
-void tl_cpu_rope(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
-                 float theta, const int32_t *positions);
+/* RoPE in two steps, so that the cos/sin of a chunk's positions are computed once for
+ * all layers: tl_cpu_rope_table fills, per row i at position positions[i], rope_dims
+ * floats (cos then sin of the rope_dims/2 angles, freq_p = theta^(-2p/rope_dims));
+ * tl_cpu_rope_apply rotates the first rope_dims dims of each head of x (n rows of
+ * n_heads*head_dim) in place with such a table. style 0 = half (pairs p,
+ * p+rope_dims/2), 1 = interleaved (pairs 2p, 2p+1). */
+void tl_cpu_rope_table(int n, int rope_dims, float theta, const int32_t *positions,
+                       float *table);
+void tl_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
+                       const float *table);
 
 /* out[i] = act(gate[i]) * up[i]; act 0 = silu, 1 = gelu_tanh. */
 void tl_cpu_gated_act(const float *gate, const float *up, size_t count, int act, float *out);
@@ -73,9 +78,10 @@ void tl_cpu_add_bias(float *y, int n, int d, const tl_tensor *b);
  * keys/values for positions 0..pos0+n-1 (k_cache/v_cache: [max_seq, n_kv_head*head_dim]
  * float rows). q: n x (n_head*head_dim); out: same shape. GQA: query head h uses kv head
  * h / (n_head / n_kv_head). window > 0 limits each query to the last `window`
- * positions (itself included). Parallel over (row, head) on the pool. scratch: at least
+ * positions (itself included). Parallel on the pool: over (row, head) for several rows,
+ * over (KV head, keys or columns) for one row. scratch: at least
  * tl_cpu_attention_scratch_bytes() bytes. */
-size_t tl_cpu_attention_scratch_bytes(int n_threads, int max_seq);
+size_t tl_cpu_attention_scratch_bytes(int n_threads, int n_head, int max_seq);
 void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
                       const float *v_cache, int n_head, int n_kv_head, int head_dim,
                       float scale, int window, float *out, void *scratch,

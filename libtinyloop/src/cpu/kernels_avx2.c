@@ -383,12 +383,55 @@ static float dot(const float *a, const float *b, int n) {
     return sum;
 }
 
-static void axpy(float *y, float a, const float *x, int n) {
-    __m256 av = _mm256_set1_ps(a);
-    int j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(y + j, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
-    for (; j < n; j++) y[j] += a * x[j];
+/* Attention reads K/V cache rows with a stride; the prefetcher alone left the loops
+ * waiting on memory. */
+#define ATTN_PREFETCH_ROWS 4
+
+static void dot_rows(const float *q, const float *rows, size_t stride, int len, int n,
+                     float scale, float *scores) {
+    for (int j = 0; j < len; j++) {
+        const float *r = rows + (size_t)j * stride;
+        if (j + ATTN_PREFETCH_ROWS < len)
+            for (int c = 0; c < n; c += 16)
+                _mm_prefetch((const char *)(r + ATTN_PREFETCH_ROWS * stride + c), _MM_HINT_T0);
+        scores[j] = scale * dot(q, r, n);
+    }
+}
+
+/* NV vectors of y kept in registers over all rows. */
+ALWAYS_INLINE void axpy_rows_vectors(float *y, const float *p, const float *rows, size_t stride,
+                                     int len, int nv) {
+    __m256 acc[8];
+    for (int v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(y + 8 * v);
+    for (int j = 0; j < len; j++) {
+        const float *r = rows + (size_t)j * stride;
+        if (j + ATTN_PREFETCH_ROWS < len)
+            for (int v = 0; v < nv; v += 2)
+                _mm_prefetch((const char *)(r + ATTN_PREFETCH_ROWS * stride + 8 * v), _MM_HINT_T0);
+        __m256 a = _mm256_set1_ps(p[j]);
+        for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(a, _mm256_loadu_ps(r + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < nv; v++) _mm256_storeu_ps(y + 8 * v, acc[v]);
+}
+
+static void axpy_rows(float *y, const float *p, const float *rows, size_t stride, int len,
+                      int n) {
+    int c = 0;
+    for (; c + 64 <= n; c += 64) axpy_rows_vectors(y + c, p, rows + c, stride, len, 8);
+    if (c + 32 <= n) {
+        axpy_rows_vectors(y + c, p, rows + c, stride, len, 4);
+        c += 32;
+    }
+    if (c + 16 <= n) {
+        axpy_rows_vectors(y + c, p, rows + c, stride, len, 2);
+        c += 16;
+    }
+    if (c + 8 <= n) {
+        axpy_rows_vectors(y + c, p, rows + c, stride, len, 1);
+        c += 8;
+    }
+    for (; c < n; c++)
+        for (int j = 0; j < len; j++) y[c] += p[j] * rows[(size_t)j * stride + c];
 }
 
 static void scale(float *y, float a, int n) {
@@ -443,8 +486,8 @@ const tl_cpu_ops tl_cpu_ops_avx2 = {
     .quantize_row = quantize_row,
     .matmul_float_rows = matmul_float_rows,
     .matmul_quant_rows = matmul_quant_rows,
-    .dot = dot,
-    .axpy = axpy,
+    .dot_rows = dot_rows,
+    .axpy_rows = axpy_rows,
     .scale = scale,
     .exp_sum = exp_sum,
     .sum_squares = sum_squares,

@@ -122,14 +122,20 @@ static void matmul_float_rows(const tl_tensor *w, const float *x, int n, size_t 
     }
 }
 
-static float dot(const float *a, const float *b, int n) {
-    float sum = 0.0f;
-    for (int j = 0; j < n; j++) sum += a[j] * b[j];
-    return sum;
+static void dot_rows(const float *q, const float *rows, size_t stride, int len, int n,
+                     float scale, float *scores) {
+    for (int j = 0; j < len; j++) {
+        const float *r = rows + (size_t)j * stride;
+        float sum = 0.0f;
+        for (int c = 0; c < n; c++) sum += q[c] * r[c];
+        scores[j] = scale * sum;
+    }
 }
 
-static void axpy(float *y, float a, const float *x, int n) {
-    for (int j = 0; j < n; j++) y[j] += a * x[j];
+static void axpy_rows(float *y, const float *p, const float *rows, size_t stride, int len,
+                      int n) {
+    for (int j = 0; j < len; j++)
+        for (int c = 0; c < n; c++) y[c] += p[j] * rows[(size_t)j * stride + c];
 }
 
 static void scale(float *y, float a, int n) {
@@ -165,8 +171,8 @@ const tl_cpu_ops tl_cpu_ops_generic = {
     .quantize_row = quantize_row,
     .matmul_float_rows = matmul_float_rows,
     .matmul_quant_rows = matmul_quant_rows,
-    .dot = dot,
-    .axpy = axpy,
+    .dot_rows = dot_rows,
+    .axpy_rows = axpy_rows,
     .scale = scale,
     .exp_sum = exp_sum,
     .sum_squares = sum_squares,

@@ -37,8 +37,14 @@ typedef struct tl_cpu_ops {
     /* y[i, r] for rows [r0, r1), i < n, q8/q4/q2 weights against quantized activations. */
     void (*matmul_quant_rows)(const tl_tensor *w, const tl_qact *a, int n, float *y,
                               size_t ldy, int64_t r0, int64_t r1);
-    float (*dot)(const float *a, const float *b, int n);
-    void (*axpy)(float *y, float a, const float *x, int n); /* y += a * x */
+    /* Attention over rows `stride` floats apart (K or V cache rows):
+     * scores[j] = scale * (q . rows[j][0..n)) for j < len; */
+    void (*dot_rows)(const float *q, const float *rows, size_t stride, int len, int n,
+                     float scale, float *scores);
+    /* y[c] += p[j] * rows[j][c] for c < n, each y[c] accumulated in order j = 0..len-1
+     * (one fused multiply-add per term on AVX2). */
+    void (*axpy_rows)(float *y, const float *p, const float *rows, size_t stride, int len,
+                      int n);
     void (*scale)(float *y, float a, int n);                /* y *= a */
     /* out[j] = exp(x[j] - shift) (out may be NULL or x); returns the sum of those. */
     float (*exp_sum)(float *out, const float *x, int n, float shift);

@@ -5,7 +5,15 @@
  * layer a few microseconds apart, and waking a sleeping thread costs far more than
  * that), then fall asleep on a condition variable so an idle pool burns no CPU.
  * Items are handed out in contiguous chunks through an atomic cursor, so a thread
- * that was descheduled simply takes fewer chunks; the caller works too. */
+ * that was descheduled simply takes fewer chunks; the caller works too.
+ *
+ * The caller waits only for workers that entered the job, never for one that has not
+ * shown up yet: when another process holds a core, a worker may not run for a whole
+ * scheduler time slice (milliseconds), and waiting for it to acknowledge every job
+ * made two threads several times slower than one. A worker enters by incrementing
+ * job.state; once the caller has run out of chunks it sets JOB_CLOSED there and waits
+ * for the count to drain; a worker that finds the job closed leaves without touching
+ * it. */
 #define _GNU_SOURCE
 #include "threadpool.h"
 
@@ -29,12 +37,16 @@
 /* Chunks per thread: more than one so a slow thread does not hold up the rest. */
 #define TL_CHUNKS_PER_THREAD 4
 
+/* job.state: JOB_CLOSED plus the number of workers inside the job. */
+#define JOB_CLOSED 0x40000000
+
 typedef struct tl_job {
     tl_parallel_fn fn;
     void *arg;
     int n_items;
     int chunk;              /* items per chunk, a multiple of grain */
     atomic_int next;        /* first unclaimed item */
+    atomic_int state;       /* JOB_CLOSED | workers inside; written only by atomic RMW */
 } tl_job;
 
 struct tl_threadpool {
@@ -42,7 +54,6 @@ struct tl_threadpool {
     pthread_t *threads;
     tl_job job;
     atomic_uint generation;  /* bumped once per parallel_for */
-    atomic_int pending;      /* workers that have not finished the current job */
     atomic_int sleepers;     /* workers blocked (or about to block) on wake */
     atomic_int stop;
     pthread_mutex_t lock;
@@ -98,8 +109,11 @@ static void *worker_main(void *p) {
     for (;;) {
         seen = wait_for_job(pool, seen);
         if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
-        run_chunks(&pool->job, wa.index);
-        atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_release);
+        /* Entering may land in a later job than `seen` (the caller already moved on):
+         * that job is open, so taking its chunks is right too. */
+        int state = atomic_fetch_add_explicit(&pool->job.state, 1, memory_order_acq_rel);
+        if (!(state & JOB_CLOSED)) run_chunks(&pool->job, wa.index);
+        atomic_fetch_sub_explicit(&pool->job.state, 1, memory_order_release);
     }
     return NULL;
 }
@@ -112,10 +126,10 @@ tl_threadpool *tl_threadpool_create(int n_threads) {
     pthread_mutex_init(&pool->lock, NULL);
     pthread_cond_init(&pool->wake, NULL);
     atomic_init(&pool->generation, 0);
-    atomic_init(&pool->pending, 0);
     atomic_init(&pool->sleepers, 0);
     atomic_init(&pool->stop, 0);
     atomic_init(&pool->job.next, 0);
+    atomic_init(&pool->job.state, JOB_CLOSED);
     if (n_threads > 1) {
         pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
         if (!pool->threads) {
@@ -168,14 +182,15 @@ void tl_parallel_for(tl_threadpool *pool, int n_items, int grain, tl_parallel_fn
     if (n_chunks > n_grains) n_chunks = n_grains;
     int grains_per_chunk = (n_grains + n_chunks - 1) / n_chunks;
 
+    /* The previous job is closed and empty: no worker reads these fields now. */
     tl_job *job = &pool->job;
     job->fn = fn;
     job->arg = arg;
     job->n_items = n_items;
     job->chunk = grains_per_chunk * grain;
     atomic_store_explicit(&job->next, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool->pending, n_threads - 1, memory_order_relaxed);
-    atomic_fetch_add(&pool->generation, 1); /* seq_cst: publishes the job */
+    atomic_fetch_and_explicit(&job->state, ~JOB_CLOSED, memory_order_release); /* open it */
+    atomic_fetch_add(&pool->generation, 1); /* seq_cst: wakes spinners and sleepers */
     if (atomic_load(&pool->sleepers) > 0) {
         pthread_mutex_lock(&pool->lock);
         pthread_cond_broadcast(&pool->wake);
@@ -184,8 +199,11 @@ void tl_parallel_for(tl_threadpool *pool, int n_items, int grain, tl_parallel_fn
 
     run_chunks(job, 0);
 
-    /* Workers still inside a chunk finish soon; yield if one was descheduled. */
-    for (int spins = 0; atomic_load_explicit(&pool->pending, memory_order_acquire) > 0; spins++) {
+    /* Every chunk is claimed. Close the job and wait for the workers inside it, which
+     * finish soon; yield if one was descheduled in the middle of a chunk. */
+    atomic_fetch_or_explicit(&job->state, JOB_CLOSED, memory_order_acq_rel);
+    for (int spins = 0;
+         (atomic_load_explicit(&job->state, memory_order_acquire) & ~JOB_CLOSED) != 0; spins++) {
         if (spins < 4096)
             TL_CPU_RELAX();
         else
