@@ -1,5 +1,6 @@
-"""Builds the C test programs under AddressSanitizer + UBSan and runs them on model
-files generated here, so the loader, kernels and ABI are checked at the C level."""
+"""Builds the C test programs under AddressSanitizer + UBSan (and the threaded ones under
+ThreadSanitizer) and runs them on model files generated here, so the loader, kernels,
+thread pool and ABI are checked at the C level."""
 import os
 import shutil
 import subprocess
@@ -21,19 +22,28 @@ def _tool(name):
     return found
 
 
-@pytest.fixture(scope="session")
-def c_build(tmp_path_factory):
-    build = tmp_path_factory.mktemp("c-asan")
+def _build(tmp_path_factory, name, sanitizers):
+    build = tmp_path_factory.mktemp(name)
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     setup = [_tool("meson"), "setup", str(build), str(ROOT), "-Dbuild_tests=true",
              "-Dcuda=disabled", "-Dbuildtype=debugoptimized",
-             "-Db_sanitize=address,undefined", "-Db_lundef=false"]
+             f"-Db_sanitize={sanitizers}", "-Db_lundef=false"]
     subprocess.run(setup, check=True, env=env, capture_output=True, text=True)
     done = subprocess.run([_tool("ninja"), "-C", str(build), "-j2"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return build
+
+
+@pytest.fixture(scope="session")
+def c_build(tmp_path_factory):
+    return _build(tmp_path_factory, "c-asan", "address,undefined")
+
+
+@pytest.fixture(scope="session")
+def c_build_tsan(tmp_path_factory):
+    return _build(tmp_path_factory, "c-tsan", "thread")
 
 
 @pytest.fixture(scope="session")
@@ -57,12 +67,14 @@ def _run(build, program, *args, timeout=600):
     env = dict(os.environ)
     env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=0:halt_on_error=1"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    env["TSAN_OPTIONS"] = "halt_on_error=1"
     exe = build / "tests" / "c" / program
     done = subprocess.run([str(exe), *map(str, args)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"{program} failed:\n{out[-6000:]}"
-    assert "ERROR: AddressSanitizer" not in out and "runtime error:" not in out, out[-6000:]
+    for report in ("ERROR: AddressSanitizer", "runtime error:", "WARNING: ThreadSanitizer"):
+        assert report not in out, out[-6000:]
     return out
 
 
@@ -90,3 +102,13 @@ def test_c_example_links_only_the_shared_library(c_build, c_models):
     out = _run(c_build, "c_generate", c_models[0], 1, 2, 3)
     ids = [int(t) for t in out.split() if t.lstrip("-").isdigit()]
     assert ids, out
+
+
+def test_kernels_and_thread_pool_under_thread_sanitizer(c_build_tsan):
+    out = _run(c_build_tsan, "test_kernels")
+    assert " 0 failed" in out
+
+
+def test_api_threads_under_thread_sanitizer(c_build_tsan, c_models):
+    out = _run(c_build_tsan, "test_api", c_models[1])
+    assert " 0 failed" in out
