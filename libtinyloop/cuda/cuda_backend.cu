@@ -4,7 +4,10 @@
 // tl_status with the message in a thread-local buffer (tl_cuda_last_error()), and
 // failures of the asynchronous ops are recorded in the tl_exec and reported by
 // ops->status(). All ops of one context run in order on that context's stream;
-// download() and logprobs() synchronise it.
+// download(), logprobs() and argmax() synchronise it. Decode steps may be recorded
+// and replayed as CUDA graphs (cuda_graph.cu); every op here folds its arguments into
+// the step's key with step_note, positions relative (step_pos), so that a replayed
+// graph is only ever one recorded from the very same ops.
 #include "cuda_common.cuh"
 
 #include <cstdarg>
@@ -77,6 +80,7 @@ void cuda_destroy(tl_backend *be) {
     cuda_backend *impl = impl_of(be);
     if (impl) {
         cudaSetDevice(impl->device);
+        if (impl->core_bytes) cudaCtxResetPersistingL2Cache();
         cuda_free_model(impl);
         delete impl;
     }
@@ -99,18 +103,21 @@ void cuda_exec_destroy(tl_exec *ex) {
         cudaStreamSynchronize(ex->stream);
         cudaStreamDestroy(ex->stream);
     }
+    step_free(ex);
     cudaFree(ex->d_ints);
     cudaFree(ex->d_floats);
     cudaFree(ex->attn_partial);
+    cudaFree(ex->argmax_partial);
+    cudaFreeHost(ex->h_result);
     ex->be->device_bytes -= ex->bytes;
-    free(ex);
+    delete ex;
 }
 
 // n_threads is a CPU notion: the device needs no host workers.
 tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int max_seq, tl_exec **out) {
     cuda_backend *impl = impl_of(be);
     const tl_hparams &hp = impl->model->hp;
-    tl_exec *ex = static_cast<tl_exec *>(calloc(1, sizeof *ex));
+    tl_exec *ex = new (std::nothrow) tl_exec();
     if (!ex) return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a CUDA execution state");
     ex->be = impl;
     ex->max_rows = max_rows;
@@ -119,17 +126,29 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     ex->attn_partial_floats = attention_partial_floats(hp.n_head, hp.head_dim, max_seq);
     cudaError_t err = cudaSetDevice(impl->device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&ex->sm_count, cudaDevAttrMultiProcessorCount, impl->device);
+    int smem_optin = 0;
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device);
+    ex->smem_optin = smem_optin > 0 ? (size_t)smem_optin : 0;
     if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
     if (err == cudaSuccess) err = cudaMalloc(&ex->attn_partial, ex->attn_partial_floats * sizeof(float));
+    if (err == cudaSuccess) err = cudaMalloc(&ex->argmax_partial, argmax_partial_bytes());
+    if (err == cudaSuccess) err = cudaHostAlloc((void **)&ex->h_result, sizeof(int32_t), cudaHostAllocDefault);
     if (err != cudaSuccess) {
         cudaGetLastError();
         ex->bytes = 0;
         cuda_exec_destroy(ex);
         return cuda_fail(TL_ERR_BACKEND, "cannot create a CUDA execution state: %s", cudaGetErrorString(err));
     }
-    ex->bytes = rows * (sizeof(int32_t) + sizeof(float)) + ex->attn_partial_floats * sizeof(float);
+    tl_status st = step_init(ex);
+    if (st != TL_OK) {
+        cuda_exec_destroy(ex);
+        return st;
+    }
+    ex->bytes = rows * (sizeof(int32_t) + sizeof(float)) + ex->attn_partial_floats * sizeof(float) +
+                argmax_partial_bytes() + sizeof(step_params);
     impl->device_bytes += ex->bytes;
     *out = ex;
     return TL_OK;
@@ -184,80 +203,163 @@ void cuda_buf_free(tl_buf *b) {
 // so callers may reuse `src` immediately.
 void cuda_upload(tl_exec *ex, tl_act dst, const float *src, size_t count) {
     if (bind(ex) || count == 0) return;
+    step_flush(ex);
     exec_check(ex, cudaMemcpyAsync(P(dst), src, count * sizeof(float), cudaMemcpyHostToDevice, ex->stream),
                "upload");
 }
 
 void cuda_download(tl_exec *ex, float *dst, tl_act src, size_t count) {
     if (bind(ex) || count == 0) return;
+    step_flush(ex);
     if (!exec_check(ex, cudaMemcpyAsync(dst, P(src), count * sizeof(float), cudaMemcpyDeviceToHost, ex->stream),
                     "download"))
         exec_check(ex, cudaStreamSynchronize(ex->stream), "download (or a kernel before it)");
 }
 
+// A pointer, a size or a float as one value of a step's key.
+uint64_t K(const void *p) { return (uint64_t)(uintptr_t)p; }
+uint64_t K(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
 void cuda_copy_rows(tl_exec *ex, tl_act dst, size_t ld_dst, tl_act src, size_t ld_src, int n, int width) {
-    if (!bind(ex)) launch_copy_rows(ex, P(dst), ld_dst, P(src), ld_src, n, width);
+    if (bind(ex)) return;
+    step_note(ex, { 1, K(P(dst)), ld_dst, K(P(src)), ld_src, (uint64_t)n, (uint64_t)width });
+    launch_copy_rows(ex, P(dst), ld_dst, P(src), ld_src, n, width);
 }
 
 void cuda_fill(tl_exec *ex, tl_act dst, size_t count, float value) {
-    if (!bind(ex)) launch_fill(ex, P(dst), count, value);
+    if (bind(ex)) return;
+    step_note(ex, { 2, K(P(dst)), count, K(value) });
+    launch_fill(ex, P(dst), count, value);
 }
 
 void cuda_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0, float sigma) {
-    if (!bind(ex)) launch_fill_noise(ex, P(dst), n, d, seed, pos0, sigma);
+    if (bind(ex)) return;
+    pos_arg pos = step_pos(ex, pos0);
+    step_note(ex, { 3, K(P(dst)), (uint64_t)n, (uint64_t)d, seed, (uint64_t)pos.base, K(sigma) });
+    launch_fill_noise(ex, P(dst), n, d, seed, pos, sigma);
 }
 
 // Host ints (token ids, targets) into the execution state's device array.
 int upload_ints(tl_exec *ex, const int32_t *values, int n, const char *what) {
     if (n > ex->max_rows) return exec_reject(ex, "more rows than the context was sized for");
+    step_flush(ex);
     return exec_check(ex, cudaMemcpyAsync(ex->d_ints, values, (size_t)n * sizeof(int32_t),
                                           cudaMemcpyHostToDevice, ex->stream), what);
 }
 
 // ---- math -------------------------------------------------------------------------------
 
+// In a recorded step the token travels with the step's parameters (not in the key).
 void cuda_embed(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n, float scale, tl_act out) {
-    if (bind(ex) || n <= 0 || upload_ints(ex, tokens, n, "embed (token upload)")) return;
+    if (bind(ex) || n <= 0) return;
+    if (ex->step.recording && n == 1) {
+        step_note(ex, { 4, K(table), K(scale), K(P(out)) });
+        ex->step.host.token = tokens[0];
+        launch_embed(ex, *W(table), &ex->step.dev->token, 1, scale, P(out));
+        return;
+    }
+    if (upload_ints(ex, tokens, n, "embed (token upload)")) return;
     launch_embed(ex, *W(table), ex->d_ints, n, scale, P(out));
 }
 
 void cuda_matmul(tl_exec *ex, const tl_tensor *w, tl_act x, size_t ldx, int n, tl_act y, size_t ldy) {
-    if (!bind(ex)) launch_matmul(ex, *W(w), P(x), ldx, n, P(y), ldy);
+    if (bind(ex)) return;
+    step_note(ex, { 5, K(w), K(P(x)), ldx, (uint64_t)n, K(P(y)), ldy });
+    launch_matmul(ex, *W(w), P(x), ldx, n, P(y), ldy);
 }
 
-// Activations are not quantized, so there is nothing to share: one matmul each.
 void cuda_matmul_multi(tl_exec *ex, const tl_tensor *const *ws, int n_w, tl_act x, size_t ldx, int n,
                        const tl_act *ys, const size_t *ldys) {
     if (bind(ex)) return;
-    for (int j = 0; j < n_w; j++) launch_matmul(ex, *W(ws[j]), P(x), ldx, n, P(ys[j]), ldys[j]);
+    const dev_weight *dws[8];
+    float *dys[8];
+    step_note(ex, { 6, (uint64_t)n_w, K(P(x)), ldx, (uint64_t)n });
+    for (int j0 = 0; j0 < n_w; j0 += 8) {
+        int count = n_w - j0 < 8 ? n_w - j0 : 8;
+        for (int j = 0; j < count; j++) {
+            dws[j] = W(ws[j0 + j]);
+            dys[j] = P(ys[j0 + j]);
+            step_note(ex, { K(ws[j0 + j]), K(dys[j]), ldys[j0 + j] });
+        }
+        launch_matmul_multi(ex, dws, count, P(x), ldx, n, dys, ldys + j0);
+    }
 }
 
 void cuda_add_bias(tl_exec *ex, tl_act y, int n, int d, const tl_tensor *bias) {
-    if (!bind(ex)) launch_add_bias(ex, P(y), n, d, *W(bias));
+    if (bind(ex)) return;
+    step_note(ex, { 7, K(P(y)), (uint64_t)n, (uint64_t)d, K(bias) });
+    launch_add_bias(ex, P(y), n, d, *W(bias));
 }
 
 void cuda_add(tl_exec *ex, tl_act y, tl_act x, size_t count) {
-    if (!bind(ex)) launch_add(ex, P(y), P(x), count);
+    if (bind(ex)) return;
+    step_note(ex, { 8, K(P(y)), K(P(x)), count });
+    launch_add(ex, P(y), P(x), count);
 }
 
 void cuda_norm(tl_exec *ex, const tl_norm_weights *w, const tl_norm_params *p, tl_act x, int n, int d,
                tl_act out) {
     if (bind(ex)) return;
+    step_note(ex, { 9, K(w), (uint64_t)p->type, (uint64_t)p->unit_offset, K(p->eps), K(P(x)), (uint64_t)n,
+                    (uint64_t)d, K(P(out)) });
     const dev_weight *bias = (p->type == TL_NORMTYPE_LAYER && w->bias.data) ? W(&w->bias) : nullptr;
     launch_norm(ex, *W(&w->weight), bias, *p, P(x), n, d, P(out));
 }
 
 void cuda_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, int pos0, const tl_rope_params *p) {
-    if (!bind(ex)) launch_rope(ex, P(x), n, n_heads, head_dim, pos0, *p);
+    if (bind(ex)) return;
+    pos_arg pos = step_pos(ex, pos0);
+    step_note(ex, { 10, K(P(x)), (uint64_t)n, (uint64_t)n_heads, (uint64_t)head_dim, (uint64_t)pos.base,
+                    (uint64_t)p->rope_dims, (uint64_t)p->style, K(p->theta) });
+    launch_rope(ex, P(x), n, n_heads, head_dim, pos, *p);
 }
 
 void cuda_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count, tl_activation act) {
-    if (!bind(ex)) launch_gated_act(ex, P(gate), P(up), count, act == TL_ACT_GELU_TANH ? 1 : 0);
+    if (bind(ex)) return;
+    step_note(ex, { 11, K(P(gate)), K(P(up)), count, (uint64_t)act });
+    launch_gated_act(ex, P(gate), P(up), count, act == TL_ACT_GELU_TANH ? 1 : 0);
 }
 
 void cuda_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache, tl_act v_cache,
                     const tl_attn_geom *g, tl_act out) {
-    if (!bind(ex)) launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out));
+    if (bind(ex)) return;
+    step_note(ex, { 12, K(P(q)), (uint64_t)n, (uint64_t)step_pos(ex, pos0).base, K(P(k_cache)), K(P(v_cache)),
+                    (uint64_t)g->n_head, (uint64_t)g->n_kv_head, (uint64_t)g->head_dim, K(g->scale),
+                    (uint64_t)g->window, K(P(out)) });
+    launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out));
+}
+
+void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0,
+                   int width) {
+    if (bind(ex)) return;
+    pos_arg pos = step_pos(ex, pos0);
+    step_note(ex, { 13, K(P(k_cache)), K(P(v_cache)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base,
+                    (uint64_t)width });
+    launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width);
+}
+
+// Two kernels find the index on the device; four bytes come back through pinned memory.
+int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
+    if (bind(ex) || count <= 0) return 0;
+    step_flush(ex);
+    launch_argmax(ex, P(x), count, ex->d_ints);
+    if (exec_check(ex, cudaMemcpyAsync(ex->h_result, ex->d_ints, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                       ex->stream), "argmax (download)") ||
+        exec_check(ex, cudaStreamSynchronize(ex->stream), "argmax (or a kernel before it)"))
+        return 0;
+    return *ex->h_result;
+}
+
+void cuda_step_begin(tl_exec *ex, int pos) {
+    if (!bind(ex)) step_begin(ex, pos);
+}
+
+void cuda_step_end(tl_exec *ex) {
+    if (!bind(ex)) step_end(ex);
 }
 
 void cuda_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets, float *out) {
@@ -293,6 +395,10 @@ const tl_backend_ops cuda_ops = {
     /* gated_act */ cuda_gated_act,
     /* attention */ cuda_attention,
     /* logprobs */ cuda_logprobs,
+    /* argmax */ cuda_argmax,
+    /* kv_store */ cuda_kv_store,
+    /* step_begin */ cuda_step_begin,
+    /* step_end */ cuda_step_end,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -15,6 +15,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <vector>
 
 extern "C" {
 #include "backend.h"
@@ -43,6 +46,61 @@ struct cuda_backend {
     dev_weight *weights;             // host array, one per uploaded tensor (backend_data)
     size_t n_weights;
     std::atomic<uint64_t> device_bytes;  // everything this backend holds from cudaMalloc
+    // The loop body's weights (every core block, contiguous in the arena): the L2
+    // access-policy window of every context (cuda_graph.cu).
+    const void *core_base;
+    size_t core_bytes;
+};
+
+// Where a kernel finds a position: base, plus the position the device holds for the
+// decode step being replayed (dev = NULL outside recorded steps).
+struct pos_arg {
+    int base;
+    const int *dev;
+};
+__device__ __forceinline__ int pos_value(pos_arg p) { return p.dev ? p.base + *p.dev : p.base; }
+
+// Sum / max over a warp; every lane gets the same value (the butterfly combines the
+// same two operands in both lanes of each pair).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// What changes from one decode step to the next, uploaded before a step runs.
+struct step_params {
+    int pos;
+    int token;
+};
+
+// Decode-step recording and replay (cuda_graph.cu). Between step_begin and step_end
+// launches are kept as closures instead of running; step_end replays the graph
+// captured for the same sequence of ops (the key), or captures one.
+struct step_graph {
+    uint64_t key;
+    cudaGraphExec_t exec;
+    int replays;
+};
+constexpr int STEP_GRAPHS = 4;     // graphs kept per context (one per depth in use, ...)
+
+struct step_state {
+    int recording;                 // inside step_begin/step_end, launches deferred
+    int pos;                       // the step's position
+    uint64_t key;                  // hash of the step's ops and arguments
+    std::vector<std::function<void(cudaStream_t)>> work;
+    step_params host;              // uploaded to dev at step_end
+    step_params *dev;
+    step_graph graphs[STEP_GRAPHS];
+    int next_graph;                // slot the next capture replaces
+    int unused_captures;           // captures in a row that were never replayed
+    int off;                       // graphs disabled for this context (reason below)
+    char reason[256];
 };
 
 struct tl_buf {
@@ -55,14 +113,20 @@ struct tl_exec {
     cuda_backend *be;
     cudaStream_t stream;
     int max_rows, max_seq;
-    int sm_count;             // multiprocessors, for sizing split-sequence attention
+    int sm_count;             // multiprocessors, for sizing GEMV and attention grids
+    size_t smem_optin;        // shared memory one block may opt into (GEMV activation rows)
     int32_t *d_ints;          // max_rows token ids / targets
     float *d_floats;          // max_rows results (log-probs)
     float *attn_partial;      // split-sequence attention partials
     size_t attn_partial_floats;
+    void *argmax_partial;     // the first argmax pass's per-block winners
+    int32_t *h_result;        // pinned: argmax comes back through it
+    size_t l2_persist_bytes;  // persisting L2 set aside for the loop body (0 = none)
+    size_t l2_window_max;     // the device's largest access-policy window
     size_t bytes;             // device bytes of the above
     tl_status error;          // first asynchronous error since the last status()
     char message[512];
+    step_state step;
 };
 
 // ---- errors ------------------------------------------------------------------------
@@ -81,6 +145,31 @@ static inline const dev_weight *W(const tl_tensor *t) {
 }
 static inline float *P(tl_act a) { return a.buf->data + a.off; }
 
+// ---- decode steps (cuda_graph.cu) -------------------------------------------------
+
+// Run fn on the context's stream now, or keep it for step_end while a step is recorded.
+void enqueue(tl_exec *ex, std::function<void(cudaStream_t)> fn);
+// kernel<<<grid, block, smem>>>(args...) through enqueue, recording launch errors.
+template <typename... KArgs, typename... Args>
+void launch(tl_exec *ex, const char *what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+            size_t smem, Args... args) {
+    enqueue(ex, [=](cudaStream_t s) {
+        kernel<<<grid, block, smem, s>>>(args...);
+        exec_check(ex, cudaGetLastError(), what);
+    });
+}
+// pos0 as a kernel argument: itself, or relative to the recorded step's position.
+pos_arg step_pos(tl_exec *ex, int pos0);
+// Fold an op's identity and arguments into the step's key (positions relative).
+void step_note(tl_exec *ex, std::initializer_list<uint64_t> values);
+// Inside a recorded step, ops that need the host (transfers) first run what was
+// recorded and leave the rest of the step eager.
+void step_flush(tl_exec *ex);
+void step_begin(tl_exec *ex, int pos);
+void step_end(tl_exec *ex);
+tl_status step_init(tl_exec *ex);
+void step_free(tl_exec *ex);
+
 // ---- weights (cuda_weights.cu) -----------------------------------------------------
 
 tl_status cuda_upload_model(cuda_backend *be, const struct tl_model *model);
@@ -91,6 +180,9 @@ void cuda_free_model(cuda_backend *be);
 // cuda_matmul.cu
 void launch_matmul(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n,
                    float *y, size_t ldy);
+// Several weights applied to the same x (q/k/v, gate/up): one launch for decode rows.
+void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, const float *x,
+                         size_t ldx, int n, float *const *ys, const size_t *ldys);
 void launch_embed(tl_exec *ex, const dev_weight &table, const int32_t *d_tokens, int n,
                   float scale, float *out);
 void launch_add_bias(tl_exec *ex, float *y, int n, int d, const dev_weight &bias);
@@ -99,21 +191,30 @@ void launch_add_bias(tl_exec *ex, float *y, int n, int d, const dev_weight &bias
 void launch_copy_rows(tl_exec *ex, float *dst, size_t ld_dst, const float *src, size_t ld_src,
                       int n, int width);
 void launch_fill(tl_exec *ex, float *dst, size_t count, float value);
-void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, int pos0,
+void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
                        float sigma);
+void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
+                     const float *v, int n, pos_arg pos0, int width);
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count);
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out);
-void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, int pos0,
+void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_arg pos0,
                  const tl_rope_params &p);
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu);
 void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
                      const int32_t *d_targets, float *d_out);
+// *d_out = the first index of the largest of count floats (sampling.c's argmax), in
+// two passes through ex->argmax_partial (argmax_partial_bytes() of device memory)
+size_t argmax_partial_bytes();
+void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out);
 
 // cuda_attention.cu
 // Floats of split-sequence scratch attention needs for this geometry (decode rows).
 size_t attention_partial_floats(int n_head, int head_dim, int max_seq);
 void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
                       const float *v_cache, const tl_attn_geom &g, float *out);
+
+// cuda_weights.cu: the core blocks' byte range in the arena
+void cuda_core_range(cuda_backend *be, const struct tl_model *model);
 
 #endif

@@ -1,15 +1,28 @@
 // cuda_elementwise.cu — the row-wise and element-wise ops: copies, fills, the seeded
-// noise of docs/model.md, residual add, RMS/Layer norm, RoPE, gated activation and
-// log-probabilities. Each mirrors the CPU kernel's formula (cpu/kernels.h); norms and
-// reductions accumulate in fp32 like the CPU, RoPE angles and the noise are computed
-// in double like the CPU.
+// noise of docs/model.md, residual add, RMS/Layer norm, RoPE, KV stores, gated
+// activation, log-probabilities and argmax. Kernels that depend on the position read
+// it through a pos_arg, so a recorded decode step replays at any position. Each
+// mirrors the CPU kernel's formula (cpu/kernels.h); norms and reductions accumulate in
+// fp32 like the CPU, the noise is computed in double like the CPU, and RoPE takes the
+// CPU's double-precision angle (reduced to [-pi, pi] before the float sine/cosine).
+//
+// At decode sizes (a row of 2048 floats) these kernels are bound by memory latency,
+// not bandwidth: each thread issues all of its loads before it uses any, so a kernel
+// costs about one round trip to memory per pass instead of one per loop iteration.
 #include "cuda_dequant.cuh"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 namespace {
 
 constexpr int ROW_THREADS = 256;   // one block per row for norms and log-softmax
+constexpr int ROW_BATCH = 4;       // accesses in flight per thread in a row pass
+constexpr int ROPE_MAX_PAIRS = 128;   // rope_dims <= 256, as head_dim for attention
+constexpr int ARGMAX_THREADS = 256;
+constexpr int ARGMAX_PER_THREAD = 4;  // loads in flight per thread
+constexpr int ARGMAX_MAX_BLOCKS = 256;   // first-pass blocks (winners kept for the second)
 
 // Blocks for a grid-stride loop over `count` elements.
 int stride_blocks(size_t count) {
@@ -37,7 +50,8 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
 }
 
 // dst[i, j] = sigma * Box-Muller(splitmix64 stream of (seed, pos0 + i), j)
-__global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, int pos0, float sigma) {
+__global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, pos_arg pos, float sigma) {
+    const int pos0 = pos_value(pos);
     const double two_pi = 6.283185307179586476925286766559;
     const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
     size_t total = (size_t)n * d;
@@ -53,17 +67,6 @@ __global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, int po
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 // Sum (or max) over the block; every thread gets the result. `red` holds 32 floats.
 template <bool MAX>
 __device__ float block_reduce(float v, float *red) {
@@ -77,61 +80,141 @@ __device__ float block_reduce(float v, float *red) {
     return MAX ? warp_max(v) : warp_sum(v);
 }
 
+// V consecutive floats of a row: float4 accesses where the row allows them.
+template <int V>
+struct row_vec {
+    float v[V];
+};
+template <int V>
+__device__ __forceinline__ row_vec<V> row_load(const float *row, int unit) {
+    row_vec<V> r;
+    if (V == 4) {
+        const float4 f = reinterpret_cast<const float4 *>(row)[unit];
+        r.v[0] = f.x; r.v[1] = f.y; r.v[2] = f.z; r.v[3] = f.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; e++) r.v[e] = row[unit * V + e];
+    }
+    return r;
+}
+template <int V>
+__device__ __forceinline__ void row_store(float *row, int unit, const row_vec<V> &r) {
+    if (V == 4) reinterpret_cast<float4 *>(row)[unit] = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+    else
+#pragma unroll
+        for (int e = 0; e < V; e++) row[unit * V + e] = r.v[e];
+}
+
+// This thread's share of sum(term(x[c])) over a row of units * V floats.
+template <int V, typename F>
+__device__ __forceinline__ float row_accumulate(const float *row, int units, F term) {
+    float s = 0.0f;
+    for (int u0 = threadIdx.x; u0 < units; u0 += ROW_BATCH * ROW_THREADS) {
+        row_vec<V> xv[ROW_BATCH];
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; b++)
+            if (u0 + b * ROW_THREADS < units) xv[b] = row_load<V>(row, u0 + b * ROW_THREADS);
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; b++)
+            if (u0 + b * ROW_THREADS < units)
+#pragma unroll
+                for (int e = 0; e < V; e++) s += term(xv[b].v[e]);
+    }
+    return s;
+}
+
+// out[c] = fn(x[c], c) over the row; out may be the row itself (each batch is read
+// before any of it is written).
+template <int V, typename F>
+__device__ __forceinline__ void row_transform(const float *row, float *out, int units, F fn) {
+    for (int u0 = threadIdx.x; u0 < units; u0 += ROW_BATCH * ROW_THREADS) {
+        row_vec<V> xv[ROW_BATCH];
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; b++)
+            if (u0 + b * ROW_THREADS < units) xv[b] = row_load<V>(row, u0 + b * ROW_THREADS);
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; b++) {
+            const int u = u0 + b * ROW_THREADS;
+            if (u >= units) continue;
+#pragma unroll
+            for (int e = 0; e < V; e++) xv[b].v[e] = fn(xv[b].v[e], u * V + e);
+            row_store<V>(out, u, xv[b]);
+        }
+    }
+}
+
+// One block per row; V = 4 where rows are float4-aligned and d % 4 == 0, else 1.
+template <int V>
 __global__ void __launch_bounds__(ROW_THREADS)
 rmsnorm_kernel(const float *x, int d, dev_weight w, int unit_offset, float eps, float *out) {
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * d;
     float *orow = out + (size_t)blockIdx.x * d;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+    const int units = d / V;
+    float ss = row_accumulate<V>(xr, units, [](float v) { return v * v; });
     ss = block_reduce<false>(ss, red);
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float g = load_vector_elem(w, c);
-        orow[c] = xr[c] * r * (unit_offset ? 1.0f + g : g);
-    }
+    row_transform<V>(xr, orow, units, [&](float v, int c) {
+        const float g = load_vector_elem(w, c);
+        return v * r * (unit_offset ? 1.0f + g : g);
+    });
 }
 
+template <int V>
 __global__ void __launch_bounds__(ROW_THREADS)
-layernorm_kernel(const float *x, int d, dev_weight w, dev_weight b, int has_bias, float eps,
-                 float *out) {
+layernorm_kernel(const float *x, int d, dev_weight w, dev_weight b, int has_bias, float eps, float *out) {
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * d;
     float *orow = out + (size_t)blockIdx.x * d;
-    float s = 0.0f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) s += xr[c];
-    const float mean = block_reduce<false>(s, red) / (float)d;
-    float v = 0.0f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float t = xr[c] - mean;
-        v = fmaf(t, t, v);
-    }
-    const float r = 1.0f / sqrtf(block_reduce<false>(v, red) / (float)d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float o = (xr[c] - mean) * r * load_vector_elem(w, c);
-        orow[c] = has_bias ? o + load_vector_elem(b, c) : o;
-    }
+    const int units = d / V;
+    const float mean = block_reduce<false>(row_accumulate<V>(xr, units, [](float v) { return v; }), red) / (float)d;
+    const float var = block_reduce<false>(row_accumulate<V>(xr, units, [&](float v) {
+        const float t = v - mean;
+        return t * t;
+    }), red) / (float)d;
+    const float r = 1.0f / sqrtf(var + eps);
+    row_transform<V>(xr, orow, units, [&](float v, int c) {
+        const float o = (v - mean) * r * load_vector_elem(w, c);
+        return has_bias ? o + load_vector_elem(b, c) : o;
+    });
 }
 
-// One thread per (row, rotary pair): the angle once, then every head.
-__global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, int pos0, int rope_dims,
-                            int style, double theta) {
-    const int pairs = rope_dims / 2;
-    size_t total = (size_t)n * pairs;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+// theta^(-2p / rope_dims) for every pair, computed on the host with the CPU's formula.
+struct rope_freqs {
+    double f[ROPE_MAX_PAIRS];
+};
+
+// One thread per (row, head, pair). The angle is the CPU's, in double (positions
+// reach thousands of radians); reduced to [-pi, pi] in double it loses nothing, and
+// sincosf of that float is within a few 1e-8 of the CPU's (float)cos / sin.
+__global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, pos_arg pos, int pairs, int style,
+                            rope_freqs freqs) {
+    const int total = n * n_heads * pairs;
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    const int p = e % pairs, rest = e / pairs;
+    const int h = rest % n_heads, i = rest / n_heads;
+    const double two_pi = 6.283185307179586476925286766559;
+    const double angle = (double)(pos_value(pos) + i) * freqs.f[p];
+    const double reduced = angle - rint(angle * (1.0 / two_pi)) * two_pi;
+    float s, c;
+    sincosf((float)reduced, &s, &c);
+    float *v = x + ((size_t)i * n_heads + h) * head_dim;
+    const int ia = style ? 2 * p : p;
+    const int ib = style ? ia + 1 : ia + pairs;
+    const float a = v[ia], b = v[ib];
+    v[ia] = a * c - b * s;
+    v[ib] = a * s + b * c;
+}
+
+// Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch).
+__global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, const float *v,
+                                int n, pos_arg pos, int width) {
+    const size_t per = (size_t)n * width, row0 = (size_t)pos_value(pos) * width;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * per;
          e += (size_t)gridDim.x * blockDim.x) {
-        int i = (int)(e / pairs), p = (int)(e % pairs);
-        // angles in double: positions reach thousands of radians
-        double angle = (double)(pos0 + i) * pow(theta, -2.0 * p / rope_dims);
-        float c = (float)cos(angle), s = (float)sin(angle);
-        int ia = style ? 2 * p : p;
-        int ib = style ? ia + 1 : ia + pairs;
-        for (int h = 0; h < n_heads; h++) {
-            float *v = x + ((size_t)i * n_heads + h) * head_dim;
-            float a = v[ia], b = v[ib];
-            v[ia] = a * c - b * s;
-            v[ib] = a * s + b * c;
-        }
+        if (e < per) k_cache[row0 + e] = k[e];
+        else v_cache[row0 + e - per] = v[e - per];
     }
 }
 
@@ -163,6 +246,64 @@ logprobs_kernel(const float *logits, int vocab, const int32_t *targets, float *o
     }
 }
 
+// The first index of the largest value, as sampling.c's argmax: a NaN never wins, except
+// at index 0, where the sequential scan would keep it. (value, index) pairs are ranked
+// by value, then by smaller index, a total order, so any reduction tree gives the
+// sequential scan's answer; bi < 0 means no candidate yet.
+struct argmax_pair {
+    float v;
+    int i;
+};
+
+__device__ __forceinline__ void argmax_offer(argmax_pair &best, float v, int i) {
+    if (i >= 0 && !isnan(v) && (best.i < 0 || v > best.v || (v == best.v && i < best.i))) best = { v, i };
+}
+
+// The block's best pair, valid in thread 0.
+__device__ argmax_pair block_argmax(argmax_pair best) {
+    __shared__ argmax_pair red[ARGMAX_THREADS / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_offer(best, __shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < ARGMAX_THREADS / 32; w++) argmax_offer(best, red[w].v, red[w].i);
+    return best;
+}
+
+// Pass 1: each block's best pair of its slices of x.
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
+    argmax_pair best = { 0.0f, -1 };
+    const int step = gridDim.x * ARGMAX_THREADS * ARGMAX_PER_THREAD;
+    for (int e0 = blockIdx.x * ARGMAX_THREADS * ARGMAX_PER_THREAD + threadIdx.x; e0 < count; e0 += step) {
+        float v[ARGMAX_PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < ARGMAX_PER_THREAD; k++) {
+            const int e = e0 + k * ARGMAX_THREADS;
+            v[k] = e < count ? x[e] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < ARGMAX_PER_THREAD; k++) {
+            const int e = e0 + k * ARGMAX_THREADS;
+            argmax_offer(best, v[k], e < count ? e : -1);
+        }
+    }
+    best = block_argmax(best);
+    if (threadIdx.x == 0) partial[blockIdx.x] = best;
+}
+
+// Pass 2: one block over the n_partial winners.
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_final_kernel(const float *x, const argmax_pair *partial, int n_partial, int32_t *out) {
+    argmax_pair best = { 0.0f, -1 };
+    for (int b = threadIdx.x; b < n_partial; b += ARGMAX_THREADS) argmax_offer(best, partial[b].v, partial[b].i);
+    best = block_argmax(best);
+    if (threadIdx.x == 0) *out = (isnan(x[0]) || best.i < 0) ? 0 : best.i;
+}
+
 uint64_t host_splitmix64(uint64_t x) {
     uint64_t z = x + 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -175,69 +316,95 @@ uint64_t host_splitmix64(uint64_t x) {
 void launch_copy_rows(tl_exec *ex, float *dst, size_t ld_dst, const float *src, size_t ld_src,
                       int n, int width) {
     if (n <= 0 || width <= 0) return;
-    cudaError_t err;
-    if (n == 1 || (ld_dst == (size_t)width && ld_src == (size_t)width))
-        err = cudaMemcpyAsync(dst, src, (size_t)n * width * sizeof(float), cudaMemcpyDeviceToDevice,
-                              ex->stream);
-    else
-        err = cudaMemcpy2DAsync(dst, ld_dst * sizeof(float), src, ld_src * sizeof(float),
-                                (size_t)width * sizeof(float), (size_t)n, cudaMemcpyDeviceToDevice,
-                                ex->stream);
-    exec_check(ex, err, "copy_rows");
+    enqueue(ex, [=](cudaStream_t s) {
+        cudaError_t err;
+        if (n == 1 || (ld_dst == (size_t)width && ld_src == (size_t)width))
+            err = cudaMemcpyAsync(dst, src, (size_t)n * width * sizeof(float), cudaMemcpyDeviceToDevice, s);
+        else
+            err = cudaMemcpy2DAsync(dst, ld_dst * sizeof(float), src, ld_src * sizeof(float),
+                                    (size_t)width * sizeof(float), (size_t)n, cudaMemcpyDeviceToDevice, s);
+        exec_check(ex, err, "copy_rows");
+    });
 }
 
 void launch_fill(tl_exec *ex, float *dst, size_t count, float value) {
     if (count == 0) return;
-    fill_kernel<<<stride_blocks(count), 256, 0, ex->stream>>>(dst, count, value);
-    EXEC_LAUNCHED(ex, "fill");
+    launch(ex, "fill", fill_kernel, stride_blocks(count), 256, 0, dst, count, value);
 }
 
-void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, int pos0,
+void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
                        float sigma) {
     size_t count = (size_t)n * d;
     if (count == 0) return;
-    noise_kernel<<<stride_blocks(count), 256, 0, ex->stream>>>(dst, n, d, host_splitmix64(seed),
-                                                               pos0, sigma);
-    EXEC_LAUNCHED(ex, "fill_noise");
+    launch(ex, "fill_noise", noise_kernel, stride_blocks(count), 256, 0, dst, n, d, host_splitmix64(seed),
+           pos0, sigma);
+}
+
+void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k, const float *v,
+                     int n, pos_arg pos0, int width) {
+    size_t count = 2 * (size_t)n * width;
+    if (count == 0) return;
+    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, k, v, n, pos0,
+           width);
 }
 
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count) {
     if (count == 0) return;
-    add_kernel<<<stride_blocks(count), 256, 0, ex->stream>>>(y, x, count);
-    EXEC_LAUNCHED(ex, "add");
+    launch(ex, "add", add_kernel, stride_blocks(count), 256, 0, y, x, count);
+}
+
+template <int V>
+void norm_v(tl_exec *ex, const dev_weight &w, const dev_weight *bias, const tl_norm_params &p,
+            const float *x, int n, int d, float *out) {
+    if (p.type == TL_NORMTYPE_LAYER) {
+        dev_weight none = {};
+        launch(ex, "norm", layernorm_kernel<V>, n, ROW_THREADS, 0, x, d, w, bias ? *bias : none,
+               bias ? 1 : 0, p.eps, out);
+    } else {
+        launch(ex, "norm", rmsnorm_kernel<V>, n, ROW_THREADS, 0, x, d, w, p.unit_offset, p.eps, out);
+    }
 }
 
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out) {
-    if (n <= 0) return;
-    if (p.type == TL_NORMTYPE_LAYER) {
-        dev_weight none = {};
-        layernorm_kernel<<<n, ROW_THREADS, 0, ex->stream>>>(x, d, w, bias ? *bias : none,
-                                                            bias ? 1 : 0, p.eps, out);
-    } else {
-        rmsnorm_kernel<<<n, ROW_THREADS, 0, ex->stream>>>(x, d, w, p.unit_offset, p.eps, out);
-    }
-    EXEC_LAUNCHED(ex, "norm");
+    if (n <= 0 || d <= 0) return;
+    if ((uintptr_t)x % 16 == 0 && (uintptr_t)out % 16 == 0 && d % 4 == 0) norm_v<4>(ex, w, bias, p, x, n, d, out);
+    else norm_v<1>(ex, w, bias, p, x, n, d, out);
 }
 
-void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, int pos0,
+void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_arg pos0,
                  const tl_rope_params &p) {
-    size_t count = (size_t)n * (p.rope_dims / 2);
+    const int pairs = p.rope_dims / 2;
+    const size_t count = (size_t)n * n_heads * pairs;
     if (count == 0) return;
-    rope_kernel<<<stride_blocks(count), 256, 0, ex->stream>>>(x, n, n_heads, head_dim, pos0,
-                                                              p.rope_dims, p.style, (double)p.theta);
-    EXEC_LAUNCHED(ex, "rope");
+    if (pairs > ROPE_MAX_PAIRS || count > INT32_MAX) {
+        exec_check(ex, cudaErrorInvalidValue, "rope: rope_dims above 256 or too many rows");
+        return;
+    }
+    rope_freqs freqs;
+    for (int q = 0; q < pairs; q++) freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
+    launch(ex, "rope", rope_kernel, (int)((count + 255) / 256), 256, 0, x, n, n_heads, head_dim, pos0, pairs,
+           p.style, freqs);
 }
 
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu) {
     if (count == 0) return;
-    gated_act_kernel<<<stride_blocks(count), 256, 0, ex->stream>>>(gate, up, count, gelu);
-    EXEC_LAUNCHED(ex, "gated_act");
+    launch(ex, "gated_act", gated_act_kernel, stride_blocks(count), 256, 0, gate, up, count, gelu);
 }
 
 void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
                      const int32_t *d_targets, float *d_out) {
     if (n <= 0) return;
-    logprobs_kernel<<<n, ROW_THREADS, 0, ex->stream>>>(logits, vocab, d_targets, d_out);
-    EXEC_LAUNCHED(ex, "logprobs");
+    launch(ex, "logprobs", logprobs_kernel, n, ROW_THREADS, 0, logits, vocab, d_targets, d_out);
+}
+
+size_t argmax_partial_bytes() { return ARGMAX_MAX_BLOCKS * sizeof(argmax_pair); }
+
+void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out) {
+    const int per_block = ARGMAX_THREADS * ARGMAX_PER_THREAD;
+    const int blocks = std::max(1, std::min(ARGMAX_MAX_BLOCKS, (count + per_block - 1) / per_block));
+    argmax_pair *partial = static_cast<argmax_pair *>(ex->argmax_partial);
+    launch(ex, "argmax", argmax_blocks_kernel, blocks, ARGMAX_THREADS, 0, x, count, partial);
+    launch(ex, "argmax (final)", argmax_final_kernel, 1, ARGMAX_THREADS, 0, x, (const argmax_pair *)partial,
+           blocks, d_out);
 }

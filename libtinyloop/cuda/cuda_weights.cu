@@ -199,7 +199,30 @@ tl_status cuda_upload_model(cuda_backend *be, const struct tl_model *m) {
     for (tl_tensor *t : tensors)
         for (size_t i = 0; i < unique.size(); i++)
             if (unique[i]->data == t->data) t->backend_data = &be->weights[i];
+    cuda_core_range(be, m);
     return TL_OK;
+}
+
+// The core blocks' tensors were uploaded one after the other, so the span from the
+// lowest to the highest byte of their planes is the loop body (and nothing else).
+void cuda_core_range(cuda_backend *be, const struct tl_model *m) {
+    std::vector<tl_tensor *> core;
+    for (int i = 0; i < m->hp.n_core; i++) add_block(core, &m->core[i]);
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (tl_tensor *t : core) {
+        if (!t->data || !t->backend_data) continue;
+        const dev_weight *w = static_cast<const dev_weight *>(t->backend_data);
+        planes p = tensor_planes(t);
+        const void *starts[3] = { w->qs, w->scales, w->mins };
+        for (int k = 0; k < 3; k++) {
+            if (!p.bytes[k]) continue;
+            uintptr_t a = (uintptr_t)starts[k];
+            lo = a < lo ? a : lo;
+            hi = a + p.bytes[k] > hi ? a + p.bytes[k] : hi;
+        }
+    }
+    be->core_base = hi > lo ? reinterpret_cast<const void *>(lo) : nullptr;
+    be->core_bytes = hi > lo ? (size_t)(hi - lo) : 0;
 }
 
 void cuda_free_model(cuda_backend *be) {

@@ -113,6 +113,22 @@ typedef struct tl_backend_ops {
     /* out[i] = log_softmax(logits row i)[targets[i]] (host targets and out). */
     void (*logprobs)(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets,
                      float *out);
+
+    /* Index of the largest of `count` floats at x, the first one on ties: the greedy
+     * token of a row of logits, so that only the index comes back to the host. */
+    int32_t (*argmax)(tl_exec *ex, tl_act x, int count);
+    /* Store n new key and value rows (contiguous, `width` floats each) as rows
+     * pos0.. of a cache slot whose row 0 is k_cache / v_cache. */
+    void (*kv_store)(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
+                     int pos0, int width);
+
+    /* Optional (NULL = not offered). forward.c brackets the layers of a one-row chunk
+     * with step_begin(pos) / step_end(). Between them the ops and their arguments are
+     * the same at every position except the pos0 arguments (pos plus a constant) and
+     * the token given to embed, so a backend may record a step once and replay it
+     * (CUDA graphs); the ops in between may run only when step_end() is called. */
+    void (*step_begin)(tl_exec *ex, int pos);
+    void (*step_end)(tl_exec *ex);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -13,6 +13,7 @@
 #include "cpu/kernels.h"
 #include "cpu/threadpool.h"
 #include "error.h"
+#include "sampling.h"
 
 struct tl_buf {
     float *data;
@@ -27,6 +28,12 @@ struct tl_exec {
     size_t attn_scratch_bytes;
     int max_rows;
     int32_t *positions;   /* pos0 + i for the RoPE kernel */
+    /* cos/sin of the rows last rotated: every layer's q and k of a chunk reuse them
+     * (recomputing them per call cost ~1% of a decode step) */
+    float *rope_table;    /* max_rows x rope_dims */
+    size_t rope_table_bytes;
+    int rope_pos0, rope_rows, rope_dims;
+    float rope_theta;
 };
 
 typedef struct cpu_impl {
@@ -120,12 +127,18 @@ static size_t model_matmul_scratch(const struct tl_model *m, int n) {
     return s;
 }
 
+static size_t rope_table_bytes(const struct tl_model *m, int max_rows) {
+    size_t dims = m->hp.rope_dims > 0 ? (size_t)m->hp.rope_dims : 1;
+    return (size_t)max_rows * dims * sizeof(float);
+}
+
 static void cpu_exec_destroy(tl_exec *ex) {
     if (!ex) return;
     tl_threadpool_destroy(ex->pool);
     free(ex->matmul_scratch);
     free(ex->attn_scratch);
     free(ex->positions);
+    free(ex->rope_table);
     free(ex);
 }
 
@@ -141,11 +154,13 @@ static tl_status cpu_exec_create(tl_backend *be, int n_threads, int max_rows, in
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot start a pool of %d threads", n_threads);
     }
     ex->matmul_scratch_bytes = model_matmul_scratch(impl->model, max_rows);
-    ex->attn_scratch_bytes = tl_cpu_attention_scratch_bytes(n_threads, max_seq);
+    ex->attn_scratch_bytes = tl_cpu_attention_scratch_bytes(n_threads, impl->model->hp.n_head, max_seq);
     ex->matmul_scratch = alloc_aligned(ex->matmul_scratch_bytes);
     ex->attn_scratch = alloc_aligned(ex->attn_scratch_bytes);
     ex->positions = malloc((size_t)max_rows * sizeof *ex->positions);
-    if (!ex->matmul_scratch || !ex->attn_scratch || !ex->positions) {
+    ex->rope_table_bytes = rope_table_bytes(impl->model, max_rows);
+    ex->rope_table = malloc(ex->rope_table_bytes);
+    if (!ex->matmul_scratch || !ex->attn_scratch || !ex->positions || !ex->rope_table) {
         size_t bytes = ex->matmul_scratch_bytes + ex->attn_scratch_bytes;
         cpu_exec_destroy(ex);
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes of CPU scratch", bytes);
@@ -156,7 +171,7 @@ static tl_status cpu_exec_create(tl_backend *be, int n_threads, int max_rows, in
 
 static size_t cpu_exec_bytes(const tl_exec *ex) {
     return ex->matmul_scratch_bytes + ex->attn_scratch_bytes +
-           (size_t)ex->max_rows * sizeof *ex->positions;
+           (size_t)ex->max_rows * sizeof *ex->positions + ex->rope_table_bytes;
 }
 
 static tl_status cpu_status(tl_exec *ex) { return TL_OK; }
@@ -280,8 +295,16 @@ static void cpu_norm(tl_exec *ex, const tl_norm_weights *w, const tl_norm_params
 
 static void cpu_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, int pos0,
                      const tl_rope_params *p) {
-    for (int i = 0; i < n; i++) ex->positions[i] = pos0 + i;
-    tl_cpu_rope(P(x), n, n_heads, head_dim, p->rope_dims, p->style, p->theta, ex->positions);
+    if (ex->rope_rows != n || ex->rope_pos0 != pos0 || ex->rope_dims != p->rope_dims ||
+        ex->rope_theta != p->theta) {
+        for (int i = 0; i < n; i++) ex->positions[i] = pos0 + i;
+        tl_cpu_rope_table(n, p->rope_dims, p->theta, ex->positions, ex->rope_table);
+        ex->rope_rows = n;
+        ex->rope_pos0 = pos0;
+        ex->rope_dims = p->rope_dims;
+        ex->rope_theta = p->theta;
+    }
+    tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
 }
 
 static void cpu_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count,
@@ -301,6 +324,20 @@ static void cpu_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int
         const float *row = P(logits) + (size_t)i * vocab;
         out[i] = row[targets[i]] - tl_cpu_logsumexp(row, vocab);
     }
+}
+
+/* The greedy choice of sampling.c itself (temperature 0, no penalty), on the row in place. */
+static int32_t cpu_argmax(tl_exec *ex, tl_act x, int count) {
+    (void)ex;
+    tl_sampler greedy = { .vocab = count, .temperature = 0.0f, .repetition_penalty = 1.0f };
+    return tl_sampler_sample(&greedy, P(x), NULL, 0);
+}
+
+static void cpu_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
+                         int pos0, int width) {
+    size_t row0 = (size_t)pos0 * (size_t)width;
+    cpu_copy_rows(ex, tl_act_add(k_cache, row0), (size_t)width, k, (size_t)width, n, width);
+    cpu_copy_rows(ex, tl_act_add(v_cache, row0), (size_t)width, v, (size_t)width, n, width);
 }
 
 static const tl_backend_ops cpu_ops = {
@@ -328,6 +365,8 @@ static const tl_backend_ops cpu_ops = {
     .gated_act = cpu_gated_act,
     .attention = cpu_attention,
     .logprobs = cpu_logprobs,
+    .argmax = cpu_argmax,
+    .kv_store = cpu_kv_store,
 };
 
 tl_status tl_backend_cpu_create(tl_backend **out) {

@@ -35,10 +35,11 @@ static tl_status alloc_buffers(struct tl_context *ctx) {
     const tl_hparams *hp = &ctx->model->hp;
     size_t R = (size_t)ctx->chunk_rows, d = (size_t)hp->d;
     size_t qd = (size_t)hp->n_head * hp->head_dim, f = (size_t)hp->ffn;
+    size_t kvd = (size_t)hp->n_kv_head * hp->head_dim;
     struct { size_t count; tl_buf **dst; } plan[] = {
         { R * d, &ctx->h },   { R * d, &ctx->e },    { R * d, &ctx->xn },
         { R * d, &ctx->tmp }, { R * qd, &ctx->q },   { R * qd, &ctx->att },
-        { R * f, &ctx->gate }, { R * f, &ctx->up },
+        { R * f, &ctx->gate }, { R * f, &ctx->up },   { R * 2 * kvd, &ctx->kv_new },
         { hp->injection == TL_INJECT_CONCAT ? R * 2 * d : 0, &ctx->cat },
         { (size_t)ctx->logit_rows * hp->vocab, &ctx->logits },
         { hp->state_init == TL_INIT_WARM ? (size_t)ctx->max_seq * d : 0, &ctx->warm },
@@ -53,7 +54,7 @@ static tl_status alloc_buffers(struct tl_context *ctx) {
 void tl_context_close(struct tl_context *ctx) {
     if (!ctx) return;
     tl_buf *bufs[] = { ctx->h, ctx->e, ctx->xn, ctx->tmp, ctx->q, ctx->att, ctx->gate,
-                       ctx->up, ctx->cat, ctx->logits, ctx->warm };
+                       ctx->up, ctx->kv_new, ctx->cat, ctx->logits, ctx->warm };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) ctx->be->ops->buf_free(bufs[i]);
     tl_kv_cache_free(&ctx->kv);
@@ -173,7 +174,10 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
         tl_forward_out chunk_out = { 0 };
         if (out) {
-            if (c0 + (size_t)rows == n) chunk_out.last_logits = out->last_logits;
+            if (c0 + (size_t)rows == n) {
+                chunk_out.last_logits = out->last_logits;
+                chunk_out.last_token = out->last_token;
+            }
             if (out->n_targets > c0) {
                 chunk_out.targets = out->targets + c0;
                 chunk_out.logprobs = out->logprobs + c0;

@@ -30,6 +30,7 @@ struct tl_context {
     tl_buf *xn;           /* normed input of a sub-layer, [rows, d] */
     tl_buf *tmp;          /* sub-layer output, [rows, d] */
     tl_buf *q, *att;      /* queries and attention output, [rows, h * hd] */
+    tl_buf *kv_new;       /* new keys [rows, kv_dim], then new values [rows, kv_dim] */
     tl_buf *gate, *up;    /* MLP, [rows, f] */
     tl_buf *cat;          /* concat injection input [s ; e], [rows, 2d]; or NULL */
     tl_buf *logits;       /* [logit_rows, V] */

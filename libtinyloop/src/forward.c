@@ -25,13 +25,14 @@ typedef struct fwd {
 static tl_act buf0(tl_buf *b) { return tl_act_at(b, 0); }
 
 /* out = Wo . attention(RoPE(Wq xn), RoPE(Wk xn), Wv xn) for n rows at pos0; the new
- * keys and values are written straight into the cache rows of `slot`. */
+ * keys and values go to the cache rows of `slot` through kv_store, so no op but
+ * kv_store is given an address that depends on the position (see step_begin). */
 static void attention(const fwd *F, const tl_block_weights *w, int slot, int n, int pos0,
                       tl_act out) {
     const tl_kv_cache *kv = &F->ctx->kv;
     tl_act xn = buf0(F->ctx->xn), q = buf0(F->ctx->q), att = buf0(F->ctx->att);
-    tl_act k_new = tl_act_add(tl_kv_keys(kv, slot), (size_t)pos0 * F->kvd);
-    tl_act v_new = tl_act_add(tl_kv_values(kv, slot), (size_t)pos0 * F->kvd);
+    tl_act k_new = buf0(F->ctx->kv_new);
+    tl_act v_new = tl_act_add(k_new, (size_t)F->ctx->chunk_rows * F->kvd);
 
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
     tl_act ys[3] = { q, k_new, v_new };
@@ -44,6 +45,8 @@ static void attention(const fwd *F, const tl_block_weights *w, int slot, int n, 
     }
     F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
     F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
+    F->ops->kv_store(F->ex, tl_kv_keys(kv, slot), tl_kv_values(kv, slot), k_new, v_new, n, pos0,
+                     F->kvd);
     F->ops->attention(F->ex, q, n, pos0, tl_kv_keys(kv, slot), tl_kv_values(kv, slot),
                       &F->geom, att);
     F->ops->matmul(F->ex, &w->wo, att, F->qd, n, out, F->d);
@@ -162,11 +165,12 @@ static void outputs(const fwd *F, int n, const tl_forward_out *out) {
     tl_act h = buf0(ctx->h), xn = buf0(ctx->xn), logits = buf0(ctx->logits);
     int V = F->hp->vocab;
 
-    if (out->last_logits) {
+    if (out->last_logits || out->last_token) {
         F->ops->norm(F->ex, &m->final_norm, &F->norm, tl_act_add(h, (size_t)(n - 1) * F->d), 1,
                      F->d, xn);
         F->ops->matmul(F->ex, &m->output, xn, F->d, 1, logits, V);
-        F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
+        if (out->last_logits) F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
+        if (out->last_token) *out->last_token = F->ops->argmax(F->ex, logits, V);
     }
     int n_score = (int)(out->n_targets < (size_t)n ? out->n_targets : (size_t)n);
     if (n_score <= 0) return;
@@ -192,12 +196,16 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
         .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale, hp->sliding_window },
     };
     tl_act h = buf0(ctx->h);
+    /* a decode step's layers may be recorded once and replayed (backend.h) */
+    int step = n == 1 && F.ops->step_begin && F.ops->step_end;
 
+    if (step) F.ops->step_begin(F.ex, pos0);
     F.ops->embed(F.ex, &m->embed, tokens, n, hp->embed_scale, h);
     for (int b = 0; b < hp->n_pre; b++) block(&F, &m->pre[b], tl_kv_slot_pre(hp, b), h, n, pos0);
     run_loop(&F, n, pos0, hp->n_core > 0 ? depth : 0);
     for (int b = 0; b < hp->n_post; b++)
         block(&F, &m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, pos0);
+    if (step) F.ops->step_end(F.ex);
     if (out) outputs(&F, n, out);
     return F.ops->status(F.ex);
 }

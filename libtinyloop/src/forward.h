@@ -14,6 +14,7 @@ struct tl_context;
  * evaluated (0 = the first of them). */
 typedef struct tl_forward_out {
     float *last_logits;        /* host, vocab floats: logits of the last row; or NULL */
+    int32_t *last_token;       /* host: argmax of the last row's logits; or NULL     */
     const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
     float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
     size_t n_targets;

@@ -73,6 +73,16 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
     return TL_OK;
 }
 
+/* What a forward pass must produce for the next token: its argmax alone when sampling
+ * is greedy without a penalty (the same token tl_sampler_sample picks, found by the
+ * backend so the logits stay where they are), else the logits. */
+static tl_forward_out next_token_out(struct tl_stream *g) {
+    tl_forward_out out = { 0 };
+    if (g->greedy) out.last_token = &g->next;
+    else out.last_logits = g->logits;
+    return out;
+}
+
 tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
                           size_t n_prompt, const tl_generate_options *o,
                           size_t max_tokens_cap) {
@@ -91,6 +101,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         return st;
     }
     g->depth = depth;
+    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f;
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -104,7 +115,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     }
 
     double t0 = now_seconds();
-    tl_forward_out out = { .last_logits = g->logits };
+    tl_forward_out out = next_token_out(g);
     st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
     g->prefill_seconds = now_seconds() - t0;
     if (st != TL_OK) {
@@ -145,7 +156,7 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     }
     double t0 = now_seconds();
     if (g->has_pending) {
-        tl_forward_out out = { .last_logits = g->logits };
+        tl_forward_out out = next_token_out(g);
         tl_status st = tl_context_eval(g->ctx, &g->generated[g->n_generated - 1], 1, g->depth, &out);
         if (st != TL_OK) {
             finish(g, TL_STOP_NONE);
@@ -155,7 +166,8 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
         }
         g->has_pending = 0;
     }
-    int32_t t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+    int32_t t = g->greedy ? g->next
+                          : tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
     g->decode_seconds += now_seconds() - t0;
     if (t == g->eos) {
         finish(g, TL_STOP_EOS);

@@ -16,6 +16,8 @@ struct tl_stream {
     struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
     tl_sampler sampler;
     float *logits;                 /* vocab floats: logits of the next position */
+    int greedy;                    /* plain argmax: the backend picks the token, no logits */
+    int32_t next;                  /* greedy: the token of the next position */
     int32_t depth;                 /* the sequence's resolved depth */
     int32_t eos;                   /* -1 = none */
     int32_t *stop_tokens;          /* copies of the stop sequences */

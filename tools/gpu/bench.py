@@ -9,6 +9,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -104,8 +105,19 @@ def cmd_tinyloop(args):
                 res = model.generate(prompt, max_tokens=NEW_TOKENS if r else 16, temperature=0.0, eos=False)
                 if r:
                     decode.append(res.decode_tokens_per_s)
+                    graph_tokens = list(res.tokens)
                 peak = max(peak, model.memory_report()["device_bytes"])
             out["decode_tok_s"] = max(decode)
+            # the same decode with every step launched eagerly (contexts read the switch
+            # when they are created): the gain of CUDA graphs, and a check that a
+            # replayed step computes what the eager one does
+            os.environ["TINYLOOP_CUDA_GRAPHS"] = "0"
+            try:
+                res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False)
+            finally:
+                del os.environ["TINYLOOP_CUDA_GRAPHS"]
+            out["decode_tok_s_eager"] = res.decode_tokens_per_s
+            out["graph_tokens_match_eager"] = list(res.tokens) == graph_tokens
             out["peak_device_bytes"] = peak
             out["memory_report"] = model.memory_report()
     except Exception as e:   # recorded, not raised: the report shows it

@@ -96,10 +96,13 @@ def main():
     def num(v, fmt="{:.1f}"):
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
-    lines += ["", "| loop-1b | decode tok/s | prefill 512 ms | peak device GiB | floor tok/s (L=8 / core in L2) | of floor |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| loop-1b | decode tok/s | without graphs | prefill 512 ms | peak device GiB | "
+              "floor tok/s (L=8 / core in L2) | of floor |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for tag, b in benches.items():
-        lines.append(f"| tinyloop {tag} | {num(b.get('decode_tok_s'))} | {num(b.get('prefill_512_ms'))} | "
+        same = b.get("graph_tokens_match_eager")
+        eager = num(b.get("decode_tok_s_eager")) + ("" if same in (None, True) else " (tokens differ!)")
+        lines.append(f"| tinyloop {tag} | {num(b.get('decode_tok_s'))} | {eager} | {num(b.get('prefill_512_ms'))} | "
                      f"{num(b.get('peak_device_bytes', 0) / GIB if b.get('peak_device_bytes') else None, '{:.2f}')} | "
                      f"{num(b.get('floor_tok_s'), '{:.0f}')} / {num(b.get('floor_tok_s_core_in_l2'), '{:.0f}')} | "
                      f"{num(b.get('fraction_of_floor'), '{:.1%}')} |"
@@ -108,7 +111,7 @@ def main():
         peak = peer.get("peak_device_bytes")
         for mode in ("eager", "static_cache"):
             lines.append(f"| HF bf16 {mode} | {num(peer.get(f'decode_tok_s_{mode}'))} | "
-                         f"{num(peer.get('prefill_512_ms'))} | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
+                         f"| {num(peer.get('prefill_512_ms'))} | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
                          + (f" error: {peer[f'error_{mode}'][:120]}" if peer.get(f"error_{mode}") else ""))
         if bandwidth:
             lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
