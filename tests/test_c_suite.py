@@ -2,7 +2,6 @@
 ThreadSanitizer) and runs them on model files generated here, so the loader, kernels,
 thread pool and ABI are checked at the C level."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +9,13 @@ from pathlib import Path
 import pytest
 
 from tinyloop.random_model import make_random_model
+from build_tools import find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
-    exe = Path(sys.executable).parent / name
-    found = str(exe) if exe.exists() else shutil.which(name)
-    if not found:
-        pytest.fail(f"{name} is needed to build the C tests; install the [test] extra")
-    return found
+    return find_tool(name, "build the C tests")
 
 
 def _build(tmp_path_factory, name, sanitizers):

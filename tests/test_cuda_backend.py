@@ -3,7 +3,9 @@
 Covers every weight dtype and group size, shapes that take each kernel path (GEMV for
 up to 8 rows and the tiled GEMM above, one and several GEMM tiles, head_dim 16 to 128,
 split-sequence decode attention over long contexts, sliding windows), cached decode
-against full scoring on the device, greedy generation, and the memory report.
+against full scoring on the device, greedy generation, sampling on the device (the
+backend's sample op against the host sampler token for token, and sampled generation),
+and the memory report.
 
 Without a usable CUDA device (the normal case in CI) every test is skipped with the
 reason; with TINYLOOP_TEST_DEVICE=cuda (tools/gpu_check) a missing device fails instead.
@@ -17,6 +19,7 @@ import pytest
 
 import tinyloop
 from tinyloop.random_model import make_random_model
+from sampling_hook import GENERATION_SETTINGS, SETTINGS, logit_rows, sample_rows
 from test_parity import DEVICE_TOLERANCE, TOLERANCES
 
 CUDA = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu")
@@ -143,6 +146,59 @@ def test_greedy_generation_matches_cpu(model_dir):
         a = cpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
         b = gpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
     assert a.tokens == b.tokens
+
+
+# Vocabularies from one token to past 256k: one and many slices of ids per thread, rows
+# of several batched passes.
+SAMPLING_VOCABS = [1, 7, 160, 5000, 50_000, 262_147]
+
+
+@pytest.fixture(scope="module")
+def sampling_contexts(model_dir):
+    """A CPU and a CUDA context: the sampling hook samples rows of any vocabulary size
+    with their backends, whatever the model."""
+    path = _model(model_dir, "f32", SMALL, DTYPES["f32"])
+    with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
+        with cpu.context() as cpu_ctx, gpu.context() as gpu_ctx:
+            yield cpu_ctx, gpu_ctx
+
+
+@pytest.mark.parametrize("vocab", SAMPLING_VOCABS)
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_device_sampling_matches_host(sampling_contexts, vocab, setting):
+    """The CUDA sample op picks the host sampler's token on the same logits, row after
+    row of one seeded stream: ties, infinities, NaN, every cut, penalty lists longer
+    than one kernel's batch (600 history tokens, window 0)."""
+    cpu_ctx, gpu_ctx = sampling_contexts
+    settings = SETTINGS[setting]
+    rows = logit_rows(vocab * 31 + setting, vocab, 6 if vocab > 10_000 else 24)
+    history = np.random.default_rng(vocab).integers(0, vocab, 600)
+    host = sample_rows(cpu_ctx, rows, history=history, use_op=False, seed=7, **settings)
+    device = sample_rows(gpu_ctx, rows, history=history, use_op=True, seed=7, **settings)
+    assert device.tolist() == host.tolist()
+
+
+@pytest.mark.parametrize("setting", range(len(GENERATION_SETTINGS)))
+def test_sampled_generation_on_device(model_dir, setting):
+    """generate() on CUDA samples each token on the device. Replaying its sequence on
+    CUDA gives every step's logits, and the host sampler picks the same token from
+    them. (Comparing with generation on the CPU would not be robust: the backends'
+    logits differ in the last bits, which moves a draw that lands next to a boundary
+    between two tokens.)"""
+    options, seed = GENERATION_SETTINGS[setting], 40 + setting
+    path = _model(model_dir, "f32-untied", SMALL, dict(dtype="f32", tied_embeddings=0))
+    prompt = _tokens(4, SMALL["vocab_size"], 10).tolist()
+    with tinyloop.Model(path, device=CUDA) as gpu, tinyloop.Model(path, device="cpu") as cpu:
+        with gpu.context() as ctx:
+            tokens = ctx.generate(prompt, max_tokens=32, eos=False, seed=seed, **options).tokens
+        assert len(tokens) == 32
+        with gpu.context() as replay, cpu.context() as host:
+            logits = replay.append(prompt)
+            for k, token in enumerate(tokens):
+                picked = sample_rows(host, logits, history=prompt + tokens[:k], first_step=k,
+                                     use_op=False, seed=seed, **options)
+                assert picked[0] == token, f"step {k}"
+                logits = replay.append([token])
 
 
 def test_memory_report_counts_device_allocations(model_dir):

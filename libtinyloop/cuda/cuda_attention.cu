@@ -68,6 +68,8 @@ __device__ __host__ __forceinline__ int split_keys(int keys, int splits) {
 
 template <int DPL>
 __global__ void __launch_bounds__(ATT_WARPS * 32) attention_kernel(attn_args a) {
+    pdl_wait();
+    pdl_trigger();
     extern __shared__ float smem[];
     const int hd = a.head_dim, ld = hd + 1;   // +1: lanes reading different keys hit different banks
     float *ks = smem, *vs = ks + ATT_KT * ld, *qs = vs + ATT_KT * ld;
@@ -223,6 +225,8 @@ __device__ __forceinline__ void keep_warp_state(float *st, int items, int t, int
 
 template <int DPL>
 __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode_args d) {
+    pdl_wait();
+    pdl_trigger();
     extern __shared__ float st[];   // DEC_WARPS x DEC_ITEMS states of hd + 2 floats
     const attn_args &a = d.a;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -327,6 +331,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
 // the warps' states are combined as in the decode kernel. out = acc / l.
 template <int DPL>
 __global__ void __launch_bounds__(DEC_WARPS * 32) attention_merge_kernel(decode_args d, int n_splits) {
+    pdl_wait();
+    pdl_trigger();
     extern __shared__ float st[];   // DEC_WARPS states of hd + 2 floats
     const attn_args &a = d.a;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hd = a.head_dim;

@@ -10,6 +10,7 @@
 // graph is only ever one recorded from the very same ops.
 #include "cuda_common.cuh"
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -108,9 +109,18 @@ void cuda_exec_destroy(tl_exec *ex) {
     cudaFree(ex->d_floats);
     cudaFree(ex->attn_partial);
     cudaFree(ex->argmax_partial);
+    cudaFree(ex->tc_scratch);
     cudaFreeHost(ex->h_result);
     ex->be->device_bytes -= ex->bytes;
     delete ex;
+}
+
+// Features a context uses unless their variable is "0" (read per context):
+// TINYLOOP_CUDA_PDL (programmatic dependent launch), TINYLOOP_CUDA_TC (tensor cores),
+// TINYLOOP_CUDA_DP4A (integer dot products in the quantized GEMV).
+int env_allows(const char *name) {
+    const char *env = getenv(name);
+    return !(env && strcmp(env, "0") == 0);
 }
 
 // n_threads is a CPU notion: the device needs no host workers.
@@ -130,12 +140,23 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     if (err == cudaSuccess)
         err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device);
     ex->smem_optin = smem_optin > 0 ? (size_t)smem_optin : 0;
+    int cc_major = 0;
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, impl->device);
+    ex->pdl = cc_major >= 9 && env_allows("TINYLOOP_CUDA_PDL");
+    ex->tensor_cores = cc_major >= 8 && env_allows("TINYLOOP_CUDA_TC");
+    ex->gemv_int_dot = env_allows("TINYLOOP_CUDA_DP4A");
     if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
     if (err == cudaSuccess) err = cudaMalloc(&ex->attn_partial, ex->attn_partial_floats * sizeof(float));
     if (err == cudaSuccess) err = cudaMalloc(&ex->argmax_partial, argmax_partial_bytes());
     if (err == cudaSuccess) err = cudaHostAlloc((void **)&ex->h_result, sizeof(int32_t), cudaHostAllocDefault);
+    // the tensor-core GEMM's split activations, for chunks of more rows than the GEMV takes
+    if (err == cudaSuccess && ex->tensor_cores && rows > 8) {
+        const int widest = std::max({ 2 * hp.d, hp.n_head * hp.head_dim, hp.ffn });
+        ex->tc_scratch_bytes = gemm_tc_scratch_bytes((int)rows, widest);
+        err = cudaMalloc(&ex->tc_scratch, ex->tc_scratch_bytes);
+    }
     if (err != cudaSuccess) {
         cudaGetLastError();
         ex->bytes = 0;
@@ -148,7 +169,7 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
         return st;
     }
     ex->bytes = rows * (sizeof(int32_t) + sizeof(float)) + ex->attn_partial_floats * sizeof(float) +
-                argmax_partial_bytes() + sizeof(step_params);
+                argmax_partial_bytes() + sizeof(step_params) + ex->tc_scratch_bytes;
     impl->device_bytes += ex->bytes;
     *out = ex;
     return TL_OK;
@@ -342,6 +363,52 @@ void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act
     launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width);
 }
 
+// Decode rows through the GEMV with the norm or gated activation computed while the
+// input is staged, and the residual added in its epilogue.
+int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_matmul_in *in, int n,
+                   const tl_act *ys, const size_t *ldys, int accumulate) {
+    if (n_w > 8) return 0;
+    const dev_weight *dws[8];
+    float *dys[8];
+    for (int j = 0; j < n_w; j++) {
+        dws[j] = W(ws[j]);
+        dys[j] = P(ys[j]);
+    }
+    matmul_in_args a = {};
+    a.kind = in->kind;
+    a.x = P(in->x);
+    a.ldx = in->ldx;
+    if (in->kind == TL_MATMUL_IN_GATED) {
+        a.up = P(in->up);
+        a.ld_up = in->ld_up;
+        a.gelu = in->act == TL_ACT_GELU_TANH;
+    }
+    if (in->kind == TL_MATMUL_IN_NORM) {
+        a.norm_w = W(&in->norm->weight);
+        a.norm_b = (in->norm_params->type == TL_NORMTYPE_LAYER && in->norm->bias.data) ? W(&in->norm->bias) : nullptr;
+        a.norm_params = *in->norm_params;
+    }
+    if (bind(ex)) return 1;
+    if (!launch_matmul_in(ex, dws, n_w, a, n, dys, ldys, accumulate)) return 0;
+    step_note(ex, { 14, (uint64_t)n_w, (uint64_t)a.kind, K(a.x), a.ldx, K(a.up), a.ld_up, (uint64_t)a.gelu,
+                    K(in->norm), (uint64_t)a.norm_params.type, (uint64_t)a.norm_params.unit_offset,
+                    K(a.norm_params.eps), (uint64_t)n, (uint64_t)accumulate });
+    for (int j = 0; j < n_w; j++) step_note(ex, { K(ws[j]), K(dys[j]), ldys[j] });
+    return 1;
+}
+
+int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, const tl_rope_params *p,
+                    const tl_attn_geom *g, tl_act k_cache, tl_act v_cache) {
+    if (bind(ex)) return 1;
+    pos_arg pos = step_pos(ex, pos0);
+    step_note(ex, { 15, K(P(q)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base, (uint64_t)p->rope_dims,
+                    (uint64_t)p->style, K(p->theta), (uint64_t)g->n_head, (uint64_t)g->n_kv_head,
+                    (uint64_t)g->head_dim, K(P(k_cache)), K(P(v_cache)) });
+    launch_rope_store(ex, P(q), P(k), P(v), n, pos, *p, g->n_head, g->n_kv_head, g->head_dim, P(k_cache),
+                      P(v_cache));
+    return 1;
+}
+
 // Two kernels find the index on the device; four bytes come back through pinned memory.
 int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
     if (bind(ex) || count <= 0) return 0;
@@ -350,6 +417,18 @@ int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
     if (exec_check(ex, cudaMemcpyAsync(ex->h_result, ex->d_ints, sizeof(int32_t), cudaMemcpyDeviceToHost,
                                        ex->stream), "argmax (download)") ||
         exec_check(ex, cudaStreamSynchronize(ex->stream), "argmax (or a kernel before it)"))
+        return 0;
+    return *ex->h_result;
+}
+
+// A sampling step on the device (cuda_sampling.cu); four bytes come back as for argmax.
+int32_t cuda_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample_step *step) {
+    if (bind(ex) || vocab <= 0) return 0;
+    step_flush(ex);
+    launch_sample(ex, P(logits), vocab, step, ex->d_ints);
+    if (exec_check(ex, cudaMemcpyAsync(ex->h_result, ex->d_ints, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                       ex->stream), "sample (download)") ||
+        exec_check(ex, cudaStreamSynchronize(ex->stream), "sample (or a kernel before it)"))
         return 0;
     return *ex->h_result;
 }
@@ -397,8 +476,11 @@ const tl_backend_ops cuda_ops = {
     /* logprobs */ cuda_logprobs,
     /* argmax */ cuda_argmax,
     /* kv_store */ cuda_kv_store,
+    /* matmul_in */ cuda_matmul_in,
+    /* rope_store */ cuda_rope_store,
     /* step_begin */ cuda_step_begin,
     /* step_end */ cuda_step_end,
+    /* sample */ cuda_sample,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -73,6 +73,60 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Up to three matrices that read the same input (q/k/v, gate/up), served by one launch:
+// grid blocks (GEMV) or column tiles (GEMM) [first[j], first[j + 1]) are matrix j's.
+constexpr int SET_MAX_MATS = 3;
+struct matrix_set {
+    dev_weight w[SET_MAX_MATS];
+    float *y[SET_MAX_MATS];
+    size_t ldy[SET_MAX_MATS];
+    int first[SET_MAX_MATS + 1];
+    int n_mats;
+    int accumulate;   // y += W x instead of y = W x (GEMV)
+};
+// The member that block b serves, and its parts. Constant indices only, so a kernel's
+// set stays in parameter space.
+__device__ __forceinline__ int set_member(const matrix_set &s, int b) {
+    return (s.n_mats > 1 && b >= s.first[1]) + (s.n_mats > 2 && b >= s.first[2]);
+}
+__device__ __forceinline__ const dev_weight &set_weight(const matrix_set &s, int j) {
+    return j == 0 ? s.w[0] : j == 1 ? s.w[1] : s.w[2];
+}
+__device__ __forceinline__ float *set_out(const matrix_set &s, int j) {
+    return j == 0 ? s.y[0] : j == 1 ? s.y[1] : s.y[2];
+}
+__device__ __forceinline__ size_t set_ld(const matrix_set &s, int j) {
+    return j == 0 ? s.ldy[0] : j == 1 ? s.ldy[1] : s.ldy[2];
+}
+// b's place among the blocks of member j
+__device__ __forceinline__ int set_local(const matrix_set &s, int j, int b) {
+    return b - (j == 0 ? 0 : j == 1 ? s.first[1] : s.first[2]);
+}
+
+// Programmatic dependent launch (sm_90+): every kernel is launched so that the next
+// one may start while it drains (launch() in cuda_graph.cu). So a kernel calls
+// pdl_wait() before it reads or writes any activation, buffer or cache: only weights,
+// which never change, may be read before. pdl_wait() returns once the previous kernel
+// has completed and its writes are visible; pdl_trigger() lets the next kernel launch.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Elements e .. e+3 of a row of `cols` activations, zero past the end; vec: the row
+// is 16-byte aligned and cols % 4 == 0.
+__device__ __forceinline__ float4 load_x4(const float *row, int e, int cols, int vec) {
+    if (vec) return e < cols ? *reinterpret_cast<const float4 *>(row + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    return make_float4(e < cols ? row[e] : 0.0f, e + 1 < cols ? row[e + 1] : 0.0f,
+                       e + 2 < cols ? row[e + 2] : 0.0f, e + 3 < cols ? row[e + 3] : 0.0f);
+}
+
 // What changes from one decode step to the next, uploaded before a step runs.
 struct step_params {
     int pos;
@@ -115,6 +169,11 @@ struct tl_exec {
     int max_rows, max_seq;
     int sm_count;             // multiprocessors, for sizing GEMV and attention grids
     size_t smem_optin;        // shared memory one block may opt into (GEMV activation rows)
+    int pdl;                  // kernels launched with programmatic dependent launch (sm_90+)
+    int tensor_cores;         // prefill GEMM on tensor cores (sm_80+, TINYLOOP_CUDA_TC != 0)
+    int gemv_int_dot;         // quantized GEMV on integer dot products (TINYLOOP_CUDA_DP4A != 0)
+    void *tc_scratch;         // its split activations (gemm_tc_scratch_bytes)
+    size_t tc_scratch_bytes;
     int32_t *d_ints;          // max_rows token ids / targets
     float *d_floats;          // max_rows results (log-probs)
     float *attn_partial;      // split-sequence attention partials
@@ -149,13 +208,24 @@ static inline float *P(tl_act a) { return a.buf->data + a.off; }
 
 // Run fn on the context's stream now, or keep it for step_end while a step is recorded.
 void enqueue(tl_exec *ex, std::function<void(cudaStream_t)> fn);
-// kernel<<<grid, block, smem>>>(args...) through enqueue, recording launch errors.
+// kernel<<<grid, block, smem>>>(args...) through enqueue, recording launch errors;
+// with programmatic dependent launch where the context uses it (ex->pdl).
 template <typename... KArgs, typename... Args>
 void launch(tl_exec *ex, const char *what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
             size_t smem, Args... args) {
+    const int pdl = ex->pdl;
     enqueue(ex, [=](cudaStream_t s) {
-        kernel<<<grid, block, smem, s>>>(args...);
-        exec_check(ex, cudaGetLastError(), what);
+        cudaLaunchAttribute attr[1] = {};
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cfg.attrs = attr;
+        cfg.numAttrs = pdl ? 1 : 0;
+        exec_check(ex, cudaLaunchKernelEx(&cfg, kernel, args...), what);
     });
 }
 // pos0 as a kernel argument: itself, or relative to the recorded step's position.
@@ -183,6 +253,28 @@ void launch_matmul(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx,
 // Several weights applied to the same x (q/k/v, gate/up): one launch for decode rows.
 void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, const float *x,
                          size_t ldx, int n, float *const *ys, const size_t *ldys);
+// The input of a fused matmul (backend.h's tl_matmul_in on device pointers).
+struct matmul_in_args {
+    int kind;                      // tl_matmul_in_kind
+    const float *x;
+    size_t ldx;
+    const float *up;               // GATED
+    size_t ld_up;
+    int gelu;                      // GATED
+    const dev_weight *norm_w;      // NORM
+    const dev_weight *norm_b;      // NORM, LayerNorm bias or NULL
+    tl_norm_params norm_params;    // NORM
+};
+// ys[j] (+)= W_j . input for n decode rows; 0 (nothing launched) when the shape has no
+// fused kernel (more than 8 rows, rows too wide for shared memory).
+int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const matmul_in_args &a, int n,
+                     float *const *ys, const size_t *ldys, int accumulate);
+// cuda_gemm_tc.cu: ys[j] = x W_j^T on tensor cores for matrices of q8/q4/q2/f16 weights
+// and one width; 0 (nothing launched) for other dtypes, or when the context has tensor
+// cores off or too little scratch (ex->tc_scratch, gemm_tc_scratch_bytes()).
+int launch_gemm_tc(tl_exec *ex, const dev_weight *const *ws, int n_w, const float *x, size_t ldx, int n,
+                   float *const *ys, const size_t *ldys);
+size_t gemm_tc_scratch_bytes(int max_rows, int max_cols);
 void launch_embed(tl_exec *ex, const dev_weight &table, const int32_t *d_tokens, int n,
                   float scale, float *out);
 void launch_add_bias(tl_exec *ex, float *y, int n, int d, const dev_weight &bias);
@@ -195,6 +287,10 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
                        float sigma);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
                      const float *v, int n, pos_arg pos0, int width);
+// RoPE on q (in place) and k, then k and v rows into the caches at pos0: one launch.
+void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
+                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
+                       float *v_cache);
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count);
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out);
@@ -216,5 +312,10 @@ void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float 
 
 // cuda_weights.cu: the core blocks' byte range in the arena
 void cuda_core_range(cuda_backend *be, const struct tl_model *model);
+
+// cuda_sampling.cu
+// *d_out = the token of a sampling step prepared on the host (sampling.h) from the
+// vocab logits at `logits`, which the penalty modifies in place: tl_sample_row's token.
+void launch_sample(tl_exec *ex, float *logits, int vocab, const tl_sample_step *step, int32_t *d_out);
 
 #endif

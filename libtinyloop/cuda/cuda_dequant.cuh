@@ -9,7 +9,8 @@
 // without I2F instructions (their throughput is an eighth of FMA's): the code's byte
 // is spliced into the mantissa of 2^23 and 2^23 is subtracted, which is exact.
 // Scale and min are applied by the caller, per element (load_chunk) or once per chunk
-// on a dot product (the GEMV).
+// on a dot product (the GEMV). chunk_codes gives four packed codes as they are, for
+// the GEMV's integer dot products.
 #ifndef TL_CUDA_DEQUANT_CUH
 #define TL_CUDA_DEQUANT_CUH
 
@@ -64,6 +65,15 @@ __device__ __forceinline__ void chunk_scale_min(const dev_weight &w, int row, in
     *min = dtype_traits<DT>::has_min ? __half2float(w.mins[g]) : 0.0f;
 }
 
+// The same pair as stored, scale in the low half and min (0 for q8) in the high half:
+// one register instead of two where many chunks are held at once (the GEMV).
+template <int DT>
+__device__ __forceinline__ __half2 chunk_scale_min_half2(const dev_weight &w, int row, int chunk) {
+    size_t groups_per_row = (size_t)(w.cols >> 5) >> w.group_shift;
+    size_t g = (size_t)row * groups_per_row + (size_t)(chunk >> w.group_shift);
+    return __halves2half2(w.scales[g], dtype_traits<DT>::has_min ? w.mins[g] : __float2half_rn(0.0f));
+}
+
 // The raw bits of chunk `chunk` of row `row`. Only float dtypes can have a partial
 // last chunk or unaligned rows (w.vec == 0); their missing tail reads as 0.
 template <int DT>
@@ -109,24 +119,42 @@ __device__ __forceinline__ float byte_code(unsigned word, int b, float bias) {
     return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (unsigned)b)) - (8388608.0f + bias);
 }
 
+// Elements 4k .. 4k+3 of a quantized chunk as the four bytes of one word, in element
+// order: unsigned codes (q4 0..15, q2 0..3) or q8's signed bytes. Word k of the
+// GEMV's activation records holds the same four elements (its integer dot products).
+// They come from word code_word(k) of the chunk's bits (codes_in_word).
+template <int DT>
+__device__ __forceinline__ constexpr int code_word(int k) {
+    return DT == TL_DTYPE_Q4 ? k & 3 : DT == TL_DTYPE_Q2 ? k & 1 : k;
+}
+template <int DT>
+__device__ __forceinline__ unsigned codes_in_word(unsigned word, int k) {
+    if constexpr (DT == TL_DTYPE_Q4) {
+        // byte j: element j in the low nibble, element j + 16 in the high nibble
+        return (k < 4 ? word : word >> 4) & 0x0F0F0F0Fu;
+    } else if constexpr (DT == TL_DTYPE_Q2) {
+        // byte j: elements j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7
+        return (word >> (2 * (k >> 1))) & 0x03030303u;
+    } else {
+        return word;
+    }
+}
+template <int DT>
+__device__ __forceinline__ unsigned chunk_codes(const chunk_bits<DT> &b, int k) {
+    return codes_in_word<DT>(b.w[code_word<DT>(k)], k);
+}
+
 // q[0..4) = elements 4k .. 4k+3 of the chunk: the integer codes of quantized dtypes
 // (scale and min not applied), the values of float dtypes.
 template <int DT>
 __device__ __forceinline__ void chunk_piece(const chunk_bits<DT> &b, int k, float *q) {
-    if (DT == TL_DTYPE_Q4) {
-        // byte j: element j in the low nibble, element j + 16 in the high nibble
-        const unsigned word = b.w[k & 3];
-        const unsigned codes = (k < 4 ? word : word >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int j = 0; j < 4; j++) q[j] = byte_code(codes, j, 0.0f);
-    } else if (DT == TL_DTYPE_Q2) {
-        // byte j: elements j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7
-        const unsigned codes = (b.w[k & 1] >> (2 * (k >> 1))) & 0x03030303u;
+    if (DT == TL_DTYPE_Q4 || DT == TL_DTYPE_Q2) {
+        const unsigned codes = chunk_codes<DT>(b, k);
 #pragma unroll
         for (int j = 0; j < 4; j++) q[j] = byte_code(codes, j, 0.0f);
     } else if (DT == TL_DTYPE_Q8) {
         // signed bytes, biased to 0..255 and unbiased after the conversion
-        const unsigned codes = b.w[k] ^ 0x80808080u;
+        const unsigned codes = chunk_codes<DT>(b, k) ^ 0x80808080u;
 #pragma unroll
         for (int j = 0; j < 4; j++) q[j] = byte_code(codes, j, 128.0f);
     } else if (DT == TL_DTYPE_F32) {

@@ -31,12 +31,16 @@ int stride_blocks(size_t count) {
 }
 
 __global__ void fill_kernel(float *dst, size_t count, float value) {
+    pdl_wait();
+    pdl_trigger();
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < count;
          e += (size_t)gridDim.x * blockDim.x)
         dst[e] = value;
 }
 
 __global__ void add_kernel(float *y, const float *x, size_t count) {
+    pdl_wait();
+    pdl_trigger();
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < count;
          e += (size_t)gridDim.x * blockDim.x)
         y[e] += x[e];
@@ -51,6 +55,8 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
 
 // dst[i, j] = sigma * Box-Muller(splitmix64 stream of (seed, pos0 + i), j)
 __global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, pos_arg pos, float sigma) {
+    pdl_wait();
+    pdl_trigger();
     const int pos0 = pos_value(pos);
     const double two_pi = 6.283185307179586476925286766559;
     const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
@@ -147,6 +153,8 @@ __device__ __forceinline__ void row_transform(const float *row, float *out, int 
 template <int V>
 __global__ void __launch_bounds__(ROW_THREADS)
 rmsnorm_kernel(const float *x, int d, dev_weight w, int unit_offset, float eps, float *out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * d;
     float *orow = out + (size_t)blockIdx.x * d;
@@ -163,6 +171,8 @@ rmsnorm_kernel(const float *x, int d, dev_weight w, int unit_offset, float eps, 
 template <int V>
 __global__ void __launch_bounds__(ROW_THREADS)
 layernorm_kernel(const float *x, int d, dev_weight w, dev_weight b, int has_bias, float eps, float *out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * d;
     float *orow = out + (size_t)blockIdx.x * d;
@@ -184,32 +194,90 @@ struct rope_freqs {
     double f[ROPE_MAX_PAIRS];
 };
 
+// cos / sin of the RoPE angle of pair p at position pos, as rope_kernel computes them.
+__device__ __forceinline__ void rope_angle(int pos, const rope_freqs &freqs, int p, float *s, float *c) {
+    const double two_pi = 6.283185307179586476925286766559;
+    const double angle = (double)pos * freqs.f[p];
+    const double reduced = angle - rint(angle * (1.0 / two_pi)) * two_pi;
+    sincosf((float)reduced, s, c);
+}
+
+// Rotates pair p of one head's vector in place: (p, p + pairs) in the half style,
+// (2p, 2p + 1) interleaved.
+__device__ __forceinline__ void rope_rotate(float *head, int p, int pairs, int style, float s, float c) {
+    const int ia = style ? 2 * p : p;
+    const int ib = style ? ia + 1 : ia + pairs;
+    const float a = head[ia], b = head[ib];
+    head[ia] = a * c - b * s;
+    head[ib] = a * s + b * c;
+}
+
 // One thread per (row, head, pair). The angle is the CPU's, in double (positions
 // reach thousands of radians); reduced to [-pi, pi] in double it loses nothing, and
 // sincosf of that float is within a few 1e-8 of the CPU's (float)cos / sin.
 __global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, pos_arg pos, int pairs, int style,
                             rope_freqs freqs) {
+    pdl_wait();
+    pdl_trigger();
     const int total = n * n_heads * pairs;
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= total) return;
     const int p = e % pairs, rest = e / pairs;
     const int h = rest % n_heads, i = rest / n_heads;
-    const double two_pi = 6.283185307179586476925286766559;
-    const double angle = (double)(pos_value(pos) + i) * freqs.f[p];
-    const double reduced = angle - rint(angle * (1.0 / two_pi)) * two_pi;
     float s, c;
-    sincosf((float)reduced, &s, &c);
-    float *v = x + ((size_t)i * n_heads + h) * head_dim;
-    const int ia = style ? 2 * p : p;
-    const int ib = style ? ia + 1 : ia + pairs;
-    const float a = v[ia], b = v[ib];
-    v[ia] = a * c - b * s;
-    v[ib] = a * s + b * c;
+    rope_angle(pos_value(pos) + i, freqs, p, &s, &c);
+    rope_rotate(x + ((size_t)i * n_heads + h) * head_dim, p, pairs, style, s, c);
+}
+
+// One launch for what follows the q/k/v projections of a decode step: q rotated in
+// place (a thread per row, head and pair, as rope_kernel), then a thread per element
+// of k (rotated from its pair, read-only) and of v, written to the cache rows pos0 + i.
+__global__ void rope_store_kernel(float *q, const float *k, const float *v, int n, pos_arg pos, int pairs,
+                                  int style, rope_freqs freqs, int n_head, int n_kv_head, int head_dim,
+                                  float *k_cache, float *v_cache) {
+    pdl_wait();
+    pdl_trigger();
+    const int q_items = n * n_head * pairs, kvd = n_kv_head * head_dim, kv_items = n * kvd;
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    const int pos0 = pos_value(pos);
+    if (e < q_items) {
+        const int p = e % pairs, rest = e / pairs;
+        const int h = rest % n_head, i = rest / n_head;
+        float s, c;
+        rope_angle(pos0 + i, freqs, p, &s, &c);
+        rope_rotate(q + ((size_t)i * n_head + h) * head_dim, p, pairs, style, s, c);
+        return;
+    }
+    e -= q_items;
+    if (e < kv_items) {
+        const int i = e / kvd, within = e - i * kvd, dim = within % head_dim;
+        const float *row = k + (size_t)i * kvd + (within - dim);
+        float out = row[dim];
+        if (dim < 2 * pairs) {
+            // the pair this element belongs to, and whether it is the pair's first member
+            const int p = style ? dim >> 1 : (dim < pairs ? dim : dim - pairs);
+            const int ia = style ? 2 * p : p;
+            const int ib = style ? ia + 1 : ia + pairs;
+            float s, c;
+            rope_angle(pos0 + i, freqs, p, &s, &c);
+            const float a = row[ia], b = row[ib];
+            out = dim == ia ? a * c - b * s : a * s + b * c;
+        }
+        k_cache[(size_t)(pos0 + i) * kvd + within] = out;
+        return;
+    }
+    e -= kv_items;
+    if (e < kv_items) {
+        const int i = e / kvd, within = e - i * kvd;
+        v_cache[(size_t)(pos0 + i) * kvd + within] = v[e];
+    }
 }
 
 // Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch).
 __global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, const float *v,
                                 int n, pos_arg pos, int width) {
+    pdl_wait();
+    pdl_trigger();
     const size_t per = (size_t)n * width, row0 = (size_t)pos_value(pos) * width;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * per;
          e += (size_t)gridDim.x * blockDim.x) {
@@ -219,6 +287,8 @@ __global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, 
 }
 
 __global__ void gated_act_kernel(float *gate, const float *up, size_t count, int gelu) {
+    pdl_wait();
+    pdl_trigger();
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < count;
          e += (size_t)gridDim.x * blockDim.x) {
         float g = gate[e];
@@ -231,6 +301,8 @@ __global__ void gated_act_kernel(float *gate, const float *up, size_t count, int
 // out[i] = logits[i, targets[i]] - logsumexp(logits row i)
 __global__ void __launch_bounds__(ROW_THREADS)
 logprobs_kernel(const float *logits, int vocab, const int32_t *targets, float *out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float red[32];
     const float *row = logits + (size_t)blockIdx.x * vocab;
     float m = -INFINITY;
@@ -276,6 +348,8 @@ __device__ argmax_pair block_argmax(argmax_pair best) {
 // Pass 1: each block's best pair of its slices of x.
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
+    pdl_wait();
+    pdl_trigger();
     argmax_pair best = { 0.0f, -1 };
     const int step = gridDim.x * ARGMAX_THREADS * ARGMAX_PER_THREAD;
     for (int e0 = blockIdx.x * ARGMAX_THREADS * ARGMAX_PER_THREAD + threadIdx.x; e0 < count; e0 += step) {
@@ -298,6 +372,8 @@ argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
 // Pass 2: one block over the n_partial winners.
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_final_kernel(const float *x, const argmax_pair *partial, int n_partial, int32_t *out) {
+    pdl_wait();
+    pdl_trigger();
     argmax_pair best = { 0.0f, -1 };
     for (int b = threadIdx.x; b < n_partial; b += ARGMAX_THREADS) argmax_offer(best, partial[b].v, partial[b].i);
     best = block_argmax(best);
@@ -348,6 +424,26 @@ void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k
            width);
 }
 
+static rope_freqs rope_frequencies(const tl_rope_params &p) {
+    rope_freqs freqs;
+    for (int q = 0; q < p.rope_dims / 2; q++) freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
+    return freqs;
+}
+
+void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
+                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
+                       float *v_cache) {
+    const int pairs = p.rope_dims / 2;
+    const size_t count = (size_t)n * n_head * pairs + 2 * (size_t)n * n_kv_head * head_dim;
+    if (n <= 0) return;
+    if (pairs > ROPE_MAX_PAIRS || count > INT32_MAX) {
+        exec_check(ex, cudaErrorInvalidValue, "rope: rope_dims above 256 or too many rows");
+        return;
+    }
+    launch(ex, "rope + kv store", rope_store_kernel, (int)((count + 255) / 256), 256, 0, q, k, v, n, pos0, pairs,
+           p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache);
+}
+
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count) {
     if (count == 0) return;
     launch(ex, "add", add_kernel, stride_blocks(count), 256, 0, y, x, count);
@@ -381,10 +477,8 @@ void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_ar
         exec_check(ex, cudaErrorInvalidValue, "rope: rope_dims above 256 or too many rows");
         return;
     }
-    rope_freqs freqs;
-    for (int q = 0; q < pairs; q++) freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
     launch(ex, "rope", rope_kernel, (int)((count + 255) / 256), 256, 0, x, n, n_heads, head_dim, pos0, pairs,
-           p.style, freqs);
+           p.style, rope_frequencies(p));
 }
 
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu) {

@@ -6,15 +6,20 @@
 // computes gemv_tile::rows output rows: its lanes walk the row in 32-element chunks,
 // a lane loading the raw chunks of all its rows for gemv_tile::unroll chunks at once
 // (eight independent 16-byte loads for q4) before decoding any. Quantized chunks are
-// reduced as scale * sum(code * x) + min * sum(x), so the per-element work is one
-// code conversion and one FMA per input row. Rows longer than one pass of a warp are
-// split over several warps (`split`), whose partial sums meet in shared memory. Up to
-// three matrices of one dtype applied to the same input (q/k/v, gate/up) share one
-// launch: each block belongs to one of them. Activations stay fp32 and accumulation
-// is fp32: results track the float64 oracle tightly.
-// Prefill (n > 8): a tiled fp32 GEMM whose weight tiles are decoded into shared memory
-// one chunk per row; correct and simple, not tensor-core fast (docs/cuda-backend.md).
-// It also serves decode rows too wide for the GEMV's shared memory.
+// reduced as scale * sum(code * x) + min * sum(x). The sum over codes is an integer
+// dot product: each staged chunk of x is turned into 24-bit integers on a power-of-two
+// grid of its own (act_records below), so the per-element work is two dp2a and one
+// dp4a per four elements and input row, with no code conversion; float
+// weights, and quantized ones with TINYLOOP_CUDA_DP4A=0, take the fp32 FMA path. Rows
+// longer than one pass of a warp are split over several warps (`split`), whose
+// partial sums meet in shared memory. Up to three matrices of one dtype applied to
+// the same input (q/k/v, gate/up) share one launch: each block belongs to one of them.
+// Accumulation is fp32 and activations keep 24 significant bits: results track the
+// float64 oracle tightly (docs/cuda-backend.md, GEMV).
+// Prefill (n > 8): the tensor-core GEMM of cuda_gemm_tc.cu for q8/q4/q2/f16 weights;
+// for f32/bf16 weights (or with TINYLOOP_CUDA_TC=0) a tiled fp32 GEMM whose weight
+// tiles are decoded into shared memory one chunk per row. Both also serve decode rows
+// too wide for the GEMV's shared memory.
 #include "cuda_dequant.cuh"
 
 #include <algorithm>
@@ -24,8 +29,7 @@ namespace {
 constexpr int GEMV_WARPS = 8;
 constexpr int GEMV_THREADS = GEMV_WARPS * 32;
 constexpr int GEMV_MAX_ROWS = 8;      // the largest n served by the GEMV
-constexpr int GEMV_MAX_MATS = 3;
-constexpr int GEMV_STAGE_BATCH = 4;   // activation loads in flight per thread while staging
+constexpr int GEMV_STAGE_BATCH = 2;   // activation loads in flight per thread while staging
 constexpr size_t SMEM_DEFAULT = 48 * 1024;   // dynamic shared memory without opting in
 
 constexpr int GEMM_BM = 64;         // input rows per block
@@ -41,75 +45,391 @@ struct gemv_tile {
     static constexpr int unroll = (DT == TL_DTYPE_Q4 || DT == TL_DTYPE_Q2) ? 2 : 1;
 };
 
-// The matrices of one GEMV launch; blocks [block0[j], block0[j + 1]) serve matrix j.
-struct gemv_set {
-    dev_weight w[GEMV_MAX_MATS];
-    float *y[GEMV_MAX_MATS];
-    size_t ldy[GEMV_MAX_MATS];
-    int block0[GEMV_MAX_MATS + 1];
-    int n_mats;
+// What the GEMV multiplies: rows of x as they are, their RMS/Layer norm, or the gated
+// activation act(x) * up (tl_matmul_in_kind); computed while x is staged.
+struct gemv_input {
+    int kind;
+    const float *x;
+    size_t ldx;
+    const float *up;
+    size_t ld_up;
+    int vec;            // x (and up) rows float4-aligned
+    int gelu;
+    dev_weight norm_w, norm_b;
+    int layer_norm, has_bias, unit_offset;
+    float eps;
 };
 
 // Where float4 k (0..7) of chunk c of an activation row sits in shared memory. The
 // XOR spreads the 8 lanes of a quarter-warp, which read the same k of 8 consecutive
 // chunks, over 8 different 16-byte bank groups (no conflicts).
 __device__ __forceinline__ int x_slot(int c, int k) { return c * 8 + (k ^ (c & 7)); }
+// The first element of the float4 at slot s of a row (x_slot inverted).
+__device__ __forceinline__ int slot_elem(int s) {
+    const int c = s >> 3;
+    return c * 32 + ((s & 7) ^ (c & 7)) * 4;
+}
 
-// n activation rows into shared memory, zero-padded to whole chunks.
-__device__ __forceinline__ void stage_x(float4 *xs, const float *__restrict__ x, size_t ldx, int n,
-                                        int cols, int chunks, int x_vec) {
+// The integer path's form of one staged chunk of 32 activations (its record): x ~= s * v
+// with v a 24-bit integer and s = 2^e the chunk's grid step (its largest magnitude
+// lands in [2^22, 2^23) steps). Words 0-15 hold v & 0xFFFF, two elements per word
+// (word m = elements 2m, 2m+1), words 16-23 the signed byte v >> 16, four per word (word
+// k = elements 4k .. 4k+3, like chunk_codes); word 24 is s, 25 the fp32 sum of the
+// chunk's x (for the min term). Read as 13 uint2: lanes reading consecutive chunks are
+// 26 words apart (26 / 2 odd), which puts the 16 lanes of a half-warp on 16 different
+// bank pairs. Records are written over the fp32 rows they come from (104 <= 128 bytes
+// per chunk), so they need no shared memory of their own.
+constexpr int ACT_REC_WORDS = 26;
+constexpr int ACT_REC_PAIRS = ACT_REC_WORDS / 2;  // uint2 per record
+constexpr int ACT_V_MAX = 8388607;                // 2^23 - 1, the largest v
+constexpr int ACT_SMALL_EXP = 23;                 // chunks below 2^(23-127) read as 0
+constexpr int ACT_THREADS_PER_CHUNK = 8;          // one float4 each
+constexpr int ACT_CHUNKS_PER_WAVE = GEMV_THREADS / ACT_THREADS_PER_CHUNK;
+static_assert(ACT_REC_WORDS * 4 <= 32 * sizeof(float) && ACT_REC_PAIRS % 2 == 1, "records fit in place");
+
+// act(g) * u, the formula of the gated_act kernel.
+__device__ __forceinline__ float gated(float g, float u, int gelu) {
+    const float a = gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                         : g / (1.0f + expf(-g));
+    return a * u;
+}
+
+// n input rows into shared memory, zero-padded to whole chunks (gated: act(x) * up).
+__device__ __forceinline__ void stage_x(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
     const int per_row = chunks * 8, total = n * per_row;
+    const bool gate = in.kind == TL_MATMUL_IN_GATED;
     for (int v0 = threadIdx.x; v0 < total; v0 += GEMV_STAGE_BATCH * GEMV_THREADS) {
-        float4 val[GEMV_STAGE_BATCH];
+        float4 val[GEMV_STAGE_BATCH], up[GEMV_STAGE_BATCH];
 #pragma unroll
         for (int b = 0; b < GEMV_STAGE_BATCH; b++) {
             const int v = v0 + b * GEMV_THREADS;
-            val[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            val[b] = up[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (v >= total) continue;
             const int i = v / per_row, e = (v - i * per_row) * 4;
-            const float *src = x + (size_t)i * ldx + e;
-            if (x_vec) {
-                if (e < cols) val[b] = *reinterpret_cast<const float4 *>(src);
-            } else {
-                val[b].x = e < cols ? src[0] : 0.0f;
-                val[b].y = e + 1 < cols ? src[1] : 0.0f;
-                val[b].z = e + 2 < cols ? src[2] : 0.0f;
-                val[b].w = e + 3 < cols ? src[3] : 0.0f;
-            }
+            val[b] = load_x4(in.x + (size_t)i * in.ldx, e, cols, in.vec);
+            if (gate) up[b] = load_x4(in.up + (size_t)i * in.ld_up, e, cols, in.vec);
         }
 #pragma unroll
         for (int b = 0; b < GEMV_STAGE_BATCH; b++) {
             const int v = v0 + b * GEMV_THREADS;
             if (v >= total) continue;
             const int i = v / per_row, s = v - i * per_row;
-            xs[i * per_row + x_slot(s >> 3, s & 7)] = val[b];
+            float4 x = val[b];
+            if (gate) {
+                const int e = s * 4;
+                x.x = e < cols ? gated(x.x, up[b].x, in.gelu) : 0.0f;
+                x.y = e + 1 < cols ? gated(x.y, up[b].y, in.gelu) : 0.0f;
+                x.z = e + 2 < cols ? gated(x.z, up[b].z, in.gelu) : 0.0f;
+                x.w = e + 3 < cols ? gated(x.w, up[b].w, in.gelu) : 0.0f;
+            }
+            xs[i * per_row + x_slot(s >> 3, s & 7)] = x;
         }
     }
 }
 
-template <int DT, int NR>
-__global__ void __launch_bounds__(GEMV_THREADS)
-gemv_kernel(gemv_set set, const float *__restrict__ x, size_t ldx, int n, int x_vec, int split) {
+// Per staged row, the sum over its elements of term(value) (zero padding included,
+// so term(0) must be 0), into out[i]; `red` holds GEMV_WARPS x GEMV_MAX_ROWS floats.
+template <typename F>
+__device__ __forceinline__ void staged_row_sums(const float4 *xs, int n, int per_row, F term,
+                                                float (*red)[GEMV_MAX_ROWS], float *out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = 0; i < n; i++) {
+        float sum = 0.0f;
+        for (int s = threadIdx.x; s < per_row; s += GEMV_THREADS) {
+            const float4 v = xs[i * per_row + s];
+            sum += (term(v.x) + term(v.y)) + (term(v.z) + term(v.w));
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) red[warp][i] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+        float t = 0.0f;
+        for (int w = 0; w < GEMV_WARPS; w++) t += red[w][threadIdx.x];
+        out[threadIdx.x] = t;
+    }
+    __syncthreads();
+}
+
+// The staged rows replaced by their norm (the formulas of the norm kernels).
+__device__ void norm_staged(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
+    __shared__ float red[GEMV_WARPS][GEMV_MAX_ROWS];
+    __shared__ float mean[GEMV_MAX_ROWS], rstd[GEMV_MAX_ROWS];
+    const int per_row = chunks * 8;
+    if (in.layer_norm) {
+        staged_row_sums(xs, n, per_row, [](float v) { return v; }, red, mean);
+        if (threadIdx.x < n) mean[threadIdx.x] /= (float)cols;
+        __syncthreads();
+        // every row's mean is read by all threads below: one row at a time
+        for (int i = 0; i < n; i++) {
+            const float m = mean[i];
+            float sum = 0.0f;
+            for (int s = threadIdx.x; s < per_row; s += GEMV_THREADS) {
+                const float4 v = xs[i * per_row + s];
+                const int e = slot_elem(s);
+                if (e < cols) sum += (v.x - m) * (v.x - m);
+                if (e + 1 < cols) sum += (v.y - m) * (v.y - m);
+                if (e + 2 < cols) sum += (v.z - m) * (v.z - m);
+                if (e + 3 < cols) sum += (v.w - m) * (v.w - m);
+            }
+            sum = warp_sum(sum);
+            if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5][i] = sum;
+        }
+        __syncthreads();
+        if (threadIdx.x < n) {
+            float t = 0.0f;
+            for (int w = 0; w < GEMV_WARPS; w++) t += red[w][threadIdx.x];
+            rstd[threadIdx.x] = 1.0f / sqrtf(t / (float)cols + in.eps);
+        }
+    } else {
+        staged_row_sums(xs, n, per_row, [](float v) { return v * v; }, red, rstd);
+        if (threadIdx.x < n) {
+            mean[threadIdx.x] = 0.0f;
+            rstd[threadIdx.x] = 1.0f / sqrtf(rstd[threadIdx.x] / (float)cols + in.eps);
+        }
+    }
+    __syncthreads();
+    for (int v = threadIdx.x; v < n * per_row; v += GEMV_THREADS) {
+        const int i = v / per_row, e = slot_elem(v - i * per_row);
+        float4 x = xs[v];
+        float *c = &x.x;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (e + j >= cols) {
+                c[j] = 0.0f;
+                continue;
+            }
+            const float g = load_vector_elem(in.norm_w, e + j);
+            if (in.layer_norm) {
+                const float o = (c[j] - mean[i]) * rstd[i] * g;
+                c[j] = in.has_bias ? o + load_vector_elem(in.norm_b, e + j) : o;
+            } else {
+                c[j] = c[j] * rstd[i] * (in.unit_offset ? 1.0f + g : g);
+            }
+        }
+        xs[v] = x;
+    }
+}
+
+// The n staged rows (fp32, swizzled) replaced by their records, chunk g = row *
+// chunks + c at record g. Eight threads share a chunk (largest magnitude and sum by
+// shuffles); a wave of 32 chunks reads its fp32 values, waits for the block, then
+// writes records, which only overlap fp32 chunks of this wave or earlier ones.
+__device__ void act_records(float4 *xs, int n, int chunks) {
+    unsigned *rec_words = reinterpret_cast<unsigned *>(xs);
+    const int total = n * chunks, k = threadIdx.x % ACT_THREADS_PER_CHUNK;
+    for (int g0 = 0; g0 < total; g0 += ACT_CHUNKS_PER_WAVE) {
+        const int g = g0 + threadIdx.x / ACT_THREADS_PER_CHUNK;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (g < total) x = xs[g * 8 + (k ^ ((g % chunks) & 7))];
+        // magnitudes compared as bits: finite < inf < NaN
+        unsigned amax = max(max(__float_as_uint(x.x) & 0x7FFFFFFFu, __float_as_uint(x.y) & 0x7FFFFFFFu),
+                            max(__float_as_uint(x.z) & 0x7FFFFFFFu, __float_as_uint(x.w) & 0x7FFFFFFFu));
+        float sum = (x.x + x.y) + (x.z + x.w);
+#pragma unroll
+        for (int o = 1; o < ACT_THREADS_PER_CHUNK; o <<= 1) {
+            amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        }
+        // s = 2^(e - 149) for the biased exponent e of the largest magnitude, so x / s
+        // is exact and rounding it to v is the only error (<= s / 2). A chunk with inf
+        // or NaN gets a NaN step (its dot products become NaN); a tiny one reads as 0.
+        const int e = (int)(amax >> 23);
+        float step = 0.0f, inv_step = 0.0f;
+        if (e == 255) step = __uint_as_float(0x7FC00000u);
+        else if (e >= ACT_SMALL_EXP) {
+            step = __uint_as_float((unsigned)(e - 22) << 23);
+            inv_step = __uint_as_float((unsigned)(276 - e) << 23);
+        }
+        // |x / s| < 2^23, but 2^23 - 0.5 rounds (to even) to 2^23: clamp
+        const unsigned v0 = (unsigned)min(__float2int_rn(x.x * inv_step), ACT_V_MAX);
+        const unsigned v1 = (unsigned)min(__float2int_rn(x.y * inv_step), ACT_V_MAX);
+        const unsigned v2 = (unsigned)min(__float2int_rn(x.z * inv_step), ACT_V_MAX);
+        const unsigned v3 = (unsigned)min(__float2int_rn(x.w * inv_step), ACT_V_MAX);
+        const unsigned low01 = __byte_perm(v0, v1, 0x5410), low23 = __byte_perm(v2, v3, 0x5410);
+        const unsigned high = __byte_perm(__byte_perm(v0, v1, 0x0062), __byte_perm(v2, v3, 0x0062), 0x5410);
+        __syncthreads();   // the whole wave has read its fp32 values
+        if (g < total) {
+            unsigned *rec = rec_words + g * ACT_REC_WORDS;
+            reinterpret_cast<uint2 *>(rec)[k] = make_uint2(low01, low23);   // v & 0xFFFF, two per word
+            rec[16 + k] = high;                                                // v >> 16, bytes
+            if (k == 0) reinterpret_cast<uint2 *>(rec)[12] = make_uint2(__float_as_uint(step), __float_as_uint(sum));
+        }
+    }
+}
+
+// c + the dot product of the four signed bytes of a with the four bytes of b (signed
+// or not).
+template <bool B_SIGNED>
+__device__ __forceinline__ int dot4(unsigned a, unsigned b, int c) {
+    int d;
+    if constexpr (B_SIGNED) asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// c + the dot product of the two unsigned 16-bit halves of a with bytes 0-1 (HIGH:
+// bytes 2-3) of b (signed or not).
+template <bool HIGH, bool B_SIGNED>
+__device__ __forceinline__ int dot2(unsigned a, unsigned b, int c) {
+    int d;
+    if constexpr (HIGH && B_SIGNED) asm("dp2a.hi.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else if constexpr (HIGH) asm("dp2a.hi.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else if constexpr (B_SIGNED) asm("dp2a.lo.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else asm("dp2a.lo.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One round of a lane: the raw chunks base + lane + stride * u of its rows (weights
+// only, so it may run before the previous kernel has finished).
+template <int DT, int RT, int U>
+__device__ __forceinline__ void load_round(const dev_weight &w, int row0, int base, int lane, int stride, int chunks,
+                                           chunk_bits<DT> (&bits)[RT][U], __half2 (&scale_min)[RT][U]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = base + lane + stride * u;
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            bits[r][u] = chunk_bits<DT>{};
+            scale_min[r][u] = __float2half2_rn(0.0f);
+            if (c < chunks && row0 + r < w.rows) {
+                bits[r][u] = load_bits<DT>(w, row0 + r, c);
+                if (dtype_traits<DT>::quantized) scale_min[r][u] = chunk_scale_min_half2<DT>(w, row0 + r, c);
+            }
+        }
+    }
+}
+
+// acc[r][i] += the products of chunk u of the lane's rows with chunk c of the staged
+// fp32 rows: each code converted to float, one FMA per element and input row.
+template <int DT, int RT, int U, int NR>
+__device__ __forceinline__ void float_dot_chunk(const float4 *xs, int n, int chunks, int c, int u,
+                                                const chunk_bits<DT> (&bits)[RT][U],
+                                                const __half2 (&scale_min)[RT][U], float (&acc)[RT][NR]) {
+    using traits = dtype_traits<DT>;
+    float dot[RT][NR], xsum[NR];
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        xsum[i] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RT; r++) dot[r][i] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float4 xv[NR];
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+            xv[i] = i < n ? xs[i * chunks * 8 + x_slot(c, k)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (traits::has_min) xsum[i] += (xv[i].x + xv[i].y) + (xv[i].z + xv[i].w);
+        }
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            float q[4];
+            chunk_piece<DT>(bits[r][u], k, q);
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+                if (i >= n) break;
+                dot[r][i] = fmaf(q[0], xv[i].x, dot[r][i]);
+                dot[r][i] = fmaf(q[1], xv[i].y, dot[r][i]);
+                dot[r][i] = fmaf(q[2], xv[i].z, dot[r][i]);
+                dot[r][i] = fmaf(q[3], xv[i].w, dot[r][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+            if (traits::has_min)
+                acc[r][i] += fmaf(__low2float(scale_min[r][u]), dot[r][i], __high2float(scale_min[r][u]) * xsum[i]);
+            else if (traits::quantized) acc[r][i] += __low2float(scale_min[r][u]) * dot[r][i];
+            else acc[r][i] += dot[r][i];
+        }
+}
+
+// acc[r][i] += the products of chunk u of the lane's rows (raw bits, scale, min) with
+// the record of chunk c of each input row: per four elements two dp2a (low halves of v)
+// and one dp4a (high bytes) against the packed codes, exact int32 sums (|sum| < 2^28),
+// then fp32.
+template <int DT, int RT, int U, int NR>
+__device__ __forceinline__ void int_dot_chunk(const uint2 *recs, int n, int chunks, int c, int u,
+                                              const chunk_bits<DT> (&bits)[RT][U],
+                                              const __half2 (&scale_min)[RT][U], float (&acc)[RT][NR]) {
+    constexpr bool CODES_SIGNED = DT == TL_DTYPE_Q8;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        if (i >= n) break;
+        const uint2 *rec = recs + (i * chunks + c) * ACT_REC_PAIRS;
+        int low[RT], high[RT];   // sum(code * (v & 0xFFFF)), sum(code * (v >> 16))
+#pragma unroll
+        for (int r = 0; r < RT; r++) low[r] = high[r] = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {   // elements 8q .. 8q+7: low words 4q .. 4q+3, high words 2q, 2q+1
+            const uint2 l0 = rec[2 * q], l1 = rec[2 * q + 1], h = rec[8 + q];
+            const unsigned lw[4] = { l0.x, l0.y, l1.x, l1.y }, hw[2] = { h.x, h.y };
+#pragma unroll
+            for (int r = 0; r < RT; r++)
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    const unsigned codes = chunk_codes<DT>(bits[r][u], 2 * q + k);
+                    low[r] = dot2<false, CODES_SIGNED>(lw[2 * k], codes, low[r]);
+                    low[r] = dot2<true, CODES_SIGNED>(lw[2 * k + 1], codes, low[r]);
+                    high[r] = dot4<CODES_SIGNED>(hw[k], codes, high[r]);
+                }
+        }
+        const uint2 tail = rec[12];
+        const float step = __uint_as_float(tail.x), xsum = __uint_as_float(tail.y);
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            const float dot = fmaf((float)high[r], 65536.0f, (float)low[r]);
+            const float scale = __low2float(scale_min[r][u]);
+            if (dtype_traits<DT>::has_min) acc[r][i] += fmaf(scale * step, dot, __high2float(scale_min[r][u]) * xsum);
+            else acc[r][i] = fmaf(scale * step, dot, acc[r][i]);
+        }
+    }
+}
+
+// INT_DOT: quantized weights against the activation records (integer dot products)
+// instead of fp32 activations.
+template <int DT, int NR, bool INT_DOT>
+__global__ void __launch_bounds__(GEMV_THREADS, NR <= 2 ? 3 : NR == 4 ? 2 : 1)
+gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
     using traits = dtype_traits<DT>;
-    extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4
+    static_assert(!INT_DOT || traits::quantized, "integer dot products need integer codes");
+    extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4 (INT_DOT: records)
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     const int b = blockIdx.x;
-    // constant indices only, so the set stays in parameter space
-    const int j = (set.n_mats > 1 && b >= set.block0[1]) + (set.n_mats > 2 && b >= set.block0[2]);
-    const dev_weight &w = j == 0 ? set.w[0] : j == 1 ? set.w[1] : set.w[2];
-    float *__restrict__ y = j == 0 ? set.y[0] : j == 1 ? set.y[1] : set.y[2];
-    const size_t ldy = j == 0 ? set.ldy[0] : j == 1 ? set.ldy[1] : set.ldy[2];
-    const int block_in_mat = b - (j == 0 ? 0 : j == 1 ? set.block0[1] : set.block0[2]);
+    const int j = set_member(set, b);
+    const dev_weight &w = set_weight(set, j);
+    float *__restrict__ y = set_out(set, j);
+    const size_t ldy = set_ld(set, j);
+    const int block_in_mat = set_local(set, j, b);
     const int chunks = (w.cols + 31) >> 5;
-
-    stage_x(xs, x, ldx, n, w.cols, chunks, x_vec);
-    __syncthreads();
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = warp / split, sub = warp - group * split;
     const int row0 = (block_in_mat * (GEMV_WARPS / split) + group) * RT;
     const int stride = 32 * split;   // chunks between a lane's consecutive chunks
+
+    // The first round's weights are requested before the wait for the previous
+    // kernel: their latency overlaps its tail and this kernel's staging.
+    chunk_bits<DT> bits[RT][U];
+    __half2 scale_min[RT][U];   // as stored (f16): half the registers of floats
+    load_round<DT, RT, U>(w, row0, sub * 32, lane, stride, chunks, bits, scale_min);
+
+    pdl_wait();
+    pdl_trigger();
+    stage_x(xs, in, n, w.cols, chunks);
+    __syncthreads();
+    if (in.kind == TL_MATMUL_IN_NORM) {
+        norm_staged(xs, in, n, w.cols, chunks);
+        __syncthreads();
+    }
+    if (INT_DOT) {
+        act_records(xs, n, chunks);
+        __syncthreads();
+    }
+
     float acc[RT][NR];
 #pragma unroll
     for (int r = 0; r < RT; r++)
@@ -117,64 +437,16 @@ gemv_kernel(gemv_set set, const float *__restrict__ x, size_t ldx, int n, int x_
         for (int i = 0; i < NR; i++) acc[r][i] = 0.0f;
 
     for (int base = sub * 32; base < chunks; base += stride * U) {
-        // every load of the round first, then the arithmetic
-        chunk_bits<DT> bits[RT][U];
-        float scale[RT][U], mins[RT][U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = base + lane + stride * u;
-#pragma unroll
-            for (int r = 0; r < RT; r++) {
-                bits[r][u] = chunk_bits<DT>{};
-                scale[r][u] = 0.0f;
-                mins[r][u] = 0.0f;
-                if (c < chunks && row0 + r < w.rows) {
-                    bits[r][u] = load_bits<DT>(w, row0 + r, c);
-                    if (traits::quantized) chunk_scale_min<DT>(w, row0 + r, c, &scale[r][u], &mins[r][u]);
-                }
-            }
-        }
+        if (base != sub * 32) load_round<DT, RT, U>(w, row0, base, lane, stride, chunks, bits, scale_min);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = base + lane + stride * u;
             if (c >= chunks) continue;
-            float dot[RT][NR], xsum[NR];
-#pragma unroll
-            for (int i = 0; i < NR; i++) {
-                xsum[i] = 0.0f;
-#pragma unroll
-                for (int r = 0; r < RT; r++) dot[r][i] = 0.0f;
-            }
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                float4 xv[NR];
-#pragma unroll
-                for (int i = 0; i < NR; i++) {
-                    xv[i] = i < n ? xs[i * chunks * 8 + x_slot(c, k)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (traits::has_min) xsum[i] += (xv[i].x + xv[i].y) + (xv[i].z + xv[i].w);
-                }
-#pragma unroll
-                for (int r = 0; r < RT; r++) {
-                    float q[4];
-                    chunk_piece<DT>(bits[r][u], k, q);
-#pragma unroll
-                    for (int i = 0; i < NR; i++) {
-                        if (i >= n) break;
-                        dot[r][i] = fmaf(q[0], xv[i].x, dot[r][i]);
-                        dot[r][i] = fmaf(q[1], xv[i].y, dot[r][i]);
-                        dot[r][i] = fmaf(q[2], xv[i].z, dot[r][i]);
-                        dot[r][i] = fmaf(q[3], xv[i].w, dot[r][i]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RT; r++)
-#pragma unroll
-                for (int i = 0; i < NR; i++) {
-                    if (traits::has_min) acc[r][i] += fmaf(scale[r][u], dot[r][i], mins[r][u] * xsum[i]);
-                    else if (traits::quantized) acc[r][i] += scale[r][u] * dot[r][i];
-                    else acc[r][i] += dot[r][i];
-                }
+            if constexpr (INT_DOT)
+                int_dot_chunk<DT, RT, U, NR>(reinterpret_cast<const uint2 *>(xs), n, chunks, c, u, bits,
+                                             scale_min, acc);
+            else
+                float_dot_chunk<DT, RT, U, NR>(xs, n, chunks, c, u, bits, scale_min, acc);
         }
     }
 
@@ -191,7 +463,10 @@ gemv_kernel(gemv_set set, const float *__restrict__ x, size_t ldx, int n, int x_
         const int r = lane / NR, i = lane % NR;
         float s = 0.0f;
         for (int t = 0; t < split; t++) s += red[warp + t][lane];
-        if (i < n && row0 + r < w.rows) y[(size_t)i * ldy + row0 + r] = s;
+        if (i < n && row0 + r < w.rows) {
+            float *dst = y + (size_t)i * ldy + row0 + r;
+            *dst = set.accumulate ? *dst + s : s;
+        }
     }
 }
 
@@ -199,6 +474,8 @@ template <int DT>
 __global__ void __launch_bounds__(GEMM_THREADS)
 gemm_kernel(dev_weight w, const float *__restrict__ x, size_t ldx, int n, float *__restrict__ y,
             size_t ldy) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float xs[GEMM_BK][GEMM_BM + 1];
     __shared__ float ws[GEMM_BK][GEMM_BN + 1];
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -258,6 +535,8 @@ gemm_kernel(dev_weight w, const float *__restrict__ x, size_t ldx, int n, float 
 template <int DT>
 __global__ void embed_kernel(dev_weight table, const int32_t *__restrict__ tokens, float scale,
                              float *__restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     const int i = blockIdx.x, d = table.cols;
     const int token = tokens[i];
     const int n_chunks = (d + 31) >> 5;
@@ -271,6 +550,8 @@ __global__ void embed_kernel(dev_weight table, const int32_t *__restrict__ token
 }
 
 __global__ void add_bias_kernel(float *y, int n, int d, dev_weight bias) {
+    pdl_wait();
+    pdl_trigger();
     size_t total = (size_t)n * d;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x)
@@ -284,24 +565,49 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
-template <int DT, int NR>
-void gemv_launch(tl_exec *ex, const gemv_set &set, const float *x, size_t ldx, int n, int split,
-                 size_t smem, int cols_vec) {
-    const int x_vec = cols_vec && (uintptr_t)x % 16 == 0 && ldx % 4 == 0;
+template <int DT, int NR, bool INT_DOT>
+void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
     if (smem > SMEM_DEFAULT &&
-        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)smem), "matmul (gemv shared memory size)"))
+        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                   "matmul (gemv shared memory size)"))
         return;
-    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR>, set.block0[set.n_mats], GEMV_THREADS, smem, set, x, ldx,
-           n, x_vec, split);
+    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT>, set.first[set.n_mats], GEMV_THREADS, smem, set,
+           in, n, split);
+}
+
+// Quantized weights use integer dot products unless the context turned them off.
+template <int DT, int NR>
+void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
+    if constexpr (dtype_traits<DT>::quantized) {
+        if (ex->gemv_int_dot) {
+            gemv_launch_kernel<DT, NR, true>(ex, set, in, n, split, smem);
+            return;
+        }
+    }
+    gemv_launch_kernel<DT, NR, false>(ex, set, in, n, split, smem);
+}
+
+// Shared memory one GEMV block may use for activation rows (its static shared memory,
+// the per-warp sums and norm statistics, comes on top). The integer path's records
+// replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
+size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - 2048; }
+
+// Whether the GEMV takes these matrices: n <= GEMV_MAX_ROWS rows whose activations fit
+// one block's shared memory (one row at least).
+int gemv_fits(const tl_exec *ex, const dev_weight *const *ws, int n_w, int n) {
+    if (n < 1 || n > GEMV_MAX_ROWS) return 0;
+    int cols = 0;
+    for (int k = 0; k < n_w; k++) cols = std::max(cols, ws[k]->cols);
+    return (size_t)((cols + 31) / 32) * 32 * sizeof(float) <= gemv_smem_max(ex);
 }
 
 // n <= GEMV_MAX_ROWS input rows against every matrix of the set (all of dtype DT and
-// as wide as x). Picks how many warps share a row and sizes the grid; input rows
-// whose activations do not fit in one block's shared memory together go in several
-// launches, and rows too wide for even one go to the GEMM.
+// as wide as x; gemv_fits). Picks how many warps share a row and sizes the grid;
+// input rows whose activations do not fit in one block's shared memory together go
+// in several launches.
 template <int DT>
-void gemv_dt(tl_exec *ex, gemv_set set, const float *x, size_t ldx, int n) {
+void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
     int cols = 0, cols_vec = 1;
     for (int k = 0; k < set.n_mats; k++) {
@@ -310,12 +616,8 @@ void gemv_dt(tl_exec *ex, gemv_set set, const float *x, size_t ldx, int n) {
     }
     const int chunks = (cols + 31) / 32;
     const size_t row_bytes = (size_t)chunks * 32 * sizeof(float);
-    // room for the kernel's static shared memory (the per-warp sums) besides x
-    const size_t smem_max = std::max(SMEM_DEFAULT, ex->smem_optin) - 2048;
-    if (row_bytes > smem_max) {
-        for (int k = 0; k < set.n_mats; k++) gemm_dt<DT>(ex, set.w[k], x, ldx, n, set.y[k], set.ldy[k]);
-        return;
-    }
+    in.vec = cols_vec && (uintptr_t)in.x % 16 == 0 && in.ldx % 4 == 0 &&
+             (in.kind != TL_MATMUL_IN_GATED || ((uintptr_t)in.up % 16 == 0 && in.ld_up % 4 == 0));
     // Rows split over more warps while lanes would otherwise take several rounds and
     // the grid is small: more loads in flight, at the price of staging x more often.
     auto blocks_for = [&](int split) {
@@ -327,22 +629,24 @@ void gemv_dt(tl_exec *ex, gemv_set set, const float *x, size_t ldx, int n) {
     int split = 1;
     while (split < GEMV_WARPS && 32 * split * U < chunks && blocks_for(split) < ex->sm_count / 2) split *= 2;
     const int rows_per_block = GEMV_WARPS / split * RT;
-    set.block0[0] = 0;
+    set.first[0] = 0;
     for (int k = 0; k < set.n_mats; k++)
-        set.block0[k + 1] = set.block0[k] + (set.w[k].rows + rows_per_block - 1) / rows_per_block;
-    if (set.block0[set.n_mats] == 0) return;
+        set.first[k + 1] = set.first[k] + (set.w[k].rows + rows_per_block - 1) / rows_per_block;
+    if (set.first[set.n_mats] == 0) return;
 
-    const int per_launch = (int)std::min<size_t>((size_t)n, smem_max / row_bytes);
+    const int per_launch = (int)std::min<size_t>((size_t)n, gemv_smem_max(ex) / row_bytes);
     for (int i0 = 0; i0 < n; i0 += per_launch) {
         const int m = std::min(per_launch, n - i0);
-        gemv_set part = set;
+        matrix_set part = set;
         for (int k = 0; k < set.n_mats; k++) part.y[k] += (size_t)i0 * part.ldy[k];
-        const float *xp = x + (size_t)i0 * ldx;
+        gemv_input pin = in;
+        pin.x += (size_t)i0 * in.ldx;
+        if (in.kind == TL_MATMUL_IN_GATED) pin.up += (size_t)i0 * in.ld_up;
         const size_t smem = (size_t)m * row_bytes;
-        if (m == 1) gemv_launch<DT, 1>(ex, part, xp, ldx, m, split, smem, cols_vec);
-        else if (m == 2) gemv_launch<DT, 2>(ex, part, xp, ldx, m, split, smem, cols_vec);
-        else if (m <= 4) gemv_launch<DT, 4>(ex, part, xp, ldx, m, split, smem, cols_vec);
-        else gemv_launch<DT, 8>(ex, part, xp, ldx, m, split, smem, cols_vec);
+        if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, smem);
+        else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, smem);
+        else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, smem);
+        else gemv_launch<DT, 8>(ex, part, pin, m, split, smem);
     }
 }
 
@@ -372,18 +676,13 @@ void launch_matmul(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx,
     launch_matmul_multi(ex, ws, 1, x, ldx, n, &y, &ldy);
 }
 
-void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, const float *x,
-                         size_t ldx, int n, float *const *ys, const size_t *ldys) {
-    if (n <= 0) return;
-    if (n > GEMV_MAX_ROWS) {
-        for (int j = 0; j < n_w; j++)
-            if (ws[j]->rows > 0) DISPATCH_DTYPE(ws[j]->dtype, gemm_dt, ex, *ws[j], x, ldx, n, ys[j], ldys[j]);
-        return;
-    }
-    // consecutive matrices of one dtype share a launch
+// Consecutive matrices of one dtype share a GEMV launch.
+static void matrix_sets(tl_exec *ex, const dev_weight *const *ws, int n_w, const gemv_input &in, int n,
+                      float *const *ys, const size_t *ldys, int accumulate) {
     for (int j0 = 0; j0 < n_w;) {
-        gemv_set set = {};
-        while (j0 < n_w && set.n_mats < GEMV_MAX_MATS &&
+        matrix_set set = {};
+        set.accumulate = accumulate;
+        while (j0 < n_w && set.n_mats < SET_MAX_MATS &&
                (set.n_mats == 0 || ws[j0]->dtype == set.w[0].dtype)) {
             int k = set.n_mats++;
             set.w[k] = *ws[j0];
@@ -391,8 +690,47 @@ void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, cons
             set.ldy[k] = ldys[j0];
             j0++;
         }
-        DISPATCH_DTYPE(set.w[0].dtype, gemv_dt, ex, set, x, ldx, n);
+        DISPATCH_DTYPE(set.w[0].dtype, gemv_dt, ex, set, in, n);
     }
+}
+
+void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, const float *x,
+                         size_t ldx, int n, float *const *ys, const size_t *ldys) {
+    if (n <= 0) return;
+    if (!gemv_fits(ex, ws, n_w, n)) {
+        if (launch_gemm_tc(ex, ws, n_w, x, ldx, n, ys, ldys)) return;
+        for (int j = 0; j < n_w; j++)
+            if (ws[j]->rows > 0) DISPATCH_DTYPE(ws[j]->dtype, gemm_dt, ex, *ws[j], x, ldx, n, ys[j], ldys[j]);
+        return;
+    }
+    gemv_input in = {};
+    in.kind = TL_MATMUL_IN_ROWS;
+    in.x = x;
+    in.ldx = ldx;
+    matrix_sets(ex, ws, n_w, in, n, ys, ldys, 0);
+}
+
+int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const matmul_in_args &a, int n,
+                     float *const *ys, const size_t *ldys, int accumulate) {
+    if (n <= 0) return 1;
+    if (!gemv_fits(ex, ws, n_w, n)) return 0;
+    gemv_input in = {};
+    in.kind = a.kind;
+    in.x = a.x;
+    in.ldx = a.ldx;
+    in.up = a.up;
+    in.ld_up = a.ld_up;
+    in.gelu = a.gelu;
+    if (a.kind == TL_MATMUL_IN_NORM) {
+        in.norm_w = *a.norm_w;
+        if (a.norm_b) in.norm_b = *a.norm_b;
+        in.has_bias = a.norm_b != nullptr;
+        in.layer_norm = a.norm_params.type == TL_NORMTYPE_LAYER;
+        in.unit_offset = a.norm_params.unit_offset;
+        in.eps = a.norm_params.eps;
+    }
+    matrix_sets(ex, ws, n_w, in, n, ys, ldys, accumulate);
+    return 1;
 }
 
 void launch_embed(tl_exec *ex, const dev_weight &table, const int32_t *d_tokens, int n,

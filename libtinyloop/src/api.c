@@ -155,7 +155,7 @@ static tl_status check_load_options(const tl_load_options *o) {
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_seq_len %d is negative (0 = the model's)",
                        o->max_seq_len);
     if (o->prefill_chunk < 0)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefill_chunk %d is negative (0 = 256)",
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefill_chunk %d is negative (0 = the backend's default)",
                        o->prefill_chunk);
     if (o->default_depth < 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "default_depth %d is negative (0 = the model's)",
@@ -175,7 +175,6 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     if (!o->max_seq_len) o->max_seq_len = hp->max_seq_len;
     if (!o->default_depth) o->default_depth = hp->default_depth;
     if (!o->n_threads) o->n_threads = tl_num_cores();
-    if (!o->prefill_chunk) o->prefill_chunk = 256;
     o->device = NULL; /* the caller's string is not kept */
     return TL_OK;
 }

@@ -53,7 +53,23 @@ typedef struct tl_norm_params {
     float eps;
 } tl_norm_params;
 
+/* The input of a fused matmul (matmul_in): the rows x themselves, their norm, or the
+ * gated activation act(gate) * up of two row sets. */
+typedef enum { TL_MATMUL_IN_ROWS = 0, TL_MATMUL_IN_NORM = 1, TL_MATMUL_IN_GATED = 2 } tl_matmul_in_kind;
+
+typedef struct tl_matmul_in {
+    tl_matmul_in_kind kind;
+    tl_act x;                          /* ROWS / NORM: the rows; GATED: the gate rows */
+    size_t ldx;
+    const tl_norm_weights *norm;       /* NORM */
+    const tl_norm_params *norm_params; /* NORM */
+    tl_act up;                         /* GATED */
+    size_t ld_up;
+    tl_activation act;                 /* GATED */
+} tl_matmul_in;
+
 typedef struct tl_backend tl_backend;
+struct tl_sample_step;   /* sample_math.h */
 
 typedef struct tl_backend_ops {
     /* Called once after the model is built: repack weights into the backend's layout
@@ -122,6 +138,20 @@ typedef struct tl_backend_ops {
     void (*kv_store)(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
                      int pos0, int width);
 
+    /* Optional fused forms (NULL = not offered). forward.c composes them from the ops
+     * above when a backend does not offer them or returns 0 for a call (e.g. a shape
+     * it has no fused kernel for); results agree up to fp32 rounding order.
+     * matmul_in: ys[j] = W_j . in (accumulate: ys[j] += W_j . in) for n rows of the
+     * input described by `in`, which no y may overlap. Returns 1 when done. */
+    int (*matmul_in)(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_matmul_in *in, int n,
+                     const tl_act *ys, const size_t *ldys, int accumulate);
+    /* rope_store: RoPE on n rows of q (n_head heads) and k (n_kv_head heads) at pos0,
+     * then kv_store of the rotated k and of v (contiguous rows); q is rotated in
+     * place, k may be left unrotated. Returns 1 when done. */
+    int (*rope_store)(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0,
+                      const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
+                      tl_act v_cache);
+
     /* Optional (NULL = not offered). forward.c brackets the layers of a one-row chunk
      * with step_begin(pos) / step_end(). Between them the ops and their arguments are
      * the same at every position except the pos0 arguments (pos plus a constant) and
@@ -129,6 +159,12 @@ typedef struct tl_backend_ops {
      * (CUDA graphs); the ops in between may run only when step_end() is called. */
     void (*step_begin)(tl_exec *ex, int pos);
     void (*step_end)(tl_exec *ex);
+
+    /* Optional (NULL = not offered: the caller downloads the logits and samples on the
+     * host). The token of a sampling step prepared on the host (sampling.h) from the
+     * `vocab` logits at `logits`, which the penalty may modify: the same token as
+     * tl_sample_row on the same logits, so that only the index comes back. */
+    int32_t (*sample)(tl_exec *ex, tl_act logits, int vocab, const struct tl_sample_step *step);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -329,8 +329,14 @@ static void cpu_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int
 /* The greedy choice of sampling.c itself (temperature 0, no penalty), on the row in place. */
 static int32_t cpu_argmax(tl_exec *ex, tl_act x, int count) {
     (void)ex;
-    tl_sampler greedy = { .vocab = count, .temperature = 0.0f, .repetition_penalty = 1.0f };
-    return tl_sampler_sample(&greedy, P(x), NULL, 0);
+    tl_sample_step greedy = { .temperature = 0.0f, .repetition_penalty = 1.0f };
+    return tl_sample_row(P(x), count, &greedy);
+}
+
+/* sampling.c's step itself, on the row in place. */
+static int32_t cpu_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample_step *step) {
+    (void)ex;
+    return tl_sample_row(P(logits), vocab, step);
 }
 
 static void cpu_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
@@ -367,6 +373,7 @@ static const tl_backend_ops cpu_ops = {
     .logprobs = cpu_logprobs,
     .argmax = cpu_argmax,
     .kv_store = cpu_kv_store,
+    .sample = cpu_sample,
 };
 
 tl_status tl_backend_cpu_create(tl_backend **out) {

@@ -90,7 +90,9 @@ tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, in
     ctx->be = model->backend;
     ctx->max_seq = max_seq ? max_seq : model_seq;
     ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
-    if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk > 0 ? model->load_opts.prefill_chunk : 256;
+    /* a GPU's matrix kernels want more rows per call than the CPU's caches do */
+    if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk;
+    if (!prefill_chunk) prefill_chunk = model->backend->device_index >= 0 ? 512 : 256;
     ctx->chunk_rows = imin(prefill_chunk, ctx->max_seq);
     ctx->logit_rows = imin(TL_LOGIT_ROWS, ctx->chunk_rows);
 
@@ -177,6 +179,7 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
             if (c0 + (size_t)rows == n) {
                 chunk_out.last_logits = out->last_logits;
                 chunk_out.last_token = out->last_token;
+                chunk_out.sample = out->sample;
             }
             if (out->n_targets > c0) {
                 chunk_out.targets = out->targets + c0;

@@ -24,63 +24,107 @@ typedef struct fwd {
 
 static tl_act buf0(tl_buf *b) { return tl_act_at(b, 0); }
 
-/* out = Wo . attention(RoPE(Wq xn), RoPE(Wk xn), Wv xn) for n rows at pos0; the new
- * keys and values go to the cache rows of `slot` through kv_store, so no op but
- * kv_store is given an address that depends on the position (see step_begin). */
-static void attention(const fwd *F, const tl_block_weights *w, int slot, int n, int pos0,
-                      tl_act out) {
+/* ys[j] = W_j . in (accumulate: ys[j] += W_j . in; then n_w is 1 and y is n rows of
+ * d floats). The backend's fused form when it offers one, else norm or gated
+ * activation into scratch, the matmul, and the residual add from `tmp`. */
+static void matmul_in(const fwd *F, const tl_tensor *const *ws, int n_w, const tl_matmul_in *in,
+                      int n, const tl_act *ys, const size_t *ldys, int accumulate) {
+    if (F->ops->matmul_in && F->ops->matmul_in(F->ex, ws, n_w, in, n, ys, ldys, accumulate)) return;
+    tl_act x = in->x;
+    size_t ldx = in->ldx;
+    if (in->kind == TL_MATMUL_IN_NORM) {
+        x = buf0(F->ctx->xn);
+        ldx = (size_t)F->d;
+        F->ops->norm(F->ex, in->norm, in->norm_params, in->x, n, F->d, x);
+    } else if (in->kind == TL_MATMUL_IN_GATED) {
+        F->ops->gated_act(F->ex, in->x, in->up, (size_t)n * F->f, in->act);
+    }
+    if (!accumulate) {
+        F->ops->matmul_multi(F->ex, ws, n_w, x, ldx, n, ys, ldys);
+        return;
+    }
+    tl_act tmp = buf0(F->ctx->tmp);
+    F->ops->matmul(F->ex, ws[0], x, ldx, n, tmp, F->d);
+    F->ops->add(F->ex, ys[0], tmp, (size_t)n * F->d);
+}
+
+static tl_matmul_in normed(const fwd *F, const tl_norm_weights *w, tl_act x) {
+    tl_matmul_in in = { .kind = TL_MATMUL_IN_NORM, .x = x, .ldx = (size_t)F->d, .norm = w,
+                        .norm_params = &F->norm };
+    return in;
+}
+
+/* out (+)= Wo . attention(RoPE(Wq N1 x), RoPE(Wk N1 x), Wv N1 x) for n rows at pos0;
+ * the new keys and values go to the cache rows of `slot` through kv_store, so no op
+ * but kv_store is given an address that depends on the position (see step_begin). */
+static void attention(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0,
+                      tl_act out, int accumulate) {
     const tl_kv_cache *kv = &F->ctx->kv;
-    tl_act xn = buf0(F->ctx->xn), q = buf0(F->ctx->q), att = buf0(F->ctx->att);
+    tl_act q = buf0(F->ctx->q), att = buf0(F->ctx->att);
     tl_act k_new = buf0(F->ctx->kv_new);
     tl_act v_new = tl_act_add(k_new, (size_t)F->ctx->chunk_rows * F->kvd);
+    tl_act k_cache = tl_kv_keys(kv, slot), v_cache = tl_kv_values(kv, slot);
 
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
     tl_act ys[3] = { q, k_new, v_new };
     size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
-    F->ops->matmul_multi(F->ex, ws, 3, xn, F->d, n, ys, lds);
+    tl_matmul_in in = normed(F, &w->attn_norm, x);
+    matmul_in(F, ws, 3, &in, n, ys, lds, 0);
     if (F->hp->qkv_bias) {
         F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
         F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
         F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
     }
-    F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
-    F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
-    F->ops->kv_store(F->ex, tl_kv_keys(kv, slot), tl_kv_values(kv, slot), k_new, v_new, n, pos0,
-                     F->kvd);
-    F->ops->attention(F->ex, q, n, pos0, tl_kv_keys(kv, slot), tl_kv_values(kv, slot),
-                      &F->geom, att);
-    F->ops->matmul(F->ex, &w->wo, att, F->qd, n, out, F->d);
+    if (!(F->ops->rope_store &&
+          F->ops->rope_store(F->ex, q, k_new, v_new, n, pos0, &F->rope, &F->geom, k_cache, v_cache))) {
+        F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
+        F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
+        F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+    }
+    F->ops->attention(F->ex, q, n, pos0, k_cache, v_cache, &F->geom, att);
+    const tl_tensor *wo = &w->wo;
+    tl_matmul_in o_in = { .kind = TL_MATMUL_IN_ROWS, .x = att, .ldx = (size_t)F->qd };
+    size_t ld_out = (size_t)F->d;
+    matmul_in(F, &wo, 1, &o_in, n, &out, &ld_out, accumulate);
 }
 
-/* out = W_down (act(W_gate xn) * W_up xn) */
-static void mlp(const fwd *F, const tl_block_weights *w, int n, tl_act out) {
-    tl_act xn = buf0(F->ctx->xn), gate = buf0(F->ctx->gate), up = buf0(F->ctx->up);
+/* out (+)= W_down (act(W_gate N x) * W_up N x), N the block's mlp_norm */
+static void mlp(const fwd *F, const tl_block_weights *w, tl_act x, int n, tl_act out, int accumulate) {
+    tl_act gate = buf0(F->ctx->gate), up = buf0(F->ctx->up);
     const tl_tensor *ws[2] = { &w->w_gate, &w->w_up };
     tl_act ys[2] = { gate, up };
     size_t lds[2] = { (size_t)F->f, (size_t)F->f };
-    F->ops->matmul_multi(F->ex, ws, 2, xn, F->d, n, ys, lds);
-    F->ops->gated_act(F->ex, gate, up, (size_t)n * F->f, F->hp->activation);
-    F->ops->matmul(F->ex, &w->w_down, gate, F->f, n, out, F->d);
+    tl_matmul_in in = normed(F, &w->mlp_norm, x);
+    matmul_in(F, ws, 2, &in, n, ys, lds, 0);
+    const tl_tensor *wd = &w->w_down;
+    tl_matmul_in down_in = { .kind = TL_MATMUL_IN_GATED, .x = gate, .ldx = (size_t)F->f, .up = up,
+                             .ld_up = (size_t)F->f, .act = F->hp->activation };
+    size_t ld_out = (size_t)F->d;
+    matmul_in(F, &wd, 1, &down_in, n, &out, &ld_out, accumulate);
 }
 
 /* One block on rows x[0..n). The three placements share their shape:
  *   pre:             x += A(N1 x);        x += M(mlp_norm x)
  *   sandwich_outer:  x = N2(x + A(N1 x)); x = N4(x + M(N3 x))
  *   sandwich_branch: x += N2(A(N1 x));    x += N4(M(N3 x))
- * (N2 of pre and N3 of the sandwiches are both the tensor mlp_norm). */
+ * (N2 of pre and N3 of the sandwiches are both the tensor mlp_norm). With `pre` the
+ * branches accumulate into x directly. */
 static void block(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0) {
     tl_norm_placement place = F->hp->norm_placement;
-    tl_act xn = buf0(F->ctx->xn), tmp = buf0(F->ctx->tmp);
+    tl_act tmp = buf0(F->ctx->tmp);
     size_t count = (size_t)n * F->d;
 
-    F->ops->norm(F->ex, &w->attn_norm, &F->norm, x, n, F->d, xn);
-    attention(F, w, slot, n, pos0, tmp);
+    if (place == TL_NORM_PRE) {
+        attention(F, w, slot, x, n, pos0, x, 1);
+        mlp(F, w, x, n, x, 1);
+        return;
+    }
+    attention(F, w, slot, x, n, pos0, tmp, 0);
     if (place == TL_NORM_SANDWICH_BRANCH) F->ops->norm(F->ex, &w->attn_post_norm, &F->norm, tmp, n, F->d, tmp);
     F->ops->add(F->ex, x, tmp, count);
     if (place == TL_NORM_SANDWICH_OUTER) F->ops->norm(F->ex, &w->attn_post_norm, &F->norm, x, n, F->d, x);
 
-    F->ops->norm(F->ex, &w->mlp_norm, &F->norm, x, n, F->d, xn);
-    mlp(F, w, n, tmp);
+    mlp(F, w, x, n, tmp, 0);
     if (place == TL_NORM_SANDWICH_BRANCH) F->ops->norm(F->ex, &w->mlp_post_norm, &F->norm, tmp, n, F->d, tmp);
     F->ops->add(F->ex, x, tmp, count);
     if (place == TL_NORM_SANDWICH_OUTER) F->ops->norm(F->ex, &w->mlp_post_norm, &F->norm, x, n, F->d, x);
@@ -166,11 +210,14 @@ static void outputs(const fwd *F, int n, const tl_forward_out *out) {
     int V = F->hp->vocab;
 
     if (out->last_logits || out->last_token) {
-        F->ops->norm(F->ex, &m->final_norm, &F->norm, tl_act_add(h, (size_t)(n - 1) * F->d), 1,
-                     F->d, xn);
-        F->ops->matmul(F->ex, &m->output, xn, F->d, 1, logits, V);
+        const tl_tensor *head = &m->output;
+        tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
+        size_t ld_logits = (size_t)V;
+        matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
         if (out->last_logits) F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
-        if (out->last_token) *out->last_token = F->ops->argmax(F->ex, logits, V);
+        if (out->last_token)
+            *out->last_token = out->sample ? F->ops->sample(F->ex, logits, V, out->sample)
+                                           : F->ops->argmax(F->ex, logits, V);
     }
     int n_score = (int)(out->n_targets < (size_t)n ? out->n_targets : (size_t)n);
     if (n_score <= 0) return;

@@ -15,6 +15,7 @@ struct tl_context;
 typedef struct tl_forward_out {
     float *last_logits;        /* host, vocab floats: logits of the last row; or NULL */
     int32_t *last_token;       /* host: argmax of the last row's logits; or NULL     */
+    const struct tl_sample_step *sample;  /* last_token: this step's sample instead  */
     const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
     float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
     size_t n_targets;

@@ -73,13 +73,22 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
     return TL_OK;
 }
 
-/* What a forward pass must produce for the next token: its argmax alone when sampling
- * is greedy without a penalty (the same token tl_sampler_sample picks, found by the
- * backend so the logits stay where they are), else the logits. */
-static tl_forward_out next_token_out(struct tl_stream *g) {
+/* What a forward pass over `tokens` must produce for the next token. The backend picks
+ * it where it can, so that the logits stay where they are: its argmax when sampling is
+ * greedy without a penalty, else its sample op on a step prepared here (the history
+ * is the sequence including `tokens`). Both give the token tl_sampler_sample would.
+ * A backend without a sample op hands back the logits instead. */
+static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens, size_t n) {
     tl_forward_out out = { 0 };
-    if (g->greedy) out.last_token = &g->next;
-    else out.last_logits = g->logits;
+    if (g->greedy) {
+        out.last_token = &g->next;
+    } else if (g->backend_samples) {
+        tl_sampler_begin_step(&g->sampler, g->ctx->tokens, g->ctx->n_tokens, tokens, n, &g->step);
+        out.last_token = &g->next;
+        out.sample = &g->step;
+    } else {
+        out.last_logits = g->logits;
+    }
     return out;
 }
 
@@ -102,6 +111,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     }
     g->depth = depth;
     g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f;
+    g->backend_samples = !g->greedy && ctx->be->ops->sample != NULL;
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -115,7 +125,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     }
 
     double t0 = now_seconds();
-    tl_forward_out out = next_token_out(g);
+    tl_forward_out out = next_token_out(g, prompt, n_prompt);
     st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
     g->prefill_seconds = now_seconds() - t0;
     if (st != TL_OK) {
@@ -156,8 +166,9 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     }
     double t0 = now_seconds();
     if (g->has_pending) {
-        tl_forward_out out = next_token_out(g);
-        tl_status st = tl_context_eval(g->ctx, &g->generated[g->n_generated - 1], 1, g->depth, &out);
+        const int32_t *pending = &g->generated[g->n_generated - 1];
+        tl_forward_out out = next_token_out(g, pending, 1);
+        tl_status st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
         if (st != TL_OK) {
             finish(g, TL_STOP_NONE);
             g->decode_seconds += now_seconds() - t0;
@@ -166,8 +177,9 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
         }
         g->has_pending = 0;
     }
-    int32_t t = g->greedy ? g->next
-                          : tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+    int32_t t = g->greedy || g->backend_samples
+                    ? g->next
+                    : tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
     g->decode_seconds += now_seconds() - t0;
     if (t == g->eos) {
         finish(g, TL_STOP_EOS);

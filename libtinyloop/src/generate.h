@@ -15,9 +15,11 @@ struct tl_stream {
     struct tl_context *ctx;
     struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
     tl_sampler sampler;
-    float *logits;                 /* vocab floats: logits of the next position */
+    float *logits;                 /* vocab floats: logits of the next position (host sampling) */
     int greedy;                    /* plain argmax: the backend picks the token, no logits */
-    int32_t next;                  /* greedy: the token of the next position */
+    int backend_samples;           /* the backend's sample op picks the token, no logits */
+    tl_sample_step step;           /* backend_samples: the step being evaluated */
+    int32_t next;                  /* greedy / backend_samples: the token of the next position */
     int32_t depth;                 /* the sequence's resolved depth */
     int32_t eos;                   /* -1 = none */
     int32_t *stop_tokens;          /* copies of the stop sequences */

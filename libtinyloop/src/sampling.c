@@ -1,6 +1,10 @@
-/* sampling.c — token selection for generation (order documented in sampling.h and
- * docs/api.md). Candidates are ordered by value, then by token id, so every step is
- * a total order and a seed reproduces its tokens exactly. */
+/* sampling.c — token selection for generation, as docs/sampling.md defines it: the
+ * host's generator and penalty bookkeeping, and the host's implementation of a step
+ * (tl_sample_row), which every backend's sample op must match token for token.
+ *
+ * Candidates are ordered by their rank key (sample_math.h), a total order, and carry
+ * integer weights, so the top-k and top-p sets, the total and the draw are exact:
+ * the same seed and logits give the same token whatever the order of summation. */
 #include "sampling.h"
 
 #include <math.h>
@@ -8,11 +12,6 @@
 #include <string.h>
 
 #include "error.h"
-
-typedef struct tl_candidate {
-    float v;      /* logit, then unnormalised probability */
-    int32_t id;
-} tl_candidate;
 
 /* ---- seeded generator (xoshiro256**, seeded through splitmix64) ---------------- */
 
@@ -37,9 +36,6 @@ static uint64_t rng_next(uint64_t s[4]) {
     return result;
 }
 
-/* uniform in [0, 1) */
-static double rng_uniform(uint64_t s[4]) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
-
 /* ---- setup ------------------------------------------------------------------------ */
 
 tl_status tl_sampler_init(tl_sampler *s, const tl_generate_options *o, int vocab) {
@@ -62,6 +58,9 @@ tl_status tl_sampler_init(tl_sampler *s, const tl_generate_options *o, int vocab
     if (o->repetition_window < 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "repetition_window %d is negative (0 = all)",
                        o->repetition_window);
+    if (vocab < 1 || vocab > TL_SAMPLE_MAX_VOCAB)
+        return tl_fail(TL_ERR_UNSUPPORTED, "sampling supports vocabularies of 1 to %d tokens, not %d",
+                       TL_SAMPLE_MAX_VOCAB, vocab);
 
     s->vocab = vocab;
     s->temperature = o->temperature;
@@ -73,44 +72,69 @@ tl_status tl_sampler_init(tl_sampler *s, const tl_generate_options *o, int vocab
     uint64_t x = o->seed;
     for (int i = 0; i < 4; i++) s->rng[i] = splitmix_next(&x);
 
-    if (s->temperature > 0.0f) s->cand = malloc((size_t)vocab * sizeof *s->cand);
-    if (s->repetition_penalty != 1.0f) s->seen = calloc((size_t)vocab, sizeof *s->seen);
-    if ((s->temperature > 0.0f && !s->cand) || (s->repetition_penalty != 1.0f && !s->seen)) {
+    int penalty = s->repetition_penalty != 1.0f, sampled = s->temperature > 0.0f;
+    if (penalty) {
+        s->seen = calloc((size_t)vocab, sizeof *s->seen);
+        s->penalized = malloc((size_t)vocab * sizeof *s->penalized);
+    }
+    if (sampled) s->cand = malloc((size_t)vocab * sizeof *s->cand);
+    if ((penalty && (!s->seen || !s->penalized)) || (sampled && !s->cand)) {
         tl_sampler_free(s);
-        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate sampling scratch for %d tokens",
-                       vocab);
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate sampling scratch for %d tokens", vocab);
     }
     return TL_OK;
 }
 
 void tl_sampler_free(tl_sampler *s) {
-    free(s->cand);
     free(s->seen);
-    s->cand = NULL;
+    free(s->penalized);
+    free(s->cand);
     s->seen = NULL;
+    s->penalized = NULL;
+    s->cand = NULL;
 }
 
-/* ---- steps ----------------------------------------------------------------------- */
+/* ---- preparing a step ----------------------------------------------------------- */
 
-/* Each distinct token of the window once: positive logits divided, negative multiplied. */
-static void apply_repetition_penalty(tl_sampler *s, float *logits, const int32_t *hist,
-                                     size_t n) {
-    if (s->repetition_penalty == 1.0f || n == 0) return;
+/* The distinct tokens of the window over past followed by next, into s->penalized. */
+static int32_t collect_penalized(tl_sampler *s, const int32_t *past, size_t n_past,
+                                 const int32_t *next, size_t n_next) {
+    size_t n = n_past + n_next;
+    if (s->repetition_penalty == 1.0f || n == 0) return 0;
     size_t start = s->repetition_window > 0 && n > (size_t)s->repetition_window
                        ? n - (size_t)s->repetition_window : 0;
     if (++s->stamp == 0) {   /* stamps wrapped: forget old marks */
         memset(s->seen, 0, (size_t)s->vocab * sizeof *s->seen);
         s->stamp = 1;
     }
-    float pen = s->repetition_penalty;
+    int32_t count = 0;
     for (size_t i = start; i < n; i++) {
-        int32_t t = hist[i];
+        int32_t t = i < n_past ? past[i] : next[i - n_past];
         if (t < 0 || t >= s->vocab || s->seen[t] == s->stamp) continue;
         s->seen[t] = s->stamp;
-        logits[t] = logits[t] > 0.0f ? logits[t] / pen : logits[t] * pen;
+        s->penalized[count++] = t;
     }
+    return count;
 }
 
+void tl_sampler_begin_step(tl_sampler *s, const int32_t *past, size_t n_past, const int32_t *next,
+                           size_t n_next, tl_sample_step *step) {
+    memset(step, 0, sizeof *step);
+    step->temperature = s->temperature;
+    step->inv_temperature = s->temperature > 0.0f ? 1.0f / s->temperature : 0.0f;
+    step->top_k = s->top_k;
+    step->top_p = s->top_p;
+    step->min_p = s->min_p;
+    step->repetition_penalty = s->repetition_penalty;
+    step->penalized = s->penalized;
+    step->n_penalized = collect_penalized(s, past, n_past, next, n_next);
+    if (s->temperature > 0.0f) step->random = rng_next(s->rng);
+    step->host_scratch = s->cand;
+}
+
+/* ---- a step on host memory ----------------------------------------------------- */
+
+/* The first index of the largest value; a NaN never wins, except at index 0. */
 static int32_t argmax(const float *x, int n) {
     int32_t best = 0;
     for (int i = 1; i < n; i++)
@@ -118,97 +142,132 @@ static int32_t argmax(const float *x, int n) {
     return best;
 }
 
-/* a ranks before b: larger value first, then smaller id */
-static int ranks_before(const tl_candidate *a, const tl_candidate *b) {
-    return a->v > b->v || (a->v == b->v && a->id < b->id);
-}
-
-static int cmp_rank(const void *pa, const void *pb) {
-    const tl_candidate *a = pa, *b = pb;
-    if (ranks_before(a, b)) return -1;
-    if (ranks_before(b, a)) return 1;
-    return 0;
-}
-
-/* Min-heap on rank (root = the worst kept candidate). */
-static void heap_sift_down(tl_candidate *h, int n, int i) {
+/* Min-heap of keys (the root is the smallest kept). */
+static void heap_sift_down(tl_sample_candidate *h, int n, int i) {
     for (;;) {
-        int worst = i, l = 2 * i + 1, r = l + 1;
-        if (l < n && ranks_before(&h[worst], &h[l])) worst = l;
-        if (r < n && ranks_before(&h[worst], &h[r])) worst = r;
-        if (worst == i) return;
-        tl_candidate t = h[i];
-        h[i] = h[worst];
-        h[worst] = t;
-        i = worst;
+        int least = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && h[l].key < h[least].key) least = l;
+        if (r < n && h[r].key < h[least].key) least = r;
+        if (least == i) return;
+        tl_sample_candidate t = h[i];
+        h[i] = h[least];
+        h[least] = t;
+        i = least;
     }
 }
 
-/* The k best logits into cand[0..k), sorted best first. */
-static int select_top_k(tl_candidate *cand, const float *logits, int vocab, int k) {
-    for (int i = 0; i < k; i++) cand[i] = (tl_candidate){ logits[i], i };
+/* The k largest rank keys of the row into cand[0..k) (k < vocab). */
+static void select_top_k(tl_sample_candidate *cand, const float *logits, int vocab, int k) {
+    for (int i = 0; i < k; i++) cand[i] = (tl_sample_candidate){ tl_sample_rank_key(logits[i], i), 0 };
     for (int i = k / 2 - 1; i >= 0; i--) heap_sift_down(cand, k, i);
+    float root_logit = logits[tl_sample_key_id(cand[0].key)];
     for (int i = k; i < vocab; i++) {
-        tl_candidate c = { logits[i], i };
-        if (ranks_before(&c, &cand[0])) {
-            cand[0] = c;
+        if (logits[i] < root_logit) continue;   /* ranks below the root (false with NaN) */
+        uint64_t key = tl_sample_rank_key(logits[i], i);
+        if (key > cand[0].key) {
+            cand[0].key = key;
             heap_sift_down(cand, k, 0);
+            root_logit = logits[tl_sample_key_id(cand[0].key)];
         }
     }
-    qsort(cand, (size_t)k, sizeof *cand, cmp_rank);
-    return k;
 }
 
-int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history,
-                          size_t n_history) {
-    apply_repetition_penalty(s, logits, history, n_history);
-    if (s->temperature <= 0.0f) return argmax(logits, s->vocab);
+static int by_id(const void *pa, const void *pb) {
+    int32_t a = tl_sample_key_id(((const tl_sample_candidate *)pa)->key);
+    int32_t b = tl_sample_key_id(((const tl_sample_candidate *)pb)->key);
+    return (a > b) - (a < b);
+}
 
-    /* top-k (0 = all tokens, unsorted) */
-    tl_candidate *cand = s->cand;
-    int n, sorted = 0;
-    if (s->top_k > 0 && s->top_k < s->vocab) {
-        n = select_top_k(cand, logits, s->vocab, s->top_k);
-        sorted = 1;
-    } else {
-        n = s->vocab;
-        for (int i = 0; i < n; i++) cand[i] = (tl_candidate){ logits[i], i };
-    }
-    float max = sorted ? cand[0].v : logits[argmax(logits, s->vocab)];
-
-    /* temperature, softmax weights relative to the best (best = 1), and min-p: keep
-     * tokens at least min_p times as likely as the best */
-    float inv_t = 1.0f / s->temperature;
-    int kept = 0;
-    for (int i = 0; i < n; i++) {
-        float w = expf((cand[i].v - max) * inv_t);
-        if (w >= s->min_p && w > 0.0f) cand[kept++] = (tl_candidate){ w, cand[i].id };
-    }
-    if (kept == 0) return argmax(logits, s->vocab);
-    n = kept;
-
-    /* top-p: the smallest best-first prefix holding top_p of the mass */
-    double total = 0.0;
-    for (int i = 0; i < n; i++) total += cand[i].v;
-    if (s->top_p < 1.0f) {
-        if (!sorted) qsort(cand, (size_t)n, sizeof *cand, cmp_rank);
-        double cum = 0.0, target = (double)s->top_p * total;
-        int keep = n;
+/* Walking the candidates from the largest key down, the key where the running sum of
+ * their weights first reaches need (1 <= need <= their total), found 8 key bits at a
+ * time from the top (radix select). Returns a key T such that the candidates of key
+ * >= T are exactly those walked, and their weight in *kept. */
+static uint64_t select_threshold(const tl_sample_candidate *cand, int n, uint64_t need,
+                                 uint64_t *kept) {
+    uint64_t prefix = 0, above = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        const uint64_t mask = shift == 56 ? 0 : ~0ull << (shift + 8);
+        uint64_t mass[256] = { 0 };
+        uint32_t count[256] = { 0 };
         for (int i = 0; i < n; i++) {
-            cum += cand[i].v;
-            if (cum >= target) {
-                keep = i + 1;
-                break;
-            }
+            if ((cand[i].key & mask) != prefix) continue;
+            int b = (int)(cand[i].key >> shift) & 255;
+            mass[b] += cand[i].weight;
+            count[b]++;
         }
-        n = keep;
-        total = cum;
+        for (int b = 255; b >= 0; b--) {
+            if (above + mass[b] < need) {
+                above += mass[b];
+                continue;
+            }
+            prefix |= (uint64_t)b << shift;
+            /* done once the walk ends at this bucket's last candidate */
+            if (count[b] == 1 || above + mass[b] == need || shift == 0) {
+                *kept = above + mass[b];
+                return prefix;
+            }
+            break;
+        }
+    }
+    *kept = above;   /* not reached when need <= the total */
+    return prefix;
+}
+
+int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step) {
+    for (int32_t i = 0; i < step->n_penalized; i++) {
+        int32_t t = step->penalized[i];
+        if (t >= 0 && t < vocab) logits[t] = tl_sample_penalize(logits[t], step->repetition_penalty);
+    }
+    int32_t best = argmax(logits, vocab);
+    tl_sample_candidate *cand = step->host_scratch;
+    if (!(step->temperature > 0.0f) || !cand) return best;   /* samplers always give scratch */
+
+    float max = logits[best];   /* the largest non-NaN logit: best's, unless index 0 is NaN */
+    if (isnan(max)) {
+        max = -INFINITY;
+        for (int i = 1; i < vocab; i++)
+            if (logits[i] > max) max = logits[i];
     }
 
-    double u = rng_uniform(s->rng) * total, acc = 0.0;
-    for (int i = 0; i < n; i++) {
-        acc += cand[i].v;
-        if (u < acc) return cand[i].id;
+    /* candidates in id order with their weights; min-p drops the light ones */
+    const uint64_t min_weight = tl_sample_min_weight(step->min_p);
+    uint64_t total = 0;
+    int n = 0;
+    if (step->top_k > 0 && step->top_k < vocab) {
+        select_top_k(cand, logits, vocab, step->top_k);
+        qsort(cand, (size_t)step->top_k, sizeof *cand, by_id);
+        for (int i = 0; i < step->top_k; i++) {
+            int32_t id = tl_sample_key_id(cand[i].key);
+            uint64_t w = tl_sample_weight(logits[id], max, step->inv_temperature);
+            if (w < min_weight) continue;
+            cand[n++] = (tl_sample_candidate){ cand[i].key, w };
+            total += w;
+        }
+    } else {
+        for (int i = 0; i < vocab; i++) {
+            uint64_t w = tl_sample_weight(logits[i], max, step->inv_temperature);
+            if (w < min_weight) continue;
+            cand[n++] = (tl_sample_candidate){ tl_sample_rank_key(logits[i], i), w };
+            total += w;
+        }
     }
-    return cand[n - 1].id;
+    if (total == 0) return best;   /* nothing has weight (infinities, NaN, tiny temperature) */
+    uint64_t lower = 0;   /* kept: candidates of key >= lower */
+    if (step->top_p < 1.0f)
+        lower = select_threshold(cand, n, tl_sample_top_p_need(total, step->top_p), &total);
+
+    /* the draw walks the kept candidates in id order */
+    uint64_t r = tl_sample_draw(step->random, total), acc = 0;
+    for (int i = 0; i < n; i++) {
+        if (cand[i].key < lower) continue;
+        acc += cand[i].weight;
+        if (r < acc) return tl_sample_key_id(cand[i].key);
+    }
+    return best;   /* not reached: r < total */
+}
+
+int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history, size_t n_history) {
+    tl_sample_step step;
+    tl_sampler_begin_step(s, history, n_history, NULL, 0, &step);
+    return tl_sample_row(logits, s->vocab, &step);
 }

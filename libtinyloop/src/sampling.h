@@ -1,6 +1,11 @@
 /* sampling.h — picking the next token from a row of logits: repetition penalty,
  * then greedy (temperature 0) or top-k -> temperature -> min-p -> top-p -> a draw
- * from a seeded generator. The same seed and inputs give the same tokens. */
+ * from a seeded generator (docs/sampling.md). The same seed and inputs give the same
+ * tokens, on the host and on every backend's sample op.
+ *
+ * A step is prepared on the host (tl_sampler_begin_step: the penalty's tokens and the
+ * step's random number), then applied to the logits where they are: tl_sample_row on
+ * host memory, or a backend's sample op (backend.h) on its own buffers. */
 #ifndef TL_SAMPLING_H
 #define TL_SAMPLING_H
 
@@ -8,23 +13,36 @@
 #include <stdint.h>
 
 #include "tinyloop/tinyloop.h"
+#include "sample_math.h"
 
 typedef struct tl_sampler {
     int vocab;
     float temperature, top_p, min_p, repetition_penalty;
     int top_k, repetition_window;
     uint64_t rng[4];           /* xoshiro256** state */
-    /* scratch sized once per generation */
-    struct tl_candidate *cand; /* candidate tokens with their logit, then weight */
+    /* scratch, sized once per generation */
     uint32_t *seen;            /* penalty bookkeeping: stamp per token */
     uint32_t stamp;
+    int32_t *penalized;        /* the distinct tokens of the current window */
+    tl_sample_candidate *cand; /* a step's candidates on the host (temperature > 0) */
 } tl_sampler;
 
 /* Check the sampling fields of opts (naming a bad one) and size the scratch. */
 tl_status tl_sampler_init(tl_sampler *s, const tl_generate_options *opts, int vocab);
 void tl_sampler_free(tl_sampler *s);
-/* The next token. logits (vocab floats) are modified in place; history is the
- * sequence so far (the repetition penalty looks at its last window tokens). */
+
+/* Prepare the next step for the sequence past[0..n_past) followed by
+ * next[0..n_next) (the repetition penalty looks at its last window tokens). Draws one
+ * number from the generator when temperature > 0. step->penalized points into s and
+ * stays valid until the next call. */
+void tl_sampler_begin_step(tl_sampler *s, const int32_t *past, size_t n_past, const int32_t *next,
+                           size_t n_next, tl_sample_step *step);
+
+/* The token of a prepared step from vocab logits in host memory (modified in place
+ * by the penalty), with the step's host_scratch. */
+int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step);
+
+/* Both at once: the next token after `history`. */
 int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history, size_t n_history);
 
 #endif

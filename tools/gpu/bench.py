@@ -48,6 +48,9 @@ def cmd_short_run(args):
         tokens = _tokens(40, model.info.vocab_size)
         scores = model.score(tokens)
         result = model.generate(tokens[:12], max_tokens=8, temperature=0.0, eos=False)
+        sampled = model.generate(tokens[:12], max_tokens=8, temperature=0.8, top_k=40, top_p=0.9, min_p=0.01,
+                                 repetition_penalty=1.2, seed=1, eos=False)
+        assert len(sampled.tokens) == 8
         with model.context() as ctx:
             ctx.append(tokens[:20])
             for t in tokens[20:24]:
@@ -90,15 +93,20 @@ def cmd_tinyloop(args):
             out.update(_weight_bytes_per_token(args.path, depth))
             vocab = model.info.vocab_size
             peak = 0
-            prefill = []
-            for r in range(REPEATS + 1):
-                with model.context() as ctx:
-                    t = time.monotonic()
-                    ctx.append(_tokens(PREFILL_TOKENS, vocab, r))
-                    if r:   # the first pass warms up
-                        prefill.append(time.monotonic() - t)
-                    peak = max(peak, model.memory_report()["device_bytes"])
-            out["prefill_512_ms"] = 1000 * min(prefill)
+
+            def prefill_ms():
+                nonlocal peak
+                times = []
+                for r in range(REPEATS + 1):
+                    with model.context() as ctx:
+                        t = time.monotonic()
+                        ctx.append(_tokens(PREFILL_TOKENS, vocab, r))
+                        if r:   # the first pass warms up
+                            times.append(time.monotonic() - t)
+                        peak = max(peak, model.memory_report()["device_bytes"])
+                return 1000 * min(times)
+
+            out["prefill_512_ms"] = prefill_ms()
             prompt = _tokens(PROMPT_TOKENS, vocab, 7)
             decode = []
             for r in range(2):
@@ -108,16 +116,28 @@ def cmd_tinyloop(args):
                     graph_tokens = list(res.tokens)
                 peak = max(peak, model.memory_report()["device_bytes"])
             out["decode_tok_s"] = max(decode)
-            # the same decode with every step launched eagerly (contexts read the switch
-            # when they are created): the gain of CUDA graphs, and a check that a
-            # replayed step computes what the eager one does
-            os.environ["TINYLOOP_CUDA_GRAPHS"] = "0"
+            # The same work with one feature switched off (contexts read the switches
+            # when they are created): what CUDA graphs, programmatic dependent launch,
+            # the integer-dot GEMV and the tensor-core GEMM each bring, and whether the
+            # decode tokens change (they may without the integer dot: other rounding).
+            for name, key in (("TINYLOOP_CUDA_GRAPHS", "eager"), ("TINYLOOP_CUDA_PDL", "no_pdl"),
+                              ("TINYLOOP_CUDA_DP4A", "no_dp4a")):
+                os.environ[name] = "0"
+                try:
+                    res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False)
+                finally:
+                    del os.environ[name]
+                out[f"decode_tok_s_{key}"] = res.decode_tokens_per_s
+                out[f"tokens_match_{key}"] = list(res.tokens) == graph_tokens
+            out["graph_tokens_match_eager"] = out["tokens_match_eager"]
+            res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.8, top_k=40, top_p=0.95,
+                                 repetition_penalty=1.1, seed=3, eos=False)
+            out["decode_tok_s_sampled"] = res.decode_tokens_per_s
+            os.environ["TINYLOOP_CUDA_TC"] = "0"
             try:
-                res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False)
+                out["prefill_512_ms_no_tc"] = prefill_ms()
             finally:
-                del os.environ["TINYLOOP_CUDA_GRAPHS"]
-            out["decode_tok_s_eager"] = res.decode_tokens_per_s
-            out["graph_tokens_match_eager"] = list(res.tokens) == graph_tokens
+                del os.environ["TINYLOOP_CUDA_TC"]
             out["peak_device_bytes"] = peak
             out["memory_report"] = model.memory_report()
     except Exception as e:   # recorded, not raised: the report shows it

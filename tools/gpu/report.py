@@ -96,13 +96,18 @@ def main():
     def num(v, fmt="{:.1f}"):
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
-    lines += ["", "| loop-1b | decode tok/s | without graphs | prefill 512 ms | peak device GiB | "
-              "floor tok/s (L=8 / core in L2) | of floor |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| loop-1b | decode tok/s | sampled | without graphs | without PDL | without dp4a | prefill 512 ms | "
+              "without tensor cores | peak device GiB | floor tok/s (L=8 / core in L2) | of floor |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def variant(b, key):
+        same = b.get(f"tokens_match_{key}", b.get("graph_tokens_match_eager") if key == "eager" else None)
+        return num(b.get(f"decode_tok_s_{key}")) + ("" if same in (None, True) else " (tokens differ!)")
+
     for tag, b in benches.items():
-        same = b.get("graph_tokens_match_eager")
-        eager = num(b.get("decode_tok_s_eager")) + ("" if same in (None, True) else " (tokens differ!)")
-        lines.append(f"| tinyloop {tag} | {num(b.get('decode_tok_s'))} | {eager} | {num(b.get('prefill_512_ms'))} | "
+        lines.append(f"| tinyloop {tag} | {num(b.get('decode_tok_s'))} | {num(b.get('decode_tok_s_sampled'))} | "
+                     f"{variant(b, 'eager')} | "
+                     f"{variant(b, 'no_pdl')} | {variant(b, 'no_dp4a')} | {num(b.get('prefill_512_ms'))} | {num(b.get('prefill_512_ms_no_tc'))} | "
                      f"{num(b.get('peak_device_bytes', 0) / GIB if b.get('peak_device_bytes') else None, '{:.2f}')} | "
                      f"{num(b.get('floor_tok_s'), '{:.0f}')} / {num(b.get('floor_tok_s_core_in_l2'), '{:.0f}')} | "
                      f"{num(b.get('fraction_of_floor'), '{:.1%}')} |"
@@ -110,8 +115,8 @@ def main():
     if peer:
         peak = peer.get("peak_device_bytes")
         for mode in ("eager", "static_cache"):
-            lines.append(f"| HF bf16 {mode} | {num(peer.get(f'decode_tok_s_{mode}'))} | "
-                         f"| {num(peer.get('prefill_512_ms'))} | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
+            lines.append(f"| HF bf16 {mode} | {num(peer.get(f'decode_tok_s_{mode}'))} | | | | "
+                         f"| {num(peer.get('prefill_512_ms'))} | | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
                          + (f" error: {peer[f'error_{mode}'][:120]}" if peer.get(f"error_{mode}") else ""))
         if bandwidth:
             lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "

@@ -77,7 +77,7 @@ typedef struct tl_load_options {
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
     int32_t n_threads;         /* CPU worker threads; 0 = number of cores            */
     int32_t max_seq_len;       /* context length of contexts; 0 = model's max        */
-    int32_t prefill_chunk;     /* tokens per prefill chunk; 0 = 256                  */
+    int32_t prefill_chunk;     /* tokens per prefill chunk; 0 = 256 (CPU), 512 (GPU) */
     int32_t verify_checksums;  /* 1 = check every tensor's CRC-32 at load            */
     int32_t default_depth;     /* loop depth when a call passes 0; 0 = model default */
 } tl_load_options;

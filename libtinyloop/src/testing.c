@@ -1,0 +1,49 @@
+/* testing.c — entry points for the test suite (testing.h). */
+#include "testing.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "context.h"
+#include "error.h"
+#include "sampling.h"
+
+tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n_rows,
+                                 int32_t vocab, const tl_generate_options *opts,
+                                 const int32_t *history, size_t n_history,
+                                 uint32_t first_step, int32_t use_op, int32_t *tokens) {
+    if (!ctx || !opts || (n_rows > 0 && (!logits || !tokens)) || n_rows < 0 || vocab < 1 ||
+        (n_history > 0 && !history))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_testing_sample_rows: bad arguments");
+    const tl_backend_ops *ops = ctx->be->ops;
+    if (use_op && !ops->sample)
+        return tl_fail(TL_ERR_UNSUPPORTED, "backend %s offers no sample op", ctx->be->name);
+    tl_sampler s;
+    tl_status st = tl_sampler_init(&s, opts, vocab);
+    if (st != TL_OK) return st;
+    float *row = malloc((size_t)vocab * sizeof *row);
+    tl_buf *buf = NULL;
+    if (!row) st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", vocab);
+    if (st == TL_OK && use_op) st = ops->buf_alloc(ctx->be, (size_t)vocab, &buf);
+
+    tl_sample_step step;
+    for (uint32_t k = 0; st == TL_OK && k < first_step; k++)   /* the earlier steps' draws */
+        tl_sampler_begin_step(&s, NULL, 0, NULL, 0, &step);
+    for (int32_t i = 0; st == TL_OK && i < n_rows; i++) {
+        const float *src = logits + (size_t)i * (size_t)vocab;
+        if (use_op) {
+            tl_sampler_begin_step(&s, history, n_history, NULL, 0, &step);
+            ops->upload(ctx->ex, tl_act_at(buf, 0), src, (size_t)vocab);
+            tokens[i] = ops->sample(ctx->ex, tl_act_at(buf, 0), vocab, &step);
+            st = ops->status(ctx->ex);
+        } else {
+            memcpy(row, src, (size_t)vocab * sizeof *row);
+            tokens[i] = tl_sampler_sample(&s, row, history, n_history);
+        }
+    }
+    if (buf) ops->buf_free(buf);
+    free(row);
+    tl_sampler_free(&s);
+    return st;
+}

@@ -1,0 +1,22 @@
+/* testing.h — entry points for the test suite only, exported from the library but not
+ * part of the public API (tinyloop.h): tests declare them in their own cffi cdef. */
+#ifndef TL_TESTING_H
+#define TL_TESTING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tinyloop/tinyloop.h"
+
+/* The tokens generation on ctx's backend would pick from n_rows rows of `vocab`
+ * logits, row i as the (first_step + i)-th sampled step of a generation with the
+ * sampling fields of opts (seed included), after the sequence history[0..n_history).
+ * use_op 1: through the backend's sample op, on the row uploaded to a backend buffer;
+ * 0: on the host (tl_sampler_sample on a copy), as a backend without the op does.
+ * Vocab need not be the model's. */
+TL_API tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n_rows,
+                                        int32_t vocab, const tl_generate_options *opts,
+                                        const int32_t *history, size_t n_history,
+                                        uint32_t first_step, int32_t use_op, int32_t *tokens);
+
+#endif

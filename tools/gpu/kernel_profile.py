@@ -1,0 +1,94 @@
+"""Per-kernel GPU time of a decode run and of a prefill, for tools/gpu_check.
+
+  kernel_profile.py run PATH --what decode|prefill --device D   the workload to trace
+  kernel_profile.py summarize CSV --what W --tokens N            table from a profiler's CSV
+
+`run` decodes 64 greedy tokens after a 128-token prompt (or appends 512 tokens once,
+after a warm-up). `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
+gpu__time_duration CSV and prints, per kernel, the launches and GPU time per decoded
+token (or per prefill), so the step's time can be split between GEMVs, attention and
+the small kernels.
+"""
+
+import argparse
+import collections
+import csv
+import re
+import sys
+
+import numpy as np
+
+DECODE_TOKENS = 64
+
+
+def cmd_run(args):
+    import tinyloop
+    with tinyloop.Model(args.path, device=args.device) as model:
+        vocab = model.info.vocab_size
+        rng = np.random.default_rng(0)
+        if args.what == "decode":
+            prompt = rng.integers(0, vocab, 128).astype(np.int32)
+            model.generate(prompt[:16], max_tokens=4, temperature=0.0, eos=False)   # warm-up
+            res = model.generate(prompt, max_tokens=DECODE_TOKENS, temperature=0.0, eos=False)
+            print(f"decode {res.decode_tokens_per_s:.1f} tok/s")
+        else:
+            for _ in range(2):   # the first pass warms up
+                with model.context() as ctx:
+                    ctx.append(rng.integers(0, vocab, 512).astype(np.int32))
+
+
+def _short(name):
+    name = name.replace("(anonymous namespace)::", "").replace("(int)", "")
+    name = re.sub(r"^void ", "", name)
+    return re.sub(r"\(.*", "", name)[:70]                # drop the argument list
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.count(",") >= 2]
+    return list(csv.DictReader(lines))
+
+
+def cmd_summarize(args):
+    rows = _rows(args.csv)
+    per = collections.defaultdict(lambda: [0, 0.0])   # name -> [launches, ns]
+    if rows and "Total Time (ns)" in rows[0]:           # nsys cuda_gpu_kern_sum
+        for r in rows:
+            per[_short(r["Name"])][0] += int(r["Instances"])
+            per[_short(r["Name"])][1] += float(r["Total Time (ns)"])
+    else:                                               # ncu --csv, one row per metric
+        for r in rows:
+            if r.get("Metric Name") != "gpu__time_duration.sum":
+                continue
+            value = float(r["Metric Value"].replace(",", ""))
+            scale = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}.get(r.get("Metric Unit"), 1)
+            per[_short(r["Kernel Name"])][0] += 1
+            per[_short(r["Kernel Name"])][1] += value * scale
+    total = sum(ns for _, ns in per.values())
+    unit = args.tokens
+    print(f"## {args.what}: GPU time per {'token' if args.what == 'decode' else 'prefill'} "
+          f"{total / unit / 1e3:.1f} us over {sum(n for n, _ in per.values()) / unit:.0f} launches "
+          f"(whole traced run / {unit})\n")
+    print("| kernel | launches | us | share | mean us |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (n, ns) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"| {name} | {n / unit:.1f} | {ns / unit / 1e3:.1f} | {ns / total:.1%} | {ns / max(n, 1) / 1e3:.2f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("path")
+    r.add_argument("--what", choices=("decode", "prefill"), required=True)
+    r.add_argument("--device", default="cuda")
+    s = sub.add_parser("summarize")
+    s.add_argument("csv")
+    s.add_argument("--what", choices=("decode", "prefill"), required=True)
+    s.add_argument("--tokens", type=float, default=1.0)
+    args = p.parse_args(argv)
+    return {"run": cmd_run, "summarize": cmd_summarize}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
