@@ -57,9 +57,13 @@ def _note(message: str) -> None:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """A model file path, or the cached file of a name `tinyloop pull` fetched."""
+    """A model file path, the package's model by its name, or the cached file of a name
+    `tinyloop pull` fetched."""
     if Path(name_or_path).exists():
         return name_or_path
+    from .default_model import DEFAULT_MODEL_NAME, packaged_model_path
+    if name_or_path == DEFAULT_MODEL_NAME:
+        return str(packaged_model_path())
     from .convert.pull import resolve_model_name
     return str(resolve_model_name(name_or_path))
 
@@ -70,14 +74,21 @@ def _load_config(args):
 
 
 def _open_model(args, config=None):
-    """Load MODEL with the config's [model] settings, overridden by command-line flags."""
+    """Load the model with the config's [model] settings, overridden by command-line flags.
+
+    The model is MODEL (or -m), else the config's [model] path, else the default model;
+    `args.default_model` is set to the DefaultModel used, or None."""
     from .model import Model
     config = config if config is not None else _load_config(args)
     options = config.load_options()
     path = args.model or options.get("path")
-    if not path:
-        raise CommandError("no model given: pass MODEL or set [model] path in --config")
-    options["path"] = resolve_model(path)
+    args.default_model = None
+    if path:
+        options["path"] = resolve_model(path)
+    else:
+        from .default_model import resolve_default_model
+        args.default_model = resolve_default_model()
+        options["path"] = str(args.default_model.path)
     for flag, key in (("threads", "threads"), ("device", "device")):
         if getattr(args, flag, None) is not None:
             options[key] = getattr(args, flag)
@@ -128,8 +139,9 @@ def cmd_generate(args) -> dict:
         sys.stdout.write(decoder.flush() + "\n")
         sys.stdout.flush()
         elapsed = time.perf_counter() - started
-        payload = {"text": tokenizer.decode(generated), "tokens": generated,
-                   "n_tokens": len(generated), "prompt_tokens": len(prompt_ids),
+        payload = {"model": model.path, "text": tokenizer.decode(generated),
+                   "tokens": generated, "n_tokens": len(generated),
+                   "prompt_tokens": len(prompt_ids),
                    "depth": depth, "mode": mode.name if mode else None,
                    "seconds": elapsed}
         if stream is not None and stream.result is not None:
@@ -161,8 +173,10 @@ def cmd_score(args) -> dict:
         finally:
             progress.finish()
         elapsed = time.perf_counter() - started
+        model_path = model.path
     perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
-    payload = {"perplexity": perplexity, "tokens": len(ids), "scored_tokens": len(logprobs),
+    payload = {"model": model_path, "perplexity": perplexity, "tokens": len(ids),
+               "scored_tokens": len(logprobs),
                "tokens_per_s": len(ids) / elapsed if elapsed > 0 else 0.0,
                "ctx": ctx, "depth": args.depth, "seconds": elapsed}
     if not args.json:
@@ -196,6 +210,7 @@ def cmd_bench(args) -> dict:
         finally:
             progress.finish()
         payload = {
+            "model": model.path,
             "prefill_tokens_per_s": statistics.median(prefill),
             "decode_tokens_per_s": statistics.median(decode),
             "peak_rss_mb": _peak_rss_mb(),
@@ -230,6 +245,20 @@ def _tensor_summary(path: str) -> tuple[dict, int]:
     return dtypes, parameters
 
 
+def _print_card(payload: dict) -> None:
+    """The lines `tinyloop info` adds for the default model: where it came from, its card."""
+    origin = ("shipped in the package" if payload["default_model"] == "package"
+              else f"from ${payload['default_model']}")
+    print(f"default:      yes ({origin})")
+    if payload["card"] is None:
+        card_name = Path(payload["path"]).with_suffix(".md").name
+        print(f"card:         none (no {card_name} next to the model)")
+        return
+    print(f"card:         {payload['card_path']}")
+    print()
+    print(payload["card"].rstrip("\n"))
+
+
 def cmd_info(args) -> dict:
     with _open_model(args) as model:
         info = model.info
@@ -244,6 +273,12 @@ def cmd_info(args) -> dict:
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory}
+    default = args.default_model
+    if default is not None:
+        # no model named: show which model that is, and its card
+        payload.update(default_model=default.source,
+                       card_path=str(default.card_path) if default.card_path else None,
+                       card=default.card())
     if not args.json:
         mib = 2**20
         print(f"model:        {info.path}")
@@ -260,6 +295,8 @@ def cmd_info(args) -> dict:
         print(f"device:       {info.device_name}, {info.n_threads} threads")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
                                            for k, v in memory.items()))
+        if default is not None:
+            _print_card(payload)
     return payload
 
 
@@ -299,6 +336,28 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes")
 
 
+_MODEL_HELP = ("model file, pulled name (smollm2-135m) or tinyloop-smollm2-looped; default: "
+               "[model] path of --config, else $TINYLOOP_DEFAULT_MODEL, else the model "
+               "shipped in the package")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, positional_help: str | None = None) -> None:
+    """-m/--model, and the MODEL argument (added here, before the other positionals)."""
+    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL", help=_MODEL_HELP)
+    if positional_help is not None:
+        p.add_argument("model", nargs="?", metavar="MODEL", help=positional_help)
+
+
+def _merge_model_arguments(args) -> None:
+    """-m MODEL and the MODEL argument are two spellings of one thing: it is given once."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if getattr(args, "model", None) is not None:
+        args.command_parser.error(f"the model is given twice ({args.model} and -m {option})")
+    args.model = option
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyloop",
                                      description="Inference for weight-shared looped transformers.")
@@ -310,12 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of stdout")
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, command_parser=p)
         return p
 
+    # one positional argument is the PROMPT; two are MODEL PROMPT (docs/cli.md)
     p = command("generate", cmd_generate, "generate text, streamed as it comes")
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="model file or pulled name (default: [model] path of --config)")
+    _add_model_arguments(p, "as -m MODEL; a single positional argument is the PROMPT")
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--max-tokens", type=_positive)
     p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
@@ -328,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_flags(p)
 
     p = command("score", cmd_score, "perplexity of a text file")
-    p.add_argument("model", metavar="MODEL")
+    _add_model_arguments(p, "as -m MODEL; a single positional argument is the FILE")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--depth", type=_non_negative, default=0)
     p.add_argument("--ctx", type=_non_negative,
@@ -336,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_flags(p)
 
     p = command("bench", cmd_bench, "prefill and decode speed, peak memory")
-    p.add_argument("model", metavar="MODEL")
+    _add_model_arguments(p, "as -m MODEL")
     p.add_argument("--prompt-tokens", type=_positive, default=128)
     p.add_argument("--new-tokens", type=_positive, default=128)
     p.add_argument("--depth", type=_non_negative, default=0)
@@ -344,8 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random prompt")
     _add_runtime_flags(p)
 
-    p = command("info", cmd_info, "dimensions, architecture, dtypes and memory of a model")
-    p.add_argument("model", metavar="MODEL")
+    p = command("info", cmd_info, "dimensions, architecture, dtypes and memory of a model "
+                                  "(with no model named: the default model and its card)")
+    _add_model_arguments(p, "as -m MODEL")
     _add_runtime_flags(p)
 
     for name, help_text in (("convert", "convert a GGUF file or a HF safetensors checkpoint"),
@@ -356,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("chat", "serve"):
         p = command(name, cmd_unavailable, f"{name} (not available yet)")
+        _add_model_arguments(p)
         p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
@@ -365,6 +426,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in _DELEGATED:
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
+    _merge_model_arguments(args)
     try:
         payload = args.handler(args)
     except KeyboardInterrupt:

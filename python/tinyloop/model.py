@@ -304,6 +304,11 @@ class _Scoring:
         return _text_stream(self.stream(prompt, **options), self._model.tokenizer)
 
 
+def _default_model_path() -> str:
+    from .default_model import default_model_path
+    return os.fspath(default_model_path())
+
+
 class Model(_Scoring):
     """A loaded .tinyloop model. Weights are mmapped and shared by all contexts."""
 
@@ -337,16 +342,21 @@ class Model(_Scoring):
     def from_config(cls, config, **overrides) -> "Model":
         """Load the model a tinyloop.toml (path or tinyloop.config.Config) describes.
 
-        Active modes adjust the load options; keyword overrides win over both."""
+        Active modes adjust the load options; keyword overrides win over both. Without
+        [model] path it loads the default model, as the CLI does."""
         from .config import Config, load_config
         if not isinstance(config, Config):
             config = load_config(config)
-        if config.model.path is None:
-            raise TinyLoopError(f"{config.source}: [model] path is not set")
         kwargs = config.load_options()
         kwargs.update(overrides)
-        path = kwargs.pop("path")
+        path = kwargs.pop("path") or _default_model_path()
         return cls(path, **kwargs)
+
+    @classmethod
+    def default(cls, **options) -> "Model":
+        """Load the default model: $TINYLOOP_DEFAULT_MODEL when set, else the model shipped
+        in the package (tinyloop-smollm2-looped). Options are those of Model()."""
+        return cls(_default_model_path(), **options)
 
     # -- lifetime ---------------------------------------------------------------
     @property
