@@ -151,7 +151,27 @@ class _GenerateOptions:
         return [tokens, lengths, tokens_c, lengths_c]
 
 
-class TokenStream:
+class _OwnsHandle:
+    """A native handle, freed by close(), by the with-statement or when collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _collectable(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None and self._collectable():
+            self.close()
+
+
+class TokenStream(_OwnsHandle):
     """Iterator over generated token ids (the C pull iterator, no callbacks).
 
     After the last token, `.result` holds the GenerateResult. Breaking out early is
@@ -203,16 +223,6 @@ class TokenStream:
         handle, self._handle = self._handle, None
         if handle is not None:
             self._native.lib.tl_stream_free(handle)
-
-    def __enter__(self) -> "TokenStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None:
-            self.close()
 
 
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
@@ -309,7 +319,7 @@ def _default_model_path() -> str:
     return os.fspath(default_model_path())
 
 
-class Model(_Scoring):
+class Model(_Scoring, _OwnsHandle):
     """A loaded .tinyloop model. Weights are mmapped and shared by all contexts."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
@@ -384,16 +394,6 @@ class Model(_Scoring):
             for child in list(self._children):
                 child.close()
             self._native.lib.tl_free_model(handle)
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None:
-            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.info.device_name
@@ -513,7 +513,7 @@ class Model(_Scoring):
         return Context(self, max_seq_len=max_seq_len, max_depth=max_depth)
 
 
-class Context(_Scoring):
+class Context(_Scoring, _OwnsHandle):
     """Mutable state of one sequence on a model: its KV cache and buffers.
 
     Not safe to share between threads; give each thread its own."""
@@ -549,15 +549,8 @@ class Context(_Scoring):
         if handle is not None:
             self._model._native.lib.tl_context_free(handle)
 
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None and not self._model.closed:
-            self.close()
+    def _collectable(self) -> bool:
+        return not self._model.closed   # the model's close() already freed this context
 
     def __len__(self) -> int:
         out = self._model._native.ffi.new("size_t *")
