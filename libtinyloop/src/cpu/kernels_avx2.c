@@ -204,33 +204,42 @@ ALWAYS_INLINE void quant_tile(const tl_tensor *w, const tl_qact *a, int64_t r, i
         for (int ii = 0; ii < NI; ii++) y[(size_t)(i0 + ii) * ldy + r + ri] = hsum_ps(acc[ri][ii]);
 }
 
+/* The tiling both matmul kernels share: rows [r0, r1) in blocks of ROW_TILE (the block's
+ * weights stay in L1 while every input row passes); one input row (decode) in tiles of
+ * DECODE_ROWS rows, more in TILE_ROWS x TILE_INPUTS tiles. Every TILE(r, i0, rows, inputs)
+ * call has constant sizes, so each is inlined with its loops unrolled. */
+#define FOR_EACH_TILE(n, r0, r1, TILE)                                                   \
+    for (int64_t rt = (r0); rt < (r1); rt += ROW_TILE) {                                 \
+        const int64_t re = rt + ROW_TILE < (r1) ? rt + ROW_TILE : (r1);                  \
+        if ((n) == 1) {                                                                  \
+            int64_t r = rt;                                                              \
+            for (; r + DECODE_ROWS <= re; r += DECODE_ROWS) TILE(r, 0, DECODE_ROWS, 1);  \
+            for (; r < re; r++) TILE(r, 0, 1, 1);                                        \
+            continue;                                                                    \
+        }                                                                                \
+        for (int i0 = 0; i0 < (n); i0 += TILE_INPUTS) {                                  \
+            const int ni = (n) - i0 < TILE_INPUTS ? (n) - i0 : TILE_INPUTS;              \
+            for (int64_t r = rt; r < re; r += TILE_ROWS) {                               \
+                const int rb = re - r < TILE_ROWS ? (int)(re - r) : TILE_ROWS;           \
+                switch (rb * 8 + ni) {                                                   \
+                case 2 * 8 + 4: TILE(r, i0, 2, 4); break;                                \
+                case 2 * 8 + 3: TILE(r, i0, 2, 3); break;                                \
+                case 2 * 8 + 2: TILE(r, i0, 2, 2); break;                                \
+                case 2 * 8 + 1: TILE(r, i0, 2, 1); break;                                \
+                case 1 * 8 + 4: TILE(r, i0, 1, 4); break;                                \
+                case 1 * 8 + 3: TILE(r, i0, 1, 3); break;                                \
+                case 1 * 8 + 2: TILE(r, i0, 1, 2); break;                                \
+                default: TILE(r, i0, 1, 1); break;                                       \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    }
+
 ALWAYS_INLINE void quant_rows(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy,
                               int64_t r0, int64_t r1, tl_dtype dt) {
-    for (int64_t rt = r0; rt < r1; rt += ROW_TILE) {
-        const int64_t re = rt + ROW_TILE < r1 ? rt + ROW_TILE : r1;
-        if (n == 1) {
-            int64_t r = rt;
-            for (; r + DECODE_ROWS <= re; r += DECODE_ROWS) quant_tile(w, a, r, 0, y, ldy, dt, DECODE_ROWS, 1);
-            for (; r < re; r++) quant_tile(w, a, r, 0, y, ldy, dt, 1, 1);
-            continue;
-        }
-        for (int i0 = 0; i0 < n; i0 += TILE_INPUTS) {
-            const int ni = n - i0 < TILE_INPUTS ? n - i0 : TILE_INPUTS;
-            for (int64_t r = rt; r < re; r += TILE_ROWS) {
-                const int rb = re - r < TILE_ROWS ? (int)(re - r) : TILE_ROWS;
-                switch (rb * 8 + ni) {
-                case 2 * 8 + 4: quant_tile(w, a, r, i0, y, ldy, dt, 2, 4); break;
-                case 2 * 8 + 3: quant_tile(w, a, r, i0, y, ldy, dt, 2, 3); break;
-                case 2 * 8 + 2: quant_tile(w, a, r, i0, y, ldy, dt, 2, 2); break;
-                case 2 * 8 + 1: quant_tile(w, a, r, i0, y, ldy, dt, 2, 1); break;
-                case 1 * 8 + 4: quant_tile(w, a, r, i0, y, ldy, dt, 1, 4); break;
-                case 1 * 8 + 3: quant_tile(w, a, r, i0, y, ldy, dt, 1, 3); break;
-                case 1 * 8 + 2: quant_tile(w, a, r, i0, y, ldy, dt, 1, 2); break;
-                default: quant_tile(w, a, r, i0, y, ldy, dt, 1, 1); break;
-                }
-            }
-        }
-    }
+#define QUANT_TILE(r, i0, rows, inputs) quant_tile(w, a, r, i0, y, ldy, dt, rows, inputs)
+    FOR_EACH_TILE(n, r0, r1, QUANT_TILE)
+#undef QUANT_TILE
 }
 
 static void quant_rows_q8(const tl_tensor *w, const tl_qact *a, int n, float *y, size_t ldy, int64_t r0, int64_t r1) {
@@ -300,31 +309,9 @@ ALWAYS_INLINE void float_tile(const tl_tensor *w, const float *x, size_t ldx, in
 
 ALWAYS_INLINE void float_rows(const tl_tensor *w, const float *x, int n, size_t ldx, float *y,
                               size_t ldy, int64_t r0, int64_t r1, tl_dtype dt) {
-    for (int64_t rt = r0; rt < r1; rt += ROW_TILE) {
-        const int64_t re = rt + ROW_TILE < r1 ? rt + ROW_TILE : r1;
-        if (n == 1) {
-            int64_t r = rt;
-            for (; r + DECODE_ROWS <= re; r += DECODE_ROWS) float_tile(w, x, ldx, r, 0, y, ldy, dt, DECODE_ROWS, 1);
-            for (; r < re; r++) float_tile(w, x, ldx, r, 0, y, ldy, dt, 1, 1);
-            continue;
-        }
-        for (int i0 = 0; i0 < n; i0 += TILE_INPUTS) {
-            const int ni = n - i0 < TILE_INPUTS ? n - i0 : TILE_INPUTS;
-            for (int64_t r = rt; r < re; r += TILE_ROWS) {
-                const int rb = re - r < TILE_ROWS ? (int)(re - r) : TILE_ROWS;
-                switch (rb * 8 + ni) {
-                case 2 * 8 + 4: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 4); break;
-                case 2 * 8 + 3: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 3); break;
-                case 2 * 8 + 2: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 2); break;
-                case 2 * 8 + 1: float_tile(w, x, ldx, r, i0, y, ldy, dt, 2, 1); break;
-                case 1 * 8 + 4: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 4); break;
-                case 1 * 8 + 3: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 3); break;
-                case 1 * 8 + 2: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 2); break;
-                default: float_tile(w, x, ldx, r, i0, y, ldy, dt, 1, 1); break;
-                }
-            }
-        }
-    }
+#define FLOAT_TILE(r, i0, rows, inputs) float_tile(w, x, ldx, r, i0, y, ldy, dt, rows, inputs)
+    FOR_EACH_TILE(n, r0, r1, FLOAT_TILE)
+#undef FLOAT_TILE
 }
 
 static void float_rows_f32(const tl_tensor *w, const float *x, int n, size_t ldx, float *y, size_t ldy, int64_t r0, int64_t r1) {
