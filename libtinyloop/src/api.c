@@ -94,41 +94,43 @@ const char *tl_status_name(tl_status status) {
 
 /* ---- defaults ---------------------------------------------------------------- */
 
+/* Every option/result struct starts with its size (the ABI's versioning): zero the
+ * struct and record the size this library was built with. */
+#define ZERO_VERSIONED(p)                               \
+    do {                                                \
+        memset((p), 0, sizeof *(p));                    \
+        (p)->struct_size = (uint32_t)sizeof *(p);       \
+    } while (0)
+
 void tl_load_options_default(tl_load_options *o) {
     if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->struct_size = sizeof *o;
+    ZERO_VERSIONED(o);
     o->device = "cpu";
 }
 
 void tl_model_info_default(tl_model_info *info) {
     if (!info) return;
-    memset(info, 0, sizeof *info);
-    info->struct_size = sizeof *info;
+    ZERO_VERSIONED(info);
 }
 
 void tl_memory_report_default(tl_memory_report *r) {
     if (!r) return;
-    memset(r, 0, sizeof *r);
-    r->struct_size = sizeof *r;
+    ZERO_VERSIONED(r);
 }
 
 void tl_context_options_default(tl_context_options *o) {
     if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->struct_size = sizeof *o;
+    ZERO_VERSIONED(o);
 }
 
 void tl_score_options_default(tl_score_options *o) {
     if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->struct_size = sizeof *o;
+    ZERO_VERSIONED(o);
 }
 
 void tl_generate_options_default(tl_generate_options *o) {
     if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->struct_size = sizeof *o;
+    ZERO_VERSIONED(o);
     o->max_tokens = 128;
     o->temperature = 0.8f;
     o->top_k = 40;
@@ -141,8 +143,7 @@ void tl_generate_options_default(tl_generate_options *o) {
 
 void tl_generate_result_default(tl_generate_result *r) {
     if (!r) return;
-    memset(r, 0, sizeof *r);
-    r->struct_size = sizeof *r;
+    ZERO_VERSIONED(r);
 }
 
 /* ---- lifecycle ---------------------------------------------------------------- */
