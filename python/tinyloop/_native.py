@@ -58,13 +58,22 @@ def _package_file(relpath: Path) -> Path | None:
     return local if local.is_file() else None
 
 
+def _env_file(variable: str) -> "Path | None":
+    """The file an environment variable points at (None when unset); a clear error when
+    it names no file."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        raise LibraryNotFoundError(f"{variable}={value}: no such file")
+    return path
+
+
 def find_library() -> Path:
-    override = os.environ.get("TINYLOOP_LIBRARY")
+    override = _env_file("TINYLOOP_LIBRARY")
     if override:
-        path = Path(override)
-        if not path.is_file():
-            raise LibraryNotFoundError(f"TINYLOOP_LIBRARY={override}: no such file")
-        return path
+        return override
     path = _package_file(Path(_LIBRARY_NAME))
     if path is None:
         raise LibraryNotFoundError(
@@ -74,12 +83,9 @@ def find_library() -> Path:
 
 
 def find_header(library: Path) -> Path:
-    override = os.environ.get("TINYLOOP_HEADER")
+    override = _env_file("TINYLOOP_HEADER")
     if override:
-        path = Path(override)
-        if not path.is_file():
-            raise LibraryNotFoundError(f"TINYLOOP_HEADER={override}: no such file")
-        return path
+        return override
     source_checkout = Path(__file__).resolve().parents[2] / "libtinyloop" / _HEADER_RELPATH
     candidates = [_package_file(_HEADER_RELPATH), library.parent / _HEADER_RELPATH,
                   source_checkout]
