@@ -548,6 +548,7 @@ TL_CUDA_API int tl_cuda_backend_create(int device_index, tl_backend **out, char 
     be->ops = &cuda_ops;
     be->impl = impl;
     be->device_index = device;
+    be->prefill_rows = 512;   // more rows per launch fill the device (tensor-core GEMM tiles)
     snprintf(be->name, sizeof be->name, "cuda:%d (%.40s)", device, prop.name);
     *out = be;
     return 0;

@@ -387,6 +387,7 @@ tl_status tl_backend_cpu_create(tl_backend **out) {
     be->ops = &cpu_ops;
     be->impl = impl;
     be->device_index = -1;
+    be->prefill_rows = 256;   /* a chunk's activations stay in the caches */
     snprintf(be->name, sizeof be->name, "cpu (%s)", tl_cpu_level_name(tl_cpu_features()));
     *out = be;
     return TL_OK;

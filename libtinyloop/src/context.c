@@ -90,9 +90,8 @@ tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, in
     ctx->be = model->backend;
     ctx->max_seq = max_seq ? max_seq : model_seq;
     ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
-    /* a GPU's matrix kernels want more rows per call than the CPU's caches do */
     if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk;
-    if (!prefill_chunk) prefill_chunk = model->backend->device_index >= 0 ? 512 : 256;
+    if (!prefill_chunk) prefill_chunk = model->backend->prefill_rows > 0 ? model->backend->prefill_rows : 256;
     ctx->chunk_rows = imin(prefill_chunk, ctx->max_seq);
     ctx->logit_rows = imin(TL_LOGIT_ROWS, ctx->chunk_rows);
 
