@@ -12,8 +12,9 @@
 // one split; its 8 warps take 4 keys each per step, so every lane has 8 independent
 // 16-byte loads (4 key rows, 4 value rows, 4 dims each for head_dim 128) in flight.
 // Lanes own consecutive dims; a score is a warp sum. The warps' partial softmax
-// states meet in shared memory, and a second kernel merges the splits' states. The
-// split geometry is derived on the device from the position and the number of splits
+// states meet in shared memory; each split block writes its state, and the last block
+// of a (KV head, item tile) to finish (an atomic counter) merges the splits' states in
+// split order, so decode attention is one launch. The split geometry is derived on the device from the position and the number of splits
 // (gridDim.z), so a recorded decode step launches a grid sized for max_seq and
 // replays at any position: splits past the last key exit at once, and the merge reads
 // only the splits in use.
@@ -49,6 +50,7 @@ struct decode_args {
     attn_args a;
     float *part_acc;   // NULL: one split, the block writes the output
     float *part_ml;
+    int *arrivals;     // per (item tile, KV head): split blocks done; the last resets it to 0
     int vec;           // head_dim, strides and pointers allow vector accesses of DPL floats
 };
 
@@ -181,6 +183,15 @@ __device__ __forceinline__ void store_dims(float *p, int lane, int hd, const flo
         if (d0 + k < hd) p[d0 + k] = v[k];
 }
 
+// load_dims for states other blocks of the same launch wrote: read from L2 (never a
+// stale L1 line).
+template <int DPL>
+__device__ __forceinline__ void load_dims_l2(const float *p, int lane, int hd, float (&v)[DPL]) {
+    const int d0 = lane * DPL;
+#pragma unroll
+    for (int k = 0; k < DPL; k++) v[k] = d0 + k < hd ? __ldcg(p + d0 + k) : 0.0f;
+}
+
 // Fold the softmax state (mb, lb, accb) into (m, l, acc); an empty state (lb == 0)
 // changes nothing.
 template <int DPL>
@@ -221,6 +232,45 @@ __device__ __forceinline__ void keep_warp_state(float *st, int items, int t, int
         s[1] = l;
     }
     store_dims<DPL>(s + 2, lane, hd, acc);
+}
+
+// Decode: the states of the `used` splits of the block's items, folded in split
+// order, then out = acc / l. Warp w folds splits w / DEC_ITEMS, + 2, + 4, ... of item
+// w % DEC_ITEMS; the two halves meet in shared memory (st, as the decode kernel's).
+template <int DPL>
+__device__ void merge_splits(const decode_args &d, float *st, int used, int item0, int n_items, int group,
+                             int kvh) {
+    constexpr int HALVES = DEC_WARPS / DEC_ITEMS;
+    const attn_args &a = d.a;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hd = a.head_dim;
+    const int t = warp % DEC_ITEMS, half = warp / DEC_ITEMS, item = item0 + t;
+    const int row = item / group, head = kvh * group + item % group;
+    float m = -INFINITY, l = 0.0f, acc[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; k++) acc[k] = 0.0f;
+    if (item < n_items) {
+        const size_t idx0 = ((size_t)row * a.n_head + head) * gridDim.z;
+        for (int s = half; s < used; s += HALVES) {
+            float accb[DPL];
+            load_dims_l2<DPL>(d.part_acc + (idx0 + s) * hd, lane, hd, accb);
+            merge_state<DPL>(m, l, acc, __ldcg(d.part_ml + 2 * (idx0 + s)), __ldcg(d.part_ml + 2 * (idx0 + s) + 1),
+                             accb);
+        }
+    }
+    __syncthreads();   // st is free again
+    keep_warp_state<DPL>(st, DEC_ITEMS, t, half, lane, hd, m, l, acc);
+    __syncthreads();
+    if (half != 0 || item >= n_items) return;
+    for (int h = 1; h < HALVES; h++) {
+        const float *sb = st + (size_t)(h * DEC_ITEMS + t) * (hd + 2);
+        float accb[DPL];
+        load_dims<DPL>(sb + 2, lane, hd, 0, accb);
+        merge_state<DPL>(m, l, acc, sb[0], sb[1], accb);
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int k = 0; k < DPL; k++) acc[k] *= inv;
+    store_dims<DPL>(a.out + ((size_t)row * a.n_head + head) * hd, lane, hd, acc);
 }
 
 template <int DPL>
@@ -308,56 +358,41 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     for (int t = 0; t < DEC_ITEMS; t++) keep_warp_state<DPL>(st, DEC_ITEMS, t, warp, lane, hd, m[t], l[t], acc[t]);
     __syncthreads();
     const int item = blockIdx.y * DEC_ITEMS + warp;
-    if (warp >= DEC_ITEMS || item >= n_items) return;
+    const bool own = warp < DEC_ITEMS && item < n_items;   // warp t finishes item t
     const int row = item / group, head = kvh * group + item % group;
-    float mb, lb, accb[DPL];
-    combine_warps<DPL>(st, DEC_ITEMS, warp, lane, hd, mb, lb, accb);
-    if (!d.part_acc) {
-        const float inv = lb > 0.0f ? 1.0f / lb : 0.0f;
+    if (own) {
+        float mb, lb, accb[DPL];
+        combine_warps<DPL>(st, DEC_ITEMS, warp, lane, hd, mb, lb, accb);
+        if (!d.part_acc) {
+            const float inv = lb > 0.0f ? 1.0f / lb : 0.0f;
 #pragma unroll
-        for (int k = 0; k < DPL; k++) accb[k] *= inv;
-        store_dims<DPL>(a.out + (size_t)row * qd + (size_t)head * hd, lane, hd, accb);
-        return;
+            for (int k = 0; k < DPL; k++) accb[k] *= inv;
+            store_dims<DPL>(a.out + (size_t)row * qd + (size_t)head * hd, lane, hd, accb);
+        } else {
+            const size_t idx = ((size_t)row * a.n_head + head) * gridDim.z + blockIdx.z;
+            if (lane == 0) {
+                d.part_ml[2 * idx] = mb;
+                d.part_ml[2 * idx + 1] = lb;
+            }
+            store_dims<DPL>(d.part_acc + idx * hd, lane, hd, accb);
+        }
     }
-    const size_t idx = ((size_t)row * a.n_head + head) * gridDim.z + blockIdx.z;
-    if (lane == 0) {
-        d.part_ml[2 * idx] = mb;
-        d.part_ml[2 * idx + 1] = lb;
-    }
-    store_dims<DPL>(d.part_acc + idx * hd, lane, hd, accb);
-}
+    if (!d.part_acc) return;
 
-// One block per (row, head): warp w folds splits w, w + 8, ... of those in use, then
-// the warps' states are combined as in the decode kernel. out = acc / l.
-template <int DPL>
-__global__ void __launch_bounds__(DEC_WARPS * 32) attention_merge_kernel(decode_args d, int n_splits) {
-    pdl_wait();
-    pdl_trigger();
-    extern __shared__ float st[];   // DEC_WARPS states of hd + 2 floats
-    const attn_args &a = d.a;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hd = a.head_dim;
-    const int row = blockIdx.x / a.n_head, head = blockIdx.x % a.n_head;
-    const int pos0 = pos_value(a.pos0);
-    const int keys = pos0 + a.n - first_key(pos0, a.window);
-    const int per = split_keys(keys, n_splits);
-    const int used = (keys + per - 1) / per;
-    const size_t idx0 = ((size_t)row * a.n_head + head) * n_splits;
-    float m = -INFINITY, l = 0.0f, acc[DPL];
-#pragma unroll
-    for (int k = 0; k < DPL; k++) acc[k] = 0.0f;
-    for (int s = warp; s < used; s += DEC_WARPS) {
-        float accb[DPL];
-        load_dims<DPL>(d.part_acc + (idx0 + s) * hd, lane, hd, d.vec, accb);
-        merge_state<DPL>(m, l, acc, d.part_ml[2 * (idx0 + s)], d.part_ml[2 * (idx0 + s) + 1], accb);
-    }
-    keep_warp_state<DPL>(st, 1, 0, warp, lane, hd, m, l, acc);
+    // The last split block of this (tile, KV head) to arrive merges every split's state.
+    __shared__ int last;
+    __threadfence();   // this block's state is visible before it counts itself
     __syncthreads();
-    if (warp != 0) return;
-    combine_warps<DPL>(st, 1, 0, lane, hd, m, l, acc);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma unroll
-    for (int k = 0; k < DPL; k++) acc[k] *= inv;
-    store_dims<DPL>(a.out + ((size_t)row * a.n_head + head) * hd, lane, hd, acc);
+    if (threadIdx.x == 0) {
+        int *count = d.arrivals + blockIdx.y * gridDim.x + blockIdx.x;
+        const int used = (keys + per - 1) / per;
+        last = atomicAdd(count, 1) == used - 1;
+        if (last) *count = 0;   // for the next launch (stream order)
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_splits<DPL>(d, st, (keys + per - 1) / per, blockIdx.y * DEC_ITEMS, n_items, group, kvh);
 }
 
 // ---- launch ------------------------------------------------------------------------------
@@ -382,9 +417,6 @@ void decode_dpl(tl_exec *ex, const decode_args &d, int n_splits) {
     const size_t smem = (size_t)DEC_WARPS * DEC_ITEMS * (a.head_dim + 2) * sizeof(float);
     launch(ex, "attention (decode)", attention_decode_kernel<DPL>, dim3(a.n_kv_head, tiles, n_splits),
            DEC_WARPS * 32, smem, d);
-    if (d.part_acc)
-        launch(ex, "attention (merge)", attention_merge_kernel<DPL>, a.n * a.n_head, DEC_WARPS * 32,
-               (size_t)DEC_WARPS * (a.head_dim + 2) * sizeof(float), d, n_splits);
 }
 
 int max_splits(int max_seq) {
@@ -396,8 +428,14 @@ bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
 }  // namespace
 
-size_t attention_partial_floats(int n_head, int head_dim, int max_seq) {
+// Split states, then the arrival counters (one int per item tile and KV head: at most
+// SPLIT_MAX_ROWS * n_head), which start at zero (exec_create clears the scratch).
+static size_t attention_state_floats(int n_head, int head_dim, int max_seq) {
     return (size_t)SPLIT_MAX_ROWS * n_head * max_splits(max_seq) * (head_dim + 2);
+}
+
+size_t attention_partial_floats(int n_head, int head_dim, int max_seq) {
+    return attention_state_floats(n_head, head_dim, max_seq) + (size_t)SPLIT_MAX_ROWS * n_head;
 }
 
 void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
@@ -443,12 +481,13 @@ void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float 
     if (!ex->attn_partial) splits = 1;
     if (splits > 1) {
         const size_t states = (size_t)n * g.n_head * splits;
-        if (states * (g.head_dim + 2) > ex->attn_partial_floats) {   // cannot happen with exec_create's sizes
+        if (states * (g.head_dim + 2) > attention_state_floats(g.n_head, g.head_dim, ex->max_seq)) {   // cannot happen with exec_create's sizes
             exec_check(ex, cudaErrorInvalidValue, "attention: split scratch too small");
             return;
         }
         d.part_acc = ex->attn_partial;
         d.part_ml = ex->attn_partial + states * g.head_dim;
+        d.arrivals = reinterpret_cast<int *>(ex->attn_partial + attention_state_floats(g.n_head, g.head_dim, ex->max_seq));
     }
     if (dpl == 1) decode_dpl<1>(ex, d, splits);
     else if (dpl == 2) decode_dpl<2>(ex, d, splits);

@@ -140,6 +140,10 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     if (err == cudaSuccess)
         err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device);
     ex->smem_optin = smem_optin > 0 ? (size_t)smem_optin : 0;
+    int smem_sm = 0;
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, impl->device);
+    ex->smem_per_sm = smem_sm > 0 ? (size_t)smem_sm : 48 * 1024;
     int cc_major = 0;
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, impl->device);
     ex->pdl = cc_major >= 9 && env_allows("TINYLOOP_CUDA_PDL");
@@ -149,6 +153,9 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
     if (err == cudaSuccess) err = cudaMalloc(&ex->attn_partial, ex->attn_partial_floats * sizeof(float));
+    // attention's arrival counters live in this scratch and must start at zero
+    if (err == cudaSuccess)
+        err = cudaMemsetAsync(ex->attn_partial, 0, ex->attn_partial_floats * sizeof(float), ex->stream);
     if (err == cudaSuccess) err = cudaMalloc(&ex->argmax_partial, argmax_partial_bytes());
     if (err == cudaSuccess) err = cudaHostAlloc((void **)&ex->h_result, sizeof(int32_t), cudaHostAllocDefault);
     // the tensor-core GEMM's split activations, for chunks of more rows than the GEMV takes
@@ -363,17 +370,8 @@ void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act
     launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width);
 }
 
-// Decode rows through the GEMV with the norm or gated activation computed while the
-// input is staged, and the residual added in its epilogue.
-int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_matmul_in *in, int n,
-                   const tl_act *ys, const size_t *ldys, int accumulate) {
-    if (n_w > 8) return 0;
-    const dev_weight *dws[8];
-    float *dys[8];
-    for (int j = 0; j < n_w; j++) {
-        dws[j] = W(ws[j]);
-        dys[j] = P(ys[j]);
-    }
+// The device form of a fused matmul's input.
+static matmul_in_args matmul_in_of(const tl_matmul_in *in) {
     matmul_in_args a = {};
     a.kind = in->kind;
     a.x = P(in->x);
@@ -388,12 +386,45 @@ int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_ma
         a.norm_b = (in->norm_params->type == TL_NORMTYPE_LAYER && in->norm->bias.data) ? W(&in->norm->bias) : nullptr;
         a.norm_params = *in->norm_params;
     }
+    return a;
+}
+
+static void note_matmul_in(tl_exec *ex, uint64_t op, const tl_matmul_in *in, const matmul_in_args &a, int n,
+                           uint64_t extra) {
+    step_note(ex, { op, (uint64_t)a.kind, K(a.x), a.ldx, K(a.up), a.ld_up, (uint64_t)a.gelu, K(in->norm),
+                    (uint64_t)a.norm_params.type, (uint64_t)a.norm_params.unit_offset, K(a.norm_params.eps),
+                    (uint64_t)n, extra });
+}
+
+// Decode rows through the GEMV with the norm or gated activation computed while the
+// input is staged, and the residual added in its epilogue.
+int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_matmul_in *in, int n,
+                   const tl_act *ys, const size_t *ldys, int accumulate) {
+    if (n_w > 8) return 0;
+    const dev_weight *dws[8];
+    float *dys[8];
+    for (int j = 0; j < n_w; j++) {
+        dws[j] = W(ws[j]);
+        dys[j] = P(ys[j]);
+    }
+    const matmul_in_args a = matmul_in_of(in);
     if (bind(ex)) return 1;
     if (!launch_matmul_in(ex, dws, n_w, a, n, dys, ldys, accumulate)) return 0;
-    step_note(ex, { 14, (uint64_t)n_w, (uint64_t)a.kind, K(a.x), a.ldx, K(a.up), a.ld_up, (uint64_t)a.gelu,
-                    K(in->norm), (uint64_t)a.norm_params.type, (uint64_t)a.norm_params.unit_offset,
-                    K(a.norm_params.eps), (uint64_t)n, (uint64_t)accumulate });
+    note_matmul_in(ex, 14, in, a, n, ((uint64_t)n_w << 1) | (uint64_t)accumulate);
     for (int j = 0; j < n_w; j++) step_note(ex, { K(ws[j]), K(dys[j]), ldys[j] });
+    return 1;
+}
+
+// act(W_gate . in) * (W_up . in) for decode rows: one GEMV launch whose blocks compute
+// rows of both matrices and write their gated product.
+int cuda_matmul_gated(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_up, const tl_matmul_in *in, int n,
+                      tl_activation act, tl_act y, size_t ldy) {
+    const matmul_in_args a = matmul_in_of(in);
+    if (bind(ex)) return 1;
+    const int gelu = act == TL_ACT_GELU_TANH;
+    if (!launch_matmul_gated(ex, *W(w_gate), *W(w_up), a, n, gelu, P(y), ldy)) return 0;
+    note_matmul_in(ex, 17, in, a, n, (uint64_t)gelu);
+    step_note(ex, { K(w_gate), K(w_up), K(P(y)), ldy });
     return 1;
 }
 
@@ -481,6 +512,7 @@ const tl_backend_ops cuda_ops = {
     /* step_begin */ cuda_step_begin,
     /* step_end */ cuda_step_end,
     /* sample */ cuda_sample,
+    /* matmul_gated */ cuda_matmul_gated,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

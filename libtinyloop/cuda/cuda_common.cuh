@@ -83,6 +83,9 @@ struct matrix_set {
     int first[SET_MAX_MATS + 1];
     int n_mats;
     int accumulate;   // y += W x instead of y = W x (GEMV)
+    // GEMV only: 0, or y[0] = act(W[0] x) * (W[1] x) with act = SiLU (1) or GELU-tanh (2):
+    // each block computes rows of both matrices and writes the gated product
+    int gated_pairs;
 };
 // The member that block b serves, and its parts. Constant indices only, so a kernel's
 // set stays in parameter space.
@@ -169,6 +172,7 @@ struct tl_exec {
     int max_rows, max_seq;
     int sm_count;             // multiprocessors, for sizing GEMV and attention grids
     size_t smem_optin;        // shared memory one block may opt into (GEMV activation rows)
+    size_t smem_per_sm;       // shared memory of a multiprocessor (GEMV blocks per SM)
     int pdl;                  // kernels launched with programmatic dependent launch (sm_90+)
     int tensor_cores;         // prefill GEMM on tensor cores (sm_80+, TINYLOOP_CUDA_TC != 0)
     int gemv_int_dot;         // quantized GEMV on integer dot products (TINYLOOP_CUDA_DP4A != 0)
@@ -176,7 +180,7 @@ struct tl_exec {
     size_t tc_scratch_bytes;
     int32_t *d_ints;          // max_rows token ids / targets
     float *d_floats;          // max_rows results (log-probs)
-    float *attn_partial;      // split-sequence attention partials
+    float *attn_partial;      // split-sequence attention states, then their arrival counters
     size_t attn_partial_floats;
     void *argmax_partial;     // the first argmax pass's per-block winners
     int32_t *h_result;        // pinned: argmax comes back through it
@@ -269,6 +273,11 @@ struct matmul_in_args {
 // fused kernel (more than 8 rows, rows too wide for shared memory).
 int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const matmul_in_args &a, int n,
                      float *const *ys, const size_t *ldys, int accumulate);
+// y = act(W_gate . input) * (W_up . input) for n decode rows in one GEMV launch; 0
+// (nothing launched) for shapes launch_matmul_in declines, f32 weights or matrices that
+// differ in dtype or shape.
+int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight &w_up, const matmul_in_args &a,
+                        int n, int gelu, float *y, size_t ldy);
 // cuda_gemm_tc.cu: ys[j] = x W_j^T on tensor cores for matrices of q8/q4/q2/f16 weights
 // and one width; 0 (nothing launched) for other dtypes, or when the context has tensor
 // cores off or too little scratch (ex->tc_scratch, gemm_tc_scratch_bytes()).

@@ -54,6 +54,7 @@ struct gemv_input {
     const float *up;
     size_t ld_up;
     int vec;            // x (and up) rows float4-aligned
+    int stage_async;    // vec, and the staged rows (gated: x and up) fit shared memory
     int gelu;
     dev_weight norm_w, norm_b;
     int layer_norm, has_bias, unit_offset;
@@ -94,8 +95,9 @@ __device__ __forceinline__ float gated(float g, float u, int gelu) {
     return a * u;
 }
 
-// n input rows into shared memory, zero-padded to whole chunks (gated: act(x) * up).
-__device__ __forceinline__ void stage_x(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
+// n input rows into shared memory, zero-padded to whole chunks (gated: act(x) * up),
+// through registers: rows that are not 16-byte aligned.
+__device__ __forceinline__ void stage_x_regs(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
     const int per_row = chunks * 8, total = n * per_row;
     const bool gate = in.kind == TL_MATMUL_IN_GATED;
     for (int v0 = threadIdx.x; v0 < total; v0 += GEMV_STAGE_BATCH * GEMV_THREADS) {
@@ -125,6 +127,49 @@ __device__ __forceinline__ void stage_x(float4 *xs, const gemv_input &in, int n,
             xs[i * per_row + x_slot(s >> 3, s & 7)] = x;
         }
     }
+}
+
+// 16 bytes global -> shared without registers; src_ok = 0 writes zeros (no read).
+__device__ __forceinline__ void copy16_async(float4 *dst, const float *src, bool src_ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_ok ? 16 : 0)
+                 : "memory");
+}
+
+// The same for 16-byte aligned rows (in.vec): every load of the rows (and of `up`,
+// staged in ups) is in flight at once, so staging costs one round trip whatever the
+// width, and no registers; the gated activation is then applied in shared memory.
+__device__ __forceinline__ void stage_x_async(float4 *xs, float4 *ups, const gemv_input &in, int n, int cols,
+                                              int chunks) {
+    const int per_row = chunks * 8, total = n * per_row;
+    const bool gate = in.kind == TL_MATMUL_IN_GATED;
+    for (int v = threadIdx.x; v < total; v += GEMV_THREADS) {
+        const int i = v / per_row, s = v - i * per_row, e = s * 4;
+        const int slot = i * per_row + x_slot(s >> 3, s & 7);
+        copy16_async(xs + slot, in.x + (size_t)i * in.ldx + (e < cols ? e : 0), e < cols);
+        if (gate) copy16_async(ups + slot, in.up + (size_t)i * in.ld_up + (e < cols ? e : 0), e < cols);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    if (!gate) return;
+    __syncthreads();
+    for (int v = threadIdx.x; v < total; v += GEMV_THREADS) {
+        float4 x = xs[v];
+        const float4 u = ups[v];
+        x.x = gated(x.x, u.x, in.gelu);   // padding: gated(0, 0) = 0
+        x.y = gated(x.y, u.y, in.gelu);
+        x.z = gated(x.z, u.z, in.gelu);
+        x.w = gated(x.w, u.w, in.gelu);
+        xs[v] = x;
+    }
+}
+
+// Requests the lines of a norm's vector into L1 before the kernel waits for its input,
+// so that normalising reads them from L1 rather than L2 or HBM.
+__device__ __forceinline__ void prefetch_vector_l1(const dev_weight &w, int count) {
+    if (!w.qs) return;
+    const int bytes = count * (w.dtype == TL_DTYPE_F16 || w.dtype == TL_DTYPE_BF16 ? 2 : 4);
+    for (int o = threadIdx.x * 128; o < bytes; o += GEMV_THREADS * 128)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char *>(w.qs) + o));
 }
 
 // Per staged row, the sum over its elements of term(value) (zero padding included,
@@ -280,20 +325,24 @@ __device__ __forceinline__ int dot2(unsigned a, unsigned b, int c) {
 }
 
 // One round of a lane: the raw chunks base + lane + stride * u of its rows (weights
-// only, so it may run before the previous kernel has finished).
-template <int DT, int RT, int U>
-__device__ __forceinline__ void load_round(const dev_weight &w, int row0, int base, int lane, int stride, int chunks,
-                                           chunk_bits<DT> (&bits)[RT][U], __half2 (&scale_min)[RT][U]) {
+// only, so it may run before the previous kernel has finished). PAIRED: rows r and r +
+// RT / 2 are the same row of w and w_b (a gated pair).
+template <int DT, int RT, int U, bool PAIRED>
+__device__ __forceinline__ void load_round(const dev_weight &w, const dev_weight &w_b, int row0, int base, int lane,
+                                           int stride, int chunks, chunk_bits<DT> (&bits)[RT][U],
+                                           __half2 (&scale_min)[RT][U]) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
         const int c = base + lane + stride * u;
 #pragma unroll
         for (int r = 0; r < RT; r++) {
+            const dev_weight &wr = PAIRED && r >= RT / 2 ? w_b : w;
+            const int row = row0 + (PAIRED ? r % (RT / 2) : r);
             bits[r][u] = chunk_bits<DT>{};
             scale_min[r][u] = __float2half2_rn(0.0f);
-            if (c < chunks && row0 + r < w.rows) {
-                bits[r][u] = load_bits<DT>(w, row0 + r, c);
-                if (dtype_traits<DT>::quantized) scale_min[r][u] = chunk_scale_min_half2<DT>(w, row0 + r, c);
+            if (c < chunks && row < wr.rows) {
+                bits[r][u] = load_bits<DT>(wr, row, c);
+                if (dtype_traits<DT>::quantized) scale_min[r][u] = chunk_scale_min_half2<DT>(wr, row, c);
             }
         }
     }
@@ -389,14 +438,19 @@ __device__ __forceinline__ void int_dot_chunk(const uint2 *recs, int n, int chun
 }
 
 // INT_DOT: quantized weights against the activation records (integer dot products)
-// instead of fp32 activations.
-template <int DT, int NR, bool INT_DOT>
+// instead of fp32 activations. PAIRED (set.gated_pairs): a row group's first RT / 2
+// rows are rows of set.w[0], the others the same rows of set.w[1], and the group
+// writes act(first) * second.
+template <int DT, int NR, bool INT_DOT, bool PAIRED>
 __global__ void __launch_bounds__(GEMV_THREADS, NR <= 2 ? 3 : NR == 4 ? 2 : 1)
 gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
+    constexpr int OUT_ROWS = PAIRED ? RT / 2 : RT;   // output rows of a row group
+    static_assert(!PAIRED || RT % 2 == 0, "gated pairs need an even number of rows per group");
     using traits = dtype_traits<DT>;
     static_assert(!INT_DOT || traits::quantized, "integer dot products need integer codes");
-    extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4 (INT_DOT: records)
+    extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4 (INT_DOT: records);
+                                                   // gated and in.vec: as many for `up` after them
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     const int b = blockIdx.x;
     const int j = set_member(set, b);
@@ -408,18 +462,28 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = warp / split, sub = warp - group * split;
-    const int row0 = (block_in_mat * (GEMV_WARPS / split) + group) * RT;
+    const int row0 = (block_in_mat * (GEMV_WARPS / split) + group) * OUT_ROWS;
     const int stride = 32 * split;   // chunks between a lane's consecutive chunks
 
     // The first round's weights are requested before the wait for the previous
     // kernel: their latency overlaps its tail and this kernel's staging.
     chunk_bits<DT> bits[RT][U];
     __half2 scale_min[RT][U];   // as stored (f16): half the registers of floats
-    load_round<DT, RT, U>(w, row0, sub * 32, lane, stride, chunks, bits, scale_min);
+    load_round<DT, RT, U, PAIRED>(w, set.w[1], row0, sub * 32, lane, stride, chunks, bits, scale_min);
+    if (in.kind == TL_MATMUL_IN_NORM) {
+        prefetch_vector_l1(in.norm_w, w.cols);
+        if (in.has_bias) prefetch_vector_l1(in.norm_b, w.cols);
+    }
 
     pdl_wait();
     pdl_trigger();
-    stage_x(xs, in, n, w.cols, chunks);
+    // the residual this block adds to, requested now and used at the end
+    const int out_r = lane / NR, out_i = lane % NR;
+    const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
+    float *dst = y + (size_t)out_i * ldy + row0 + out_r;
+    const float dst_old = writer && set.accumulate ? *dst : 0.0f;
+    if (in.stage_async) stage_x_async(xs, xs + n * chunks * 8, in, n, w.cols, chunks);
+    else stage_x_regs(xs, in, n, w.cols, chunks);
     __syncthreads();
     if (in.kind == TL_MATMUL_IN_NORM) {
         norm_staged(xs, in, n, w.cols, chunks);
@@ -437,7 +501,8 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
         for (int i = 0; i < NR; i++) acc[r][i] = 0.0f;
 
     for (int base = sub * 32; base < chunks; base += stride * U) {
-        if (base != sub * 32) load_round<DT, RT, U>(w, row0, base, lane, stride, chunks, bits, scale_min);
+        if (base != sub * 32)
+            load_round<DT, RT, U, PAIRED>(w, set.w[1], row0, base, lane, stride, chunks, bits, scale_min);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = base + lane + stride * u;
@@ -459,14 +524,15 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
             if (lane == 0) red[warp][r * NR + i] = s;
         }
     __syncthreads();
-    if (sub == 0 && lane < RT * NR) {
-        const int r = lane / NR, i = lane % NR;
+    if (writer) {
         float s = 0.0f;
         for (int t = 0; t < split; t++) s += red[warp + t][lane];
-        if (i < n && row0 + r < w.rows) {
-            float *dst = y + (size_t)i * ldy + row0 + r;
-            *dst = set.accumulate ? *dst + s : s;
+        if (PAIRED) {
+            float up = 0.0f;   // the same output of the second matrix
+            for (int t = 0; t < split; t++) up += red[warp + t][lane + OUT_ROWS * NR];
+            s = gated(s, up, set.gated_pairs == 2);
         }
+        *dst = set.accumulate ? dst_old + s : s;
     }
 }
 
@@ -565,15 +631,26 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
-template <int DT, int NR, bool INT_DOT>
+template <int DT, int NR, bool INT_DOT, bool PAIRED>
 void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
     if (smem > SMEM_DEFAULT &&
-        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT>,
+        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, PAIRED>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                    "matmul (gemv shared memory size)"))
         return;
-    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT>, set.first[set.n_mats], GEMV_THREADS, smem, set,
-           in, n, split);
+    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, PAIRED>, set.first[set.n_mats], GEMV_THREADS, smem,
+           set, in, n, split);
+}
+
+template <int DT, int NR, bool INT_DOT>
+void gemv_launch_paired(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
+    if constexpr (gemv_tile<DT>::rows % 2 == 0) {
+        if (set.gated_pairs) {
+            gemv_launch_kernel<DT, NR, INT_DOT, true>(ex, set, in, n, split, smem);
+            return;
+        }
+    }
+    gemv_launch_kernel<DT, NR, INT_DOT, false>(ex, set, in, n, split, smem);
 }
 
 // Quantized weights use integer dot products unless the context turned them off.
@@ -581,11 +658,11 @@ template <int DT, int NR>
 void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
     if constexpr (dtype_traits<DT>::quantized) {
         if (ex->gemv_int_dot) {
-            gemv_launch_kernel<DT, NR, true>(ex, set, in, n, split, smem);
+            gemv_launch_paired<DT, NR, true>(ex, set, in, n, split, smem);
             return;
         }
     }
-    gemv_launch_kernel<DT, NR, false>(ex, set, in, n, split, smem);
+    gemv_launch_paired<DT, NR, false>(ex, set, in, n, split, smem);
 }
 
 // Shared memory one GEMV block may use for activation rows (its static shared memory,
@@ -608,7 +685,7 @@ int gemv_fits(const tl_exec *ex, const dev_weight *const *ws, int n_w, int n) {
 // in several launches.
 template <int DT>
 void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
-    constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
+    constexpr int RT = gemv_tile<DT>::rows;
     int cols = 0, cols_vec = 1;
     for (int k = 0; k < set.n_mats; k++) {
         cols = std::max(cols, set.w[k].cols);
@@ -618,23 +695,35 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
     const size_t row_bytes = (size_t)chunks * 32 * sizeof(float);
     in.vec = cols_vec && (uintptr_t)in.x % 16 == 0 && in.ldx % 4 == 0 &&
              (in.kind != TL_MATMUL_IN_GATED || ((uintptr_t)in.up % 16 == 0 && in.ld_up % 4 == 0));
-    // Rows split over more warps while lanes would otherwise take several rounds and
-    // the grid is small: more loads in flight, at the price of staging x more often.
+    // aligned gated rows stage `up` beside x (stage_x_async) when one row of each fits
+    const bool gated = in.kind == TL_MATMUL_IN_GATED;
+    in.stage_async = in.vec && (!gated || 2 * row_bytes <= gemv_smem_max(ex));
+    const size_t staged_bytes = in.stage_async && gated ? 2 * row_bytes : row_bytes;
+    const int per_launch = (int)std::min<size_t>((size_t)n, gemv_smem_max(ex) / staged_bytes);
+
+    // A row group's warps split its rows' chunks (`split` warps per group) while every
+    // lane still gets more than one chunk and the grid stays one wave: a small matrix
+    // (o, q/k/v, down) then spreads over twice or four times the blocks, so each warp's
+    // serial chain of decode work is shorter and more warps per SM hide its latency.
+    // Gated pairs: every block serves rows of both matrices (the first one's grid).
+    const int out_rows = set.gated_pairs ? RT / 2 : RT, grid_mats = set.gated_pairs ? 1 : set.n_mats;
     auto blocks_for = [&](int split) {
-        const int rows_per_block = GEMV_WARPS / split * RT;
+        const int rows_per_block = GEMV_WARPS / split * out_rows;
         int blocks = 0;
-        for (int k = 0; k < set.n_mats; k++) blocks += (set.w[k].rows + rows_per_block - 1) / rows_per_block;
+        for (int k = 0; k < grid_mats; k++) blocks += (set.w[k].rows + rows_per_block - 1) / rows_per_block;
         return blocks;
     };
+    const int by_regs = per_launch <= 2 ? 3 : per_launch <= 4 ? 2 : 1;   // gemv_kernel's launch bounds
+    const size_t block_smem = (size_t)per_launch * staged_bytes + 2048;
+    const int per_sm = (int)std::max<size_t>(1, std::min<size_t>(by_regs, ex->smem_per_sm / block_smem));
     int split = 1;
-    while (split < GEMV_WARPS && 32 * split * U < chunks && blocks_for(split) < ex->sm_count / 2) split *= 2;
-    const int rows_per_block = GEMV_WARPS / split * RT;
+    while (split < GEMV_WARPS && 32 * split < chunks && blocks_for(2 * split) <= per_sm * ex->sm_count) split *= 2;
+    const int rows_per_block = GEMV_WARPS / split * out_rows;
     set.first[0] = 0;
     for (int k = 0; k < set.n_mats; k++)
-        set.first[k + 1] = set.first[k] + (set.w[k].rows + rows_per_block - 1) / rows_per_block;
+        set.first[k + 1] = set.first[k] + (k < grid_mats ? (set.w[k].rows + rows_per_block - 1) / rows_per_block : 0);
     if (set.first[set.n_mats] == 0) return;
 
-    const int per_launch = (int)std::min<size_t>((size_t)n, gemv_smem_max(ex) / row_bytes);
     for (int i0 = 0; i0 < n; i0 += per_launch) {
         const int m = std::min(per_launch, n - i0);
         matrix_set part = set;
@@ -642,7 +731,7 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
         gemv_input pin = in;
         pin.x += (size_t)i0 * in.ldx;
         if (in.kind == TL_MATMUL_IN_GATED) pin.up += (size_t)i0 * in.ld_up;
-        const size_t smem = (size_t)m * row_bytes;
+        const size_t smem = (size_t)m * staged_bytes;
         if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, smem);
         else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, smem);
         else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, smem);
@@ -710,10 +799,7 @@ void launch_matmul_multi(tl_exec *ex, const dev_weight *const *ws, int n_w, cons
     matrix_sets(ex, ws, n_w, in, n, ys, ldys, 0);
 }
 
-int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const matmul_in_args &a, int n,
-                     float *const *ys, const size_t *ldys, int accumulate) {
-    if (n <= 0) return 1;
-    if (!gemv_fits(ex, ws, n_w, n)) return 0;
+static gemv_input gemv_input_of(const matmul_in_args &a) {
     gemv_input in = {};
     in.kind = a.kind;
     in.x = a.x;
@@ -729,7 +815,32 @@ int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const ma
         in.unit_offset = a.norm_params.unit_offset;
         in.eps = a.norm_params.eps;
     }
-    matrix_sets(ex, ws, n_w, in, n, ys, ldys, accumulate);
+    return in;
+}
+
+int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const matmul_in_args &a, int n,
+                     float *const *ys, const size_t *ldys, int accumulate) {
+    if (n <= 0) return 1;
+    if (!gemv_fits(ex, ws, n_w, n)) return 0;
+    matrix_sets(ex, ws, n_w, gemv_input_of(a), n, ys, ldys, accumulate);
+    return 1;
+}
+
+int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight &w_up, const matmul_in_args &a,
+                        int n, int gelu, float *y, size_t ldy) {
+    if (n <= 0) return 1;
+    const dev_weight *ws[2] = { &w_gate, &w_up };
+    if (!gemv_fits(ex, ws, 2, n) || w_gate.dtype == TL_DTYPE_F32 || w_gate.dtype != w_up.dtype ||
+        w_gate.rows != w_up.rows || w_gate.cols != w_up.cols)
+        return 0;
+    matrix_set set = {};
+    set.n_mats = 2;
+    set.w[0] = w_gate;
+    set.w[1] = w_up;
+    set.y[0] = set.y[1] = y;
+    set.ldy[0] = set.ldy[1] = ldy;
+    set.gated_pairs = gelu ? 2 : 1;
+    DISPATCH_DTYPE(w_gate.dtype, gemv_dt, ex, set, gemv_input_of(a), n);
     return 1;
 }
 

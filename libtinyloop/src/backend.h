@@ -165,6 +165,13 @@ typedef struct tl_backend_ops {
      * `vocab` logits at `logits`, which the penalty may modify: the same token as
      * tl_sample_row on the same logits, so that only the index comes back. */
     int32_t (*sample)(tl_exec *ex, tl_act logits, int vocab, const struct tl_sample_step *step);
+
+    /* Optional fused form (NULL = not offered; composed from matmul_in as for the fused
+     * forms above). matmul_gated: y = act(W_gate . in) * (W_up . in) for n rows of the
+     * input `in` (an MLP's gated activation, so the down projection reads one row, not
+     * two). Returns 1 when done. */
+    int (*matmul_gated)(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_up, const tl_matmul_in *in,
+                        int n, tl_activation act, tl_act y, size_t ldy);
 } tl_backend_ops;
 
 struct tl_backend {

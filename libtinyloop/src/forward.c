@@ -91,15 +91,21 @@ static void attention(const fwd *F, const tl_block_weights *w, int slot, tl_act 
 /* out (+)= W_down (act(W_gate N x) * W_up N x), N the block's mlp_norm */
 static void mlp(const fwd *F, const tl_block_weights *w, tl_act x, int n, tl_act out, int accumulate) {
     tl_act gate = buf0(F->ctx->gate), up = buf0(F->ctx->up);
+    tl_matmul_in in = normed(F, &w->mlp_norm, x);
+    const tl_tensor *wd = &w->w_down;
+    size_t ld_out = (size_t)F->d;
+    if (F->ops->matmul_gated &&
+        F->ops->matmul_gated(F->ex, &w->w_gate, &w->w_up, &in, n, F->hp->activation, gate, (size_t)F->f)) {
+        tl_matmul_in down_in = { .kind = TL_MATMUL_IN_ROWS, .x = gate, .ldx = (size_t)F->f };
+        matmul_in(F, &wd, 1, &down_in, n, &out, &ld_out, accumulate);
+        return;
+    }
     const tl_tensor *ws[2] = { &w->w_gate, &w->w_up };
     tl_act ys[2] = { gate, up };
     size_t lds[2] = { (size_t)F->f, (size_t)F->f };
-    tl_matmul_in in = normed(F, &w->mlp_norm, x);
     matmul_in(F, ws, 2, &in, n, ys, lds, 0);
-    const tl_tensor *wd = &w->w_down;
     tl_matmul_in down_in = { .kind = TL_MATMUL_IN_GATED, .x = gate, .ldx = (size_t)F->f, .up = up,
                              .ld_up = (size_t)F->f, .act = F->hp->activation };
-    size_t ld_out = (size_t)F->d;
     matmul_in(F, &wd, 1, &down_in, n, &out, &ld_out, accumulate);
 }
 
