@@ -415,6 +415,23 @@ int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_ma
     return 1;
 }
 
+// q/k/v projections of decode rows with RoPE and the KV store in the GEMV's epilogue.
+int cuda_matmul_rope_store(tl_exec *ex, const tl_tensor *const *ws, const tl_matmul_in *in, int n, tl_act q,
+                           int pos0, const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
+                           tl_act v_cache) {
+    const matmul_in_args a = matmul_in_of(in);
+    if (bind(ex)) return 1;
+    const dev_weight *dws[3] = { W(ws[0]), W(ws[1]), W(ws[2]) };
+    const size_t ldq = (size_t)g->n_head * g->head_dim;
+    const pos_arg pos = step_pos(ex, pos0);
+    if (!launch_matmul_rope_store(ex, dws, a, n, P(q), ldq, pos, *p, g->head_dim, P(k_cache), P(v_cache)))
+        return 0;
+    note_matmul_in(ex, 18, in, a, n, (uint64_t)pos.base);
+    step_note(ex, { K(ws[0]), K(ws[1]), K(ws[2]), K(P(q)), K(P(k_cache)), K(P(v_cache)), (uint64_t)p->rope_dims,
+                    (uint64_t)p->style, K(p->theta), (uint64_t)g->head_dim });
+    return 1;
+}
+
 // act(W_gate . in) * (W_up . in) for decode rows: one GEMV launch whose blocks compute
 // rows of both matrices and write their gated product.
 int cuda_matmul_gated(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_up, const tl_matmul_in *in, int n,
@@ -513,6 +530,7 @@ const tl_backend_ops cuda_ops = {
     /* step_end */ cuda_step_end,
     /* sample */ cuda_sample,
     /* matmul_gated */ cuda_matmul_gated,
+    /* matmul_rope_store */ cuda_matmul_rope_store,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -10,6 +10,7 @@
 // not bandwidth: each thread issues all of its loads before it uses any, so a kernel
 // costs about one round trip to memory per pass instead of one per loop iteration.
 #include "cuda_dequant.cuh"
+#include "cuda_rope.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -19,7 +20,6 @@ namespace {
 
 constexpr int ROW_THREADS = 256;   // one block per row for norms and log-softmax
 constexpr int ROW_BATCH = 4;       // accesses in flight per thread in a row pass
-constexpr int ROPE_MAX_PAIRS = 128;   // rope_dims <= 256, as head_dim for attention
 constexpr int ARGMAX_THREADS = 256;
 constexpr int ARGMAX_PER_THREAD = 4;  // loads in flight per thread
 constexpr int ARGMAX_MAX_BLOCKS = 256;   // first-pass blocks (winners kept for the second)
@@ -189,32 +189,7 @@ layernorm_kernel(const float *x, int d, dev_weight w, dev_weight b, int has_bias
     });
 }
 
-// theta^(-2p / rope_dims) for every pair, computed on the host with the CPU's formula.
-struct rope_freqs {
-    double f[ROPE_MAX_PAIRS];
-};
-
-// cos / sin of the RoPE angle of pair p at position pos, as rope_kernel computes them.
-__device__ __forceinline__ void rope_angle(int pos, const rope_freqs &freqs, int p, float *s, float *c) {
-    const double two_pi = 6.283185307179586476925286766559;
-    const double angle = (double)pos * freqs.f[p];
-    const double reduced = angle - rint(angle * (1.0 / two_pi)) * two_pi;
-    sincosf((float)reduced, s, c);
-}
-
-// Rotates pair p of one head's vector in place: (p, p + pairs) in the half style,
-// (2p, 2p + 1) interleaved.
-__device__ __forceinline__ void rope_rotate(float *head, int p, int pairs, int style, float s, float c) {
-    const int ia = style ? 2 * p : p;
-    const int ib = style ? ia + 1 : ia + pairs;
-    const float a = head[ia], b = head[ib];
-    head[ia] = a * c - b * s;
-    head[ib] = a * s + b * c;
-}
-
-// One thread per (row, head, pair). The angle is the CPU's, in double (positions
-// reach thousands of radians); reduced to [-pi, pi] in double it loses nothing, and
-// sincosf of that float is within a few 1e-8 of the CPU's (float)cos / sin.
+// One thread per (row, head, pair); angles as cuda_rope.cuh says.
 __global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, pos_arg pos, int pairs, int style,
                             rope_freqs freqs) {
     pdl_wait();
@@ -261,7 +236,7 @@ __global__ void rope_store_kernel(float *q, const float *k, const float *v, int 
             float s, c;
             rope_angle(pos0 + i, freqs, p, &s, &c);
             const float a = row[ia], b = row[ib];
-            out = dim == ia ? a * c - b * s : a * s + b * c;
+            out = rope_member(a, b, s, c, dim != ia);
         }
         k_cache[(size_t)(pos0 + i) * kvd + within] = out;
         return;
@@ -422,12 +397,6 @@ void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k
     if (count == 0) return;
     launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, k, v, n, pos0,
            width);
-}
-
-static rope_freqs rope_frequencies(const tl_rope_params &p) {
-    rope_freqs freqs;
-    for (int q = 0; q < p.rope_dims / 2; q++) freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
-    return freqs;
 }
 
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,

@@ -21,6 +21,7 @@
 // tiles are decoded into shared memory one chunk per row. Both also serve decode rows
 // too wide for the GEMV's shared memory.
 #include "cuda_dequant.cuh"
+#include "cuda_rope.cuh"
 
 #include <algorithm>
 
@@ -60,6 +61,32 @@ struct gemv_input {
     int layer_norm, has_bias, unit_offset;
     float eps;
 };
+
+// What a row group does with its sums (the GEMV's epilogue).
+enum gemv_epilogue {
+    EPI_STORE = 0,   // y = W x, or y += W x (set.accumulate)
+    EPI_GATED = 1,   // set.gated_pairs: y = act(W[0] x) * (W[1] x)
+    EPI_ROPE = 2,    // q/k/v: RoPE on q and k, q to y[0], k and v to the cache rows (gemv_rope)
+};
+
+// EPI_ROPE: q, k, v = set.w[0..2]; y[1], y[2] are the caches' row 0, ld their row width.
+// Rows of q and k are computed in rotary pairs: logical row 2m + e of a head is member
+// e of pair m (half style: dims m and m + pairs; interleaved: 2m, 2m + 1; past the
+// rotary dims, itself), so a row group holds both members of its pairs.
+struct gemv_rope {
+    pos_arg pos;       // position of input row 0
+    int pairs;         // rope_dims / 2
+    int interleaved;   // tl_rope_params.style
+    int head_dim;
+    rope_freqs freqs;
+};
+
+// The weight row (and output dim) of logical row `row` of member j.
+__device__ __forceinline__ int rope_row(const gemv_rope &rope, int j, int row) {
+    if (j == 2 || rope.interleaved) return row;
+    const int t = row % rope.head_dim;
+    return t < 2 * rope.pairs ? row - t + (t >> 1) + (t & 1) * rope.pairs : row;
+}
 
 // Where float4 k (0..7) of chunk c of an activation row sits in shared memory. The
 // XOR spreads the 8 lanes of a quarter-warp, which read the same k of 8 consecutive
@@ -325,19 +352,19 @@ __device__ __forceinline__ int dot2(unsigned a, unsigned b, int c) {
 }
 
 // One round of a lane: the raw chunks base + lane + stride * u of its rows (weights
-// only, so it may run before the previous kernel has finished). PAIRED: rows r and r +
-// RT / 2 are the same row of w and w_b (a gated pair).
-template <int DT, int RT, int U, bool PAIRED>
-__device__ __forceinline__ void load_round(const dev_weight &w, const dev_weight &w_b, int row0, int base, int lane,
-                                           int stride, int chunks, chunk_bits<DT> (&bits)[RT][U],
-                                           __half2 (&scale_min)[RT][U]) {
+// only, so it may run before the previous kernel has finished). Row r of the group is
+// row rows[r] of w, or with EPI_GATED and r >= RT / 2 of w_b (a gated pair).
+template <int DT, int RT, int U, int EPI>
+__device__ __forceinline__ void load_round(const dev_weight &w, const dev_weight &w_b, const int (&rows)[RT],
+                                           int base, int lane, int stride, int chunks,
+                                           chunk_bits<DT> (&bits)[RT][U], __half2 (&scale_min)[RT][U]) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
         const int c = base + lane + stride * u;
 #pragma unroll
         for (int r = 0; r < RT; r++) {
-            const dev_weight &wr = PAIRED && r >= RT / 2 ? w_b : w;
-            const int row = row0 + (PAIRED ? r % (RT / 2) : r);
+            const dev_weight &wr = EPI == EPI_GATED && r >= RT / 2 ? w_b : w;
+            const int row = rows[r];
             bits[r][u] = chunk_bits<DT>{};
             scale_min[r][u] = __float2half2_rn(0.0f);
             if (c < chunks && row < wr.rows) {
@@ -438,15 +465,15 @@ __device__ __forceinline__ void int_dot_chunk(const uint2 *recs, int n, int chun
 }
 
 // INT_DOT: quantized weights against the activation records (integer dot products)
-// instead of fp32 activations. PAIRED (set.gated_pairs): a row group's first RT / 2
-// rows are rows of set.w[0], the others the same rows of set.w[1], and the group
-// writes act(first) * second.
-template <int DT, int NR, bool INT_DOT, bool PAIRED>
+// instead of fp32 activations. EPI (gemv_epilogue): EPI_GATED: a row group's first
+// RT / 2 rows are rows of set.w[0], the others the same rows of set.w[1], and the group
+// writes act(first) * second; EPI_ROPE: q/k/v rows in rotary pairs (gemv_rope).
+template <int DT, int NR, bool INT_DOT, int EPI>
 __global__ void __launch_bounds__(GEMV_THREADS, NR <= 2 ? 3 : NR == 4 ? 2 : 1)
-gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
+gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
-    constexpr int OUT_ROWS = PAIRED ? RT / 2 : RT;   // output rows of a row group
-    static_assert(!PAIRED || RT % 2 == 0, "gated pairs need an even number of rows per group");
+    constexpr int OUT_ROWS = EPI == EPI_GATED ? RT / 2 : RT;   // output rows of a row group
+    static_assert(EPI == EPI_STORE || RT % 2 == 0, "pairs need an even number of rows per group");
     using traits = dtype_traits<DT>;
     static_assert(!INT_DOT || traits::quantized, "integer dot products need integer codes");
     extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4 (INT_DOT: records);
@@ -464,12 +491,16 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
     const int group = warp / split, sub = warp - group * split;
     const int row0 = (block_in_mat * (GEMV_WARPS / split) + group) * OUT_ROWS;
     const int stride = 32 * split;   // chunks between a lane's consecutive chunks
+    int rows[RT];   // the weight row of each row of the group
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+        rows[r] = EPI == EPI_GATED ? row0 + r % OUT_ROWS : EPI == EPI_ROPE ? rope_row(rope, j, row0 + r) : row0 + r;
 
     // The first round's weights are requested before the wait for the previous
     // kernel: their latency overlaps its tail and this kernel's staging.
     chunk_bits<DT> bits[RT][U];
     __half2 scale_min[RT][U];   // as stored (f16): half the registers of floats
-    load_round<DT, RT, U, PAIRED>(w, set.w[1], row0, sub * 32, lane, stride, chunks, bits, scale_min);
+    load_round<DT, RT, U, EPI>(w, set.w[1], rows, sub * 32, lane, stride, chunks, bits, scale_min);
     if (in.kind == TL_MATMUL_IN_NORM) {
         prefetch_vector_l1(in.norm_w, w.cols);
         if (in.has_bias) prefetch_vector_l1(in.norm_b, w.cols);
@@ -480,7 +511,11 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
     // the residual this block adds to, requested now and used at the end
     const int out_r = lane / NR, out_i = lane % NR;
     const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
-    float *dst = y + (size_t)out_i * ldy + row0 + out_r;
+    const int pos = EPI == EPI_ROPE ? pos_value(rope.pos) : 0;
+    // EPI_ROPE: k and v go to the cache rows of their positions
+    const size_t y_row = EPI == EPI_ROPE && j > 0 ? (size_t)(pos + out_i) : (size_t)out_i;
+    const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
+    float *dst = y + y_row * ldy + out_row;
     const float dst_old = writer && set.accumulate ? *dst : 0.0f;
     if (in.stage_async) stage_x_async(xs, xs + n * chunks * 8, in, n, w.cols, chunks);
     else stage_x_regs(xs, in, n, w.cols, chunks);
@@ -502,7 +537,7 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
 
     for (int base = sub * 32; base < chunks; base += stride * U) {
         if (base != sub * 32)
-            load_round<DT, RT, U, PAIRED>(w, set.w[1], row0, base, lane, stride, chunks, bits, scale_min);
+            load_round<DT, RT, U, EPI>(w, set.w[1], rows, base, lane, stride, chunks, bits, scale_min);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = base + lane + stride * u;
@@ -527,10 +562,19 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split) {
     if (writer) {
         float s = 0.0f;
         for (int t = 0; t < split; t++) s += red[warp + t][lane];
-        if (PAIRED) {
+        if (EPI == EPI_GATED) {
             float up = 0.0f;   // the same output of the second matrix
             for (int t = 0; t < split; t++) up += red[warp + t][lane + OUT_ROWS * NR];
             s = gated(s, up, set.gated_pairs == 2);
+        }
+        const int t_dim = EPI == EPI_ROPE ? (row0 + out_r) % rope.head_dim : 0;
+        if (EPI == EPI_ROPE && j < 2 && t_dim < 2 * rope.pairs) {
+            float other = 0.0f;   // the pair's other member: the neighbouring row of the group
+            for (int t = 0; t < split; t++) other += red[warp + t][(out_r ^ 1) * NR + out_i];
+            const bool second = t_dim & 1;
+            float sn, cs;
+            rope_angle(pos + out_i, rope.freqs, t_dim >> 1, &sn, &cs);
+            s = second ? rope_member(other, s, sn, cs, true) : rope_member(s, other, sn, cs, false);
         }
         *dst = set.accumulate ? dst_old + s : s;
     }
@@ -631,38 +675,48 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
-template <int DT, int NR, bool INT_DOT, bool PAIRED>
-void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
+template <int DT, int NR, bool INT_DOT, int EPI>
+void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
+                        const gemv_rope &rope) {
     if (smem > SMEM_DEFAULT &&
-        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, PAIRED>,
+        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                    "matmul (gemv shared memory size)"))
         return;
-    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, PAIRED>, set.first[set.n_mats], GEMV_THREADS, smem,
-           set, in, n, split);
+    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, EPI>, set.first[set.n_mats], GEMV_THREADS, smem,
+           set, in, n, split, rope);
 }
 
+// The epilogue's kernel: pairs (gated, RoPE) exist for dtypes with an even number of
+// rows per group (all but f32, whose calls are declined before they get here).
 template <int DT, int NR, bool INT_DOT>
-void gemv_launch_paired(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
+void gemv_launch_epilogue(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
+                          const gemv_rope *rope) {
+    static const gemv_rope no_rope = {};
     if constexpr (gemv_tile<DT>::rows % 2 == 0) {
+        if (rope) {
+            gemv_launch_kernel<DT, NR, INT_DOT, EPI_ROPE>(ex, set, in, n, split, smem, *rope);
+            return;
+        }
         if (set.gated_pairs) {
-            gemv_launch_kernel<DT, NR, INT_DOT, true>(ex, set, in, n, split, smem);
+            gemv_launch_kernel<DT, NR, INT_DOT, EPI_GATED>(ex, set, in, n, split, smem, no_rope);
             return;
         }
     }
-    gemv_launch_kernel<DT, NR, INT_DOT, false>(ex, set, in, n, split, smem);
+    gemv_launch_kernel<DT, NR, INT_DOT, EPI_STORE>(ex, set, in, n, split, smem, no_rope);
 }
 
 // Quantized weights use integer dot products unless the context turned them off.
 template <int DT, int NR>
-void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem) {
+void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
+                 const gemv_rope *rope) {
     if constexpr (dtype_traits<DT>::quantized) {
         if (ex->gemv_int_dot) {
-            gemv_launch_paired<DT, NR, true>(ex, set, in, n, split, smem);
+            gemv_launch_epilogue<DT, NR, true>(ex, set, in, n, split, smem, rope);
             return;
         }
     }
-    gemv_launch_paired<DT, NR, false>(ex, set, in, n, split, smem);
+    gemv_launch_epilogue<DT, NR, false>(ex, set, in, n, split, smem, rope);
 }
 
 // Shared memory one GEMV block may use for activation rows (its static shared memory,
@@ -684,7 +738,7 @@ int gemv_fits(const tl_exec *ex, const dev_weight *const *ws, int n_w, int n) {
 // input rows whose activations do not fit in one block's shared memory together go
 // in several launches.
 template <int DT>
-void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
+void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n, const gemv_rope *rope = nullptr) {
     constexpr int RT = gemv_tile<DT>::rows;
     int cols = 0, cols_vec = 1;
     for (int k = 0; k < set.n_mats; k++) {
@@ -727,15 +781,19 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n) {
     for (int i0 = 0; i0 < n; i0 += per_launch) {
         const int m = std::min(per_launch, n - i0);
         matrix_set part = set;
-        for (int k = 0; k < set.n_mats; k++) part.y[k] += (size_t)i0 * part.ldy[k];
+        gemv_rope part_rope = rope ? *rope : gemv_rope{};
+        part_rope.pos.base += i0;   // the caches' rows follow the position, not y
+        for (int k = 0; k < set.n_mats; k++)
+            if (!rope || k == 0) part.y[k] += (size_t)i0 * part.ldy[k];
         gemv_input pin = in;
         pin.x += (size_t)i0 * in.ldx;
         if (in.kind == TL_MATMUL_IN_GATED) pin.up += (size_t)i0 * in.ld_up;
         const size_t smem = (size_t)m * staged_bytes;
-        if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, smem);
-        else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, smem);
-        else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, smem);
-        else gemv_launch<DT, 8>(ex, part, pin, m, split, smem);
+        const gemv_rope *r = rope ? &part_rope : nullptr;
+        if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, smem, r);
+        else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, smem, r);
+        else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, smem, r);
+        else gemv_launch<DT, 8>(ex, part, pin, m, split, smem, r);
     }
 }
 
@@ -841,6 +899,33 @@ int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight 
     set.ldy[0] = set.ldy[1] = ldy;
     set.gated_pairs = gelu ? 2 : 1;
     DISPATCH_DTYPE(w_gate.dtype, gemv_dt, ex, set, gemv_input_of(a), n);
+    return 1;
+}
+
+int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
+                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
+                             float *v_cache) {
+    if (n <= 0) return 1;
+    const int dt = ws[0]->dtype, pairs = p.rope_dims / 2;
+    if (!gemv_fits(ex, ws, 3, n) || dt == TL_DTYPE_F32 || ws[1]->dtype != dt || ws[2]->dtype != dt ||
+        head_dim % 4 != 0 || pairs > ROPE_MAX_PAIRS || 2 * pairs > head_dim || ws[0]->rows % head_dim ||
+        ws[1]->rows != ws[2]->rows || ws[1]->rows % head_dim)
+        return 0;   // f32 has one row per group; 4 divides every other dtype's rows per group
+    matrix_set set = {};
+    set.n_mats = 3;
+    const float *ys[3] = { q, k_cache, v_cache };
+    for (int j = 0; j < 3; j++) {
+        set.w[j] = *ws[j];
+        set.y[j] = const_cast<float *>(ys[j]);
+        set.ldy[j] = j == 0 ? ldq : (size_t)ws[1]->rows;
+    }
+    gemv_rope rope = {};
+    rope.pos = pos0;
+    rope.pairs = pairs;
+    rope.interleaved = p.style;
+    rope.head_dim = head_dim;
+    rope.freqs = rope_frequencies(p);
+    DISPATCH_DTYPE(dt, gemv_dt, ex, set, gemv_input_of(a), n, &rope);
     return 1;
 }
 

@@ -166,12 +166,19 @@ typedef struct tl_backend_ops {
      * tl_sample_row on the same logits, so that only the index comes back. */
     int32_t (*sample)(tl_exec *ex, tl_act logits, int vocab, const struct tl_sample_step *step);
 
-    /* Optional fused form (NULL = not offered; composed from matmul_in as for the fused
-     * forms above). matmul_gated: y = act(W_gate . in) * (W_up . in) for n rows of the
+    /* Optional fused forms (NULL = not offered; composed from the ops above as for the
+     * fused forms above). matmul_gated: y = act(W_gate . in) * (W_up . in) for n rows of the
      * input `in` (an MLP's gated activation, so the down projection reads one row, not
      * two). Returns 1 when done. */
     int (*matmul_gated)(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_up, const tl_matmul_in *in,
                         int n, tl_activation act, tl_act y, size_t ldy);
+    /* matmul_rope_store: the q/k/v projections of n rows of `in` (ws = wq, wk, wv, no
+     * bias) followed by rope_store, in one op: q (row stride n_head * head_dim) is
+     * written rotated, k rotated and v to the cache rows pos0.. (the kv_new buffers are
+     * not written). Returns 1 when done. */
+    int (*matmul_rope_store)(tl_exec *ex, const tl_tensor *const *ws, const tl_matmul_in *in, int n, tl_act q,
+                             int pos0, const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
+                             tl_act v_cache);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -55,8 +55,9 @@ static tl_matmul_in normed(const fwd *F, const tl_norm_weights *w, tl_act x) {
 }
 
 /* out (+)= Wo . attention(RoPE(Wq N1 x), RoPE(Wk N1 x), Wv N1 x) for n rows at pos0;
- * the new keys and values go to the cache rows of `slot` through kv_store, so no op
- * but kv_store is given an address that depends on the position (see step_begin). */
+ * the new keys and values go to the cache rows of `slot` through kv_store (or the
+ * fused rope_store / matmul_rope_store), which take the slot's row 0 and pos0, so no
+ * op is given an address that depends on the position (see step_begin). */
 static void attention(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0,
                       tl_act out, int accumulate) {
     const tl_kv_cache *kv = &F->ctx->kv;
@@ -66,20 +67,23 @@ static void attention(const fwd *F, const tl_block_weights *w, int slot, tl_act 
     tl_act k_cache = tl_kv_keys(kv, slot), v_cache = tl_kv_values(kv, slot);
 
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
-    tl_act ys[3] = { q, k_new, v_new };
-    size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
     tl_matmul_in in = normed(F, &w->attn_norm, x);
-    matmul_in(F, ws, 3, &in, n, ys, lds, 0);
-    if (F->hp->qkv_bias) {
-        F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
-        F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
-        F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
-    }
-    if (!(F->ops->rope_store &&
-          F->ops->rope_store(F->ex, q, k_new, v_new, n, pos0, &F->rope, &F->geom, k_cache, v_cache))) {
-        F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
-        F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
-        F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+    if (F->hp->qkv_bias || !F->ops->matmul_rope_store ||
+        !F->ops->matmul_rope_store(F->ex, ws, &in, n, q, pos0, &F->rope, &F->geom, k_cache, v_cache)) {
+        tl_act ys[3] = { q, k_new, v_new };
+        size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
+        matmul_in(F, ws, 3, &in, n, ys, lds, 0);
+        if (F->hp->qkv_bias) {
+            F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
+            F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
+            F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
+        }
+        if (!(F->ops->rope_store &&
+              F->ops->rope_store(F->ex, q, k_new, v_new, n, pos0, &F->rope, &F->geom, k_cache, v_cache))) {
+            F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
+            F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
+            F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+        }
     }
     F->ops->attention(F->ex, q, n, pos0, k_cache, v_cache, &F->geom, att);
     const tl_tensor *wo = &w->wo;
