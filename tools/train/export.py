@@ -66,7 +66,10 @@ def main(argv=None) -> None:
     ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     ap.add_argument("--embed-group-size", type=int, default=64, choices=(32, 64, 128),
                     help="64 keeps a q4 embedding + six q4 blocks under 32 MB")
-    ap.add_argument("--method", default="rtn", choices=("rtn", "search"))
+    ap.add_argument("--method", default="rtn", choices=("rtn", "search"),
+                    help="block matrices; blocks trained with QAT (train.py --qat-start) match rtn")
+    ap.add_argument("--embed-method", default="", choices=("", "rtn", "search"),
+                    help="embedding (default: --method); search suits the untrained embedding")
     ap.add_argument("--default-depth", type=int, default=0, help="override the trained default")
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--max-bytes", type=int, default=32_000_000)
@@ -110,7 +113,8 @@ def main(argv=None) -> None:
             writer.add_tensor(name, w, "f32" if w.ndim == 1 else "f16")
         else:
             group = args.embed_group_size if name == "embed.weight" else args.group_size
-            writer.add_tensor(name, quantize(w, dtype, group, args.method))
+            method = (args.embed_method or args.method) if name == "embed.weight" else args.method
+            writer.add_tensor(name, quantize(w, dtype, group, method))
     out = Path(args.out)
     writer.write(str(out))
     size = out.stat().st_size

@@ -6,7 +6,10 @@ deep end, which has to beat the shallow depths, while every depth still gets tra
 plus hidden_weight * (1 - cosine) between the loop state after iteration i and the teacher's
 residual at the matching layer (hidden_targets), so each iteration has a job from the start.
 bf16 autocast on CUDA, AdamW, warmup then cosine decay driven by the larger of step and
-time progress (a time-limited run still anneals). Seeded and resumable: --out holds
+time progress (a time-limited run still anneals). --init-weights continues from a previous
+run's returned weights (fresh optimizer and schedule); --qat-start turns on
+quantization-aware training (qat.py: the q4 grid of export.py, straight-through gradients)
+for the last part of the schedule. Seeded and resumable: --out holds
 latest.pt (weights, optimizer, sampler state, elapsed time), log.jsonl, and at the end
 weights/ (fp16 shards of the trained tensors, each < 15 MiB, + student.json) and
 results.json (per-depth validation and held-out perplexity).
@@ -24,6 +27,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from student import (LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher,  # noqa: E402
                      teacher_state_rms)
+from qat import QAT  # noqa: E402
 from teacher import load_teacher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +74,21 @@ def parse_args(argv=None):
                          'e.g. "sotu=2" (sources: .traindata/tokens/manifest.json)')
     ap.add_argument("--train-embed", action="store_true",
                     help="also train the tied embedding (off: it stays the teacher's)")
+    ap.add_argument("--init-weights", default="",
+                    help="start from a previous run's weights folder (student-0N.pt + student.json, "
+                         "what train.py writes to OUT/weights) instead of the teacher init; fresh "
+                         "optimizer and schedule. Ignored when OUT/latest.pt exists (resume)")
+    # quantization-aware training
+    ap.add_argument("--qat-start", type=float, default=0.0,
+                    help="switch QAT on once this fraction of the schedule is done (0 < FRAC <= 1; "
+                         "0: off): the forward pass uses the q4 weights export.py will write")
+    ap.add_argument("--qat-group", type=int, default=32, choices=(32, 64, 128),
+                    help="q4 group of the block matrices (export.py --group-size)")
+    ap.add_argument("--qat-embed", default="search", choices=("search", "rtn", "none"),
+                    help="while QAT is on, the frozen embedding is its q4 export with this method "
+                         "(export.py --embed-method; none: keep it float)")
+    ap.add_argument("--qat-embed-group", type=int, default=64, choices=(32, 64, 128),
+                    help="export.py --embed-group-size")
     # optimisation
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
@@ -98,6 +118,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.max_steps <= 0 and args.max_minutes <= 0:
         ap.error("give --max-steps and/or --max-minutes")
+    if not 0.0 <= args.qat_start <= 1.0:
+        ap.error("--qat-start must be in (0, 1] (0: off)")
     return args
 
 
@@ -116,6 +138,41 @@ def init_student(student, teacher, calib_tokens, args) -> float:
     if args.loop_norm_gain == "coda":
         target = teacher_state_rms(teacher, calib_tokens, len(teacher.layers) - student.cfg.n_post)
     return calibrate_loop_norm(student, calib_tokens, target)
+
+
+# student config fields that only steer the teacher init; the rest must match the weights
+INIT_ONLY_FIELDS = ("core_init", "core_start", "max_depth", "default_depth")
+
+
+def load_init_weights(student, folder: Path, dims) -> dict:
+    """Copy a previous run's weights (train.py's weights/ folder) into `student`; exits
+    with a clear message when the architecture, tensor names or shapes differ."""
+    info_path = folder / "student.json"
+    if not info_path.exists():
+        raise SystemExit(f"--init-weights {folder}: no student.json (expected train.py's weights folder)")
+    info = json.loads(info_path.read_text())
+    if info.get("dims") != asdict(dims):
+        raise SystemExit(f"--init-weights {folder}: dims {info.get('dims')} differ from the teacher's {asdict(dims)}")
+    mine, theirs = asdict(student.cfg), info.get("student", {})
+    diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v and k not in INIT_ONLY_FIELDS}
+    if diff:
+        raise SystemExit(f"--init-weights {folder}: student config differs (file, now): {diff}")
+    loaded = {}
+    for shard in info["shards"]:
+        loaded.update(torch.load(folder / shard, map_location="cpu", weights_only=True))
+    expected = {n: p for n, p in student.state_dict().items()
+                if n != "embed.weight" or info.get("embed_trained")}
+    missing, unexpected = sorted(set(expected) - set(loaded)), sorted(set(loaded) - set(expected))
+    shapes = {n: (tuple(loaded[n].shape), tuple(p.shape)) for n, p in expected.items()
+              if n in loaded and loaded[n].shape != p.shape}
+    if missing or unexpected or shapes:
+        raise SystemExit(f"--init-weights {folder}: tensors do not match the student: missing {missing}, "
+                         f"unexpected {unexpected}, shape (file, student) {shapes}")
+    with torch.no_grad():
+        for n, p in expected.items():
+            p.copy_(loaded[n].to(p.device, p.dtype))
+    return {"step": info.get("step"), "tensors": len(loaded),
+            "ignored_config": {k: (theirs.get(k), mine[k]) for k in INIT_ONLY_FIELDS if theirs.get(k) != mine[k]}}
 
 
 class Log:
@@ -345,6 +402,12 @@ def main(argv=None) -> None:
     log("setup", device=str(device), teacher_load_s=round(time.time() - t0, 1),
         student=asdict(cfg), train_tokens=len(train_tokens), val_windows=len(val_windows))
 
+    qat = None
+    if args.qat_start > 0:
+        qat = QAT(student, group=args.qat_group, embed_group=args.qat_embed_group,
+                  embed_method=args.qat_embed if args.qat_embed != "none" else "rtn",
+                  quantize_embed=args.qat_embed != "none")
+
     decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
     no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -361,12 +424,16 @@ def main(argv=None) -> None:
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["sampler"])
         step, elapsed = state["step"], state["elapsed"]
-        log("resume", step=step, elapsed_s=round(elapsed, 1))
+        log("resume", step=step, elapsed_s=round(elapsed, 1),
+            **({"init_weights_ignored": args.init_weights} if args.init_weights else {}))
     else:
         x, _ = sample_batch(train_tokens, min(args.batch, 4), args.seq, torch.Generator().manual_seed(args.seed + 1), device)
         gain = init_student(student, teacher.float(), x, args)
         if device.type == "cuda":
             teacher.to(torch.bfloat16)
+        if args.init_weights:
+            log("init_weights", folder=args.init_weights,
+                **load_init_weights(student, Path(args.init_weights), teacher.dims))
         log("init", loop_norm_gain=round(gain, 3), depth_probs=[round(p, 3) for p in probs.tolist()],
             val_nll={d: round(v, 4) for d, v in per_depth_nll(student, val_windows[:4], device, autocast).items()})
         if args.kl_weight > 0:
@@ -385,10 +452,38 @@ def main(argv=None) -> None:
             p = max(p, elapsed / (args.max_minutes * 60))
         return p
 
+    def qat_on() -> bool:
+        return qat is not None and progress() >= args.qat_start
+
+    def val_both() -> dict:
+        with qat.active():
+            q = per_depth_nll(student, val_windows, device, autocast)
+        f = per_depth_nll(student, val_windows, device, autocast)
+        return {"val_nll_q4": {d: round(v, 4) for d, v in q.items()},
+                "val_nll_float": {d: round(v, 4) for d, v in f.items()}}
+
+    qat_logged = False
+
+    def qat_switch() -> None:
+        """Once QAT is due: quantize the frozen embedding, log float and q4 validation. Its
+        time is left out of the training clock."""
+        nonlocal qat_logged, last_tick
+        if qat_logged or not qat_on():
+            return
+        t_q = time.time()
+        if qat.quantize_embed and not args.train_embed:
+            qat.embed_tensor(student.embed.weight)  # once (search: ~45 s on one core, threaded)
+        embed_s = round(time.time() - t_q, 1)
+        log("qat", on=True, step=step, progress=round(progress(), 4), group=args.qat_group,
+            embed=args.qat_embed, embed_quantize_s=embed_s, **val_both())
+        qat_logged = True
+        last_tick = time.time()
+
     run_start = time.time()
     last_save, last_tick = time.time(), time.time()
     student.train()
     while progress() < 1.0:
+        qat_switch()
         if args.run_minutes > 0 and time.time() - run_start > args.run_minutes * 60:
             log("stop", reason="run-minutes reached", step=step)
             break
@@ -400,7 +495,8 @@ def main(argv=None) -> None:
         with autocast():
             t_logits, t_hidden = teacher(x, return_hidden=True) if args.kl_weight > 0 or args.hidden_weight > 0 \
                 else (None, None)
-            s_logits, states = student.forward_with_states(x, depth)
+            with qat.active(qat_on()) if qat is not None else nullcontext():
+                s_logits, states = student.forward_with_states(x, depth)
         loss, kl, ce = distill_loss(s_logits, t_logits if args.kl_weight > 0 else None, y, args)
         hid = torch.zeros((), device=device)
         if args.hidden_weight > 0:
@@ -414,34 +510,54 @@ def main(argv=None) -> None:
         now = time.time()
         elapsed += now - last_tick
         last_tick = now
+        qat_switch()
         if step % 10 == 0 or step == 1:
             log("train", step=step, depth=depth, loss=round(loss.item(), 4), kl=round(kl.item(), 4),
                 ce=round(ce.item(), 4), hid=round(hid.item(), 4), lr=f"{lr:.2e}", gnorm=round(gnorm.item(), 3),
                 elapsed_s=round(elapsed, 1), tok_s=round(step * args.batch * args.seq / max(elapsed, 1e-9)))
         if step % args.eval_every == 0:
-            log("val", step=step, nll={d: round(v, 4) for d, v in
-                                       per_depth_nll(student, val_windows, device, autocast).items()})
+            with qat.active(qat_on()) if qat is not None else nullcontext():
+                nll = per_depth_nll(student, val_windows, device, autocast)
+            log("val", step=step, weights="q4" if qat_on() else "float",
+                nll={d: round(v, 4) for d, v in nll.items()})
         if now - last_save > args.save_every_minutes * 60:
             checkpoint()
             last_save = now
     checkpoint()
 
+    # The primary numbers are of the weights as exported: q4 (QAT's grid) once QAT is on.
+    quantized = qat_on()
+
+    def evaluated():
+        return qat.active(quantized) if qat is not None else nullcontext()
+
     results = {"step": step, "elapsed_s": round(elapsed, 1), "finished": progress() >= 1.0,
-               "val_nll": per_depth_nll(student, val_windows, device, autocast)}
+               "weights": "q4" if quantized else "float"}
+    with evaluated():
+        results["val_nll"] = per_depth_nll(student, val_windows, device, autocast)
     results["val_ppl"] = {d: math.exp(v) for d, v in results["val_nll"].items()}
+    if qat is not None:  # the other variant too, validation only
+        with qat.active(not quantized):
+            other = per_depth_nll(student, val_windows, device, autocast)
+        results["val_nll_float" if quantized else "val_nll_q4"] = other
+        results["qat"] = {"start": args.qat_start, "group": args.qat_group, "embed": args.qat_embed,
+                          "embed_group": args.qat_embed_group}
     eval_path = data / "eval_sotu.u16"
     if args.final_eval_tokens > 0 and eval_path.exists():
         eval_tokens = load_tokens(eval_path)[:args.final_eval_tokens]
         windows = fixed_windows(eval_tokens, len(eval_tokens) // (args.seq + 1), args.seq)
-        nll = per_depth_nll(student, windows, device, autocast)
-        results["heldout_sotu_ppl"] = {d: math.exp(v) for d, v in nll.items()}
+        with evaluated():
+            nll = per_depth_nll(student, windows, device, autocast)
+            results["heldout_sotu_ppl"] = {d: math.exp(v) for d, v in nll.items()}
+            results["heldout_draft_agreement"] = draft_agreement(student, windows, device, autocast,
+                                                                 cfg.default_depth)
         results["heldout_sotu_teacher_ppl"] = math.exp(mean_nll(teacher, windows, device, autocast))
-        results["heldout_draft_agreement"] = draft_agreement(student, windows, device, autocast,
-                                                             cfg.default_depth)
     log("final", **{k: v for k, v in results.items()})
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     shards = save_weights(student, out, {"embed_trained": bool(args.train_embed), "step": step,
-                                         "teacher": Path(args.teacher).name})
+                                         "teacher": Path(args.teacher).name,
+                                         "init_weights": args.init_weights or None,
+                                         "qat": results.get("qat"), "weights_eval": results["weights"]})
     log("saved", weights=shards)
 
 
