@@ -1,8 +1,9 @@
 // cuda_matmul.cu — y = x W^T for every weight dtype, the embedding lookup and bias add.
 //
 // Decode (n <= 8 rows): a GEMV built to keep many weight bytes in flight per SM. A
-// block of 8 warps first copies the n activation rows into shared memory (each is
-// read by every output row of the block); then each "row group" of `split` warps
+// block of 8 warps first copies the n activation rows into shared memory (cp.async
+// when aligned; each row is read by every output row of the block); then each "row
+// group" of `split` warps
 // computes gemv_tile::rows output rows: its lanes walk the row in 32-element chunks,
 // a lane loading the raw chunks of all its rows for gemv_tile::unroll chunks at once
 // (eight independent 16-byte loads for q4) before decoding any. Quantized chunks are
@@ -13,7 +14,10 @@
 // weights, and quantized ones with TINYLOOP_CUDA_DP4A=0, take the fp32 FMA path. Rows
 // longer than one pass of a warp are split over several warps (`split`), whose
 // partial sums meet in shared memory. Up to three matrices of one dtype applied to
-// the same input (q/k/v, gate/up) share one launch: each block belongs to one of them.
+// the same input (q/k/v, gate/up) share one launch: each block belongs to one of them,
+// except in the paired epilogues (gemv_epilogue), where a row group's rows are a gated
+// pair (gate, up: it writes act(gate) * up) or a rotary pair of q or k (it writes them
+// rotated, k and v to the KV cache).
 // Accumulation is fp32 and activations keep 24 significant bits: results track the
 // float64 oracle tightly (docs/cuda-backend.md, GEMV).
 // Prefill (n > 8): the tensor-core GEMM of cuda_gemm_tc.cu for q8/q4/q2/f16 weights;
