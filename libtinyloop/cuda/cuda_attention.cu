@@ -206,16 +206,16 @@ __device__ __forceinline__ void merge_state(float &m, float &l, float (&acc)[DPL
     m = mn;
 }
 
-// The per-warp states of `items` items, kept in shared memory at st[(warp * items + t)
-// * (hd + 2)] as (m, l, acc[hd]), merged in warp order by warp t for item t.
+// The states of `items` items kept by `warps` warps in shared memory at st[(warp *
+// items + t) * (hd + 2)] as (m, l, acc[hd]), merged in warp order for item t.
 template <int DPL>
 __device__ __forceinline__ void combine_warps(const float *st, int items, int t, int lane, int hd, float &m,
-                                              float &l, float (&acc)[DPL]) {
+                                              float &l, float (&acc)[DPL], int warps = DEC_WARPS) {
     m = -INFINITY;
     l = 0.0f;
 #pragma unroll
     for (int k = 0; k < DPL; k++) acc[k] = 0.0f;
-    for (int w = 0; w < DEC_WARPS; w++) {
+    for (int w = 0; w < warps; w++) {
         const float *s = st + (size_t)(w * items + t) * (hd + 2);
         float accb[DPL];
         load_dims<DPL>(s + 2, lane, hd, 0, accb);
@@ -234,7 +234,7 @@ __device__ __forceinline__ void keep_warp_state(float *st, int items, int t, int
     store_dims<DPL>(s + 2, lane, hd, acc);
 }
 
-// Decode: the states of the `used` splits of the block's items, folded in split
+// Decode: the states of the `used` splits of the block's items folded in a fixed
 // order, then out = acc / l. Warp w folds splits w / DEC_ITEMS, + 2, + 4, ... of item
 // w % DEC_ITEMS; the two halves meet in shared memory (st, as the decode kernel's).
 template <int DPL>
@@ -261,12 +261,7 @@ __device__ void merge_splits(const decode_args &d, float *st, int used, int item
     keep_warp_state<DPL>(st, DEC_ITEMS, t, half, lane, hd, m, l, acc);
     __syncthreads();
     if (half != 0 || item >= n_items) return;
-    for (int h = 1; h < HALVES; h++) {
-        const float *sb = st + (size_t)(h * DEC_ITEMS + t) * (hd + 2);
-        float accb[DPL];
-        load_dims<DPL>(sb + 2, lane, hd, 0, accb);
-        merge_state<DPL>(m, l, acc, sb[0], sb[1], accb);
-    }
+    combine_warps<DPL>(st, DEC_ITEMS, t, lane, hd, m, l, acc, HALVES);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
     for (int k = 0; k < DPL; k++) acc[k] *= inv;
