@@ -118,9 +118,13 @@ constexpr int ACT_REC_WORDS = 26;
 constexpr int ACT_REC_PAIRS = ACT_REC_WORDS / 2;  // uint2 per record
 constexpr int ACT_V_MAX = 8388607;                // 2^23 - 1, the largest v
 constexpr int ACT_SMALL_EXP = 23;                 // chunks below 2^(23-127) read as 0
-constexpr int ACT_THREADS_PER_CHUNK = 8;          // one float4 each
+constexpr int ACT_THREADS_PER_CHUNK = 4;          // two float4 each
 constexpr int ACT_CHUNKS_PER_WAVE = GEMV_THREADS / ACT_THREADS_PER_CHUNK;
 static_assert(ACT_REC_WORDS * 4 <= 32 * sizeof(float) && ACT_REC_PAIRS % 2 == 1, "records fit in place");
+
+// The staged row of flat index v (per_row entries a row). The kernel passes n = 1 as a
+// constant when it has one input row, which folds the division away.
+__device__ __forceinline__ int row_of(int v, int n, int per_row) { return n == 1 ? 0 : v / per_row; }
 
 // act(g) * u, the formula of the gated_act kernel.
 __device__ __forceinline__ float gated(float g, float u, int gelu) {
@@ -141,7 +145,7 @@ __device__ __forceinline__ void stage_x_regs(float4 *xs, const gemv_input &in, i
             const int v = v0 + b * GEMV_THREADS;
             val[b] = up[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (v >= total) continue;
-            const int i = v / per_row, e = (v - i * per_row) * 4;
+            const int i = row_of(v, n, per_row), e = (v - i * per_row) * 4;
             val[b] = load_x4(in.x + (size_t)i * in.ldx, e, cols, in.vec);
             if (gate) up[b] = load_x4(in.up + (size_t)i * in.ld_up, e, cols, in.vec);
         }
@@ -149,7 +153,7 @@ __device__ __forceinline__ void stage_x_regs(float4 *xs, const gemv_input &in, i
         for (int b = 0; b < GEMV_STAGE_BATCH; b++) {
             const int v = v0 + b * GEMV_THREADS;
             if (v >= total) continue;
-            const int i = v / per_row, s = v - i * per_row;
+            const int i = row_of(v, n, per_row), s = v - i * per_row;
             float4 x = val[b];
             if (gate) {
                 const int e = s * 4;
@@ -170,6 +174,12 @@ __device__ __forceinline__ void copy16_async(float4 *dst, const float *src, bool
                  : "memory");
 }
 
+// 4 bytes global -> shared without a register (completed by the next cp.async wait).
+__device__ __forceinline__ void copy4_async(float *dst, const float *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
 // The same for 16-byte aligned rows (in.vec): every load of the rows (and of `up`,
 // staged in ups) is in flight at once, so staging costs one round trip whatever the
 // width, and no registers; the gated activation is then applied in shared memory.
@@ -178,7 +188,7 @@ __device__ __forceinline__ void stage_x_async(float4 *xs, float4 *ups, const gem
     const int per_row = chunks * 8, total = n * per_row;
     const bool gate = in.kind == TL_MATMUL_IN_GATED;
     for (int v = threadIdx.x; v < total; v += GEMV_THREADS) {
-        const int i = v / per_row, s = v - i * per_row, e = s * 4;
+        const int i = row_of(v, n, per_row), s = v - i * per_row, e = s * 4;
         const int slot = i * per_row + x_slot(s >> 3, s & 7);
         copy16_async(xs + slot, in.x + (size_t)i * in.ldx + (e < cols ? e : 0), e < cols);
         if (gate) copy16_async(ups + slot, in.up + (size_t)i * in.ld_up + (e < cols ? e : 0), e < cols);
@@ -231,7 +241,7 @@ __device__ __forceinline__ void staged_row_sums(const float4 *xs, int n, int per
 }
 
 // The staged rows replaced by their norm (the formulas of the norm kernels).
-__device__ void norm_staged(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
+__device__ __forceinline__ void norm_staged(float4 *xs, const gemv_input &in, int n, int cols, int chunks) {
     __shared__ float red[GEMV_WARPS][GEMV_MAX_ROWS];
     __shared__ float mean[GEMV_MAX_ROWS], rstd[GEMV_MAX_ROWS];
     const int per_row = chunks * 8;
@@ -269,7 +279,7 @@ __device__ void norm_staged(float4 *xs, const gemv_input &in, int n, int cols, i
     }
     __syncthreads();
     for (int v = threadIdx.x; v < n * per_row; v += GEMV_THREADS) {
-        const int i = v / per_row, e = slot_elem(v - i * per_row);
+        const int i = row_of(v, n, per_row), e = slot_elem(v - i * per_row);
         float4 x = xs[v];
         float *c = &x.x;
 #pragma unroll
@@ -291,20 +301,29 @@ __device__ void norm_staged(float4 *xs, const gemv_input &in, int n, int cols, i
 }
 
 // The n staged rows (fp32, swizzled) replaced by their records, chunk g = row *
-// chunks + c at record g. Eight threads share a chunk (largest magnitude and sum by
-// shuffles); a wave of 32 chunks reads its fp32 values, waits for the block, then
-// writes records, which only overlap fp32 chunks of this wave or earlier ones.
-__device__ void act_records(float4 *xs, int n, int chunks) {
+// chunks + c at record g. Four threads share a chunk, eight elements each (largest
+// magnitude and sum by shuffles); a wave of 64 chunks reads its fp32 values, waits for
+// the block, then writes records, which only overlap fp32 chunks of this wave or
+// earlier ones.
+__device__ __forceinline__ void act_records(float4 *xs, int n, int chunks) {
     unsigned *rec_words = reinterpret_cast<unsigned *>(xs);
-    const int total = n * chunks, k = threadIdx.x % ACT_THREADS_PER_CHUNK;
+    const int total = n * chunks, t = threadIdx.x % ACT_THREADS_PER_CHUNK;
     for (int g0 = 0; g0 < total; g0 += ACT_CHUNKS_PER_WAVE) {
         const int g = g0 + threadIdx.x / ACT_THREADS_PER_CHUNK;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (g < total) x = xs[g * 8 + (k ^ ((g % chunks) & 7))];
+        const int swz = (n == 1 ? g : g % chunks) & 7;
+        float x[8] = {};
+        if (g < total) {
+            const float4 a = xs[g * 8 + ((2 * t) ^ swz)], b = xs[g * 8 + ((2 * t + 1) ^ swz)];
+            x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+            x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+        }
         // magnitudes compared as bits: finite < inf < NaN
-        unsigned amax = max(max(__float_as_uint(x.x) & 0x7FFFFFFFu, __float_as_uint(x.y) & 0x7FFFFFFFu),
-                            max(__float_as_uint(x.z) & 0x7FFFFFFFu, __float_as_uint(x.w) & 0x7FFFFFFFu));
-        float sum = (x.x + x.y) + (x.z + x.w);
+        unsigned amax = 0;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax = max(amax, __float_as_uint(x[j]) & 0x7FFFFFFFu);
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) sum += x[j] + x[j + 1];
 #pragma unroll
         for (int o = 1; o < ACT_THREADS_PER_CHUNK; o <<= 1) {
             amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -321,18 +340,19 @@ __device__ void act_records(float4 *xs, int n, int chunks) {
             inv_step = __uint_as_float((unsigned)(276 - e) << 23);
         }
         // |x / s| < 2^23, but 2^23 - 0.5 rounds (to even) to 2^23: clamp
-        const unsigned v0 = (unsigned)min(__float2int_rn(x.x * inv_step), ACT_V_MAX);
-        const unsigned v1 = (unsigned)min(__float2int_rn(x.y * inv_step), ACT_V_MAX);
-        const unsigned v2 = (unsigned)min(__float2int_rn(x.z * inv_step), ACT_V_MAX);
-        const unsigned v3 = (unsigned)min(__float2int_rn(x.w * inv_step), ACT_V_MAX);
-        const unsigned low01 = __byte_perm(v0, v1, 0x5410), low23 = __byte_perm(v2, v3, 0x5410);
-        const unsigned high = __byte_perm(__byte_perm(v0, v1, 0x0062), __byte_perm(v2, v3, 0x0062), 0x5410);
+        unsigned v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = (unsigned)min(__float2int_rn(x[j] * inv_step), ACT_V_MAX);
         __syncthreads();   // the whole wave has read its fp32 values
         if (g < total) {
-            unsigned *rec = rec_words + g * ACT_REC_WORDS;
-            reinterpret_cast<uint2 *>(rec)[k] = make_uint2(low01, low23);   // v & 0xFFFF, two per word
-            rec[16 + k] = high;                                                // v >> 16, bytes
-            if (k == 0) reinterpret_cast<uint2 *>(rec)[12] = make_uint2(__float_as_uint(step), __float_as_uint(sum));
+            // elements 8t .. 8t+7: low-half words 4t .. 4t+3, high-byte words 2t, 2t+1
+            uint2 *rec = reinterpret_cast<uint2 *>(rec_words + g * ACT_REC_WORDS);
+            rec[2 * t] = make_uint2(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410));
+            rec[2 * t + 1] = make_uint2(__byte_perm(v[4], v[5], 0x5410), __byte_perm(v[6], v[7], 0x5410));
+            rec[8 + t] = make_uint2(
+                __byte_perm(__byte_perm(v[0], v[1], 0x0062), __byte_perm(v[2], v[3], 0x0062), 0x5410),
+                __byte_perm(__byte_perm(v[4], v[5], 0x0062), __byte_perm(v[6], v[7], 0x0062), 0x5410));
+            if (t == 0) rec[12] = make_uint2(__float_as_uint(step), __float_as_uint(sum));
         }
     }
 }
@@ -361,23 +381,24 @@ __device__ __forceinline__ int dot2(unsigned a, unsigned b, int c) {
 // One round of a lane: the raw chunks base + lane + stride * u of its rows (weights
 // only, so it may run before the previous kernel has finished). Row r of the group is
 // row rows[r] of w, or with EPI_GATED and r >= RT / 2 of w_b (a gated pair).
+// Every load of the round is issued before any value is used: a chunk past the row or
+// a row past the matrix is clamped onto the last one instead of branched around (its
+// values are never used: the dot skips chunks past the row and rows past the matrix
+// are not written). Branches here made each row's loads wait for the previous row's.
 template <int DT, int RT, int U, int EPI>
 __device__ __forceinline__ void load_round(const dev_weight &w, const dev_weight &w_b, const int (&rows)[RT],
                                            int base, int lane, int stride, int chunks,
                                            chunk_bits<DT> (&bits)[RT][U], __half2 (&scale_min)[RT][U]) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
-        const int c = base + lane + stride * u;
+        const int c = min(base + lane + stride * u, chunks - 1);
 #pragma unroll
         for (int r = 0; r < RT; r++) {
             const dev_weight &wr = EPI == EPI_GATED && r >= RT / 2 ? w_b : w;
-            const int row = rows[r];
-            bits[r][u] = chunk_bits<DT>{};
-            scale_min[r][u] = __float2half2_rn(0.0f);
-            if (c < chunks && row < wr.rows) {
-                bits[r][u] = load_bits<DT>(wr, row, c);
-                if (dtype_traits<DT>::quantized) scale_min[r][u] = chunk_scale_min_half2<DT>(wr, row, c);
-            }
+            const int row = min(rows[r], wr.rows - 1);
+            bits[r][u] = load_bits<DT>(wr, row, c);
+            if (dtype_traits<DT>::quantized) scale_min[r][u] = chunk_scale_min_half2<DT>(wr, row, c);
+            else scale_min[r][u] = __float2half2_rn(0.0f);
         }
     }
 }
@@ -486,6 +507,7 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     extern __shared__ float4 xs[];                 // n rows x chunks x 8 float4 (INT_DOT: records);
                                                    // gated and in.vec: as many for `up` after them
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
+    __shared__ float resid[GEMV_WARPS][32];        // set.accumulate: what each writer adds to
     const int b = blockIdx.x;
     const int j = set_member(set, b);
     const dev_weight &w = set_weight(set, j);
@@ -515,7 +537,8 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
 
     pdl_wait();
     pdl_trigger();
-    // the residual this block adds to, requested now and used at the end
+    // the residual this block adds to, requested now (into shared memory: a register
+    // would be spilled, and the spill would wait for the load) and used at the end
     const int out_r = lane / NR, out_i = lane % NR;
     const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
     const int pos = EPI == EPI_ROPE ? pos_value(rope.pos) : 0;
@@ -523,16 +546,17 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     const size_t y_row = EPI == EPI_ROPE && j > 0 ? (size_t)(pos + out_i) : (size_t)out_i;
     const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
     float *dst = y + y_row * ldy + out_row;
-    const float dst_old = writer && set.accumulate ? *dst : 0.0f;
-    if (in.stage_async) stage_x_async(xs, xs + n * chunks * 8, in, n, w.cols, chunks);
-    else stage_x_regs(xs, in, n, w.cols, chunks);
+    if (writer && set.accumulate) copy4_async(&resid[warp][lane], dst);
+    const int rows_in = NR == 1 ? 1 : n;   // a constant where it can be
+    if (in.stage_async) stage_x_async(xs, xs + rows_in * chunks * 8, in, rows_in, w.cols, chunks);
+    else stage_x_regs(xs, in, rows_in, w.cols, chunks);
     __syncthreads();
     if (in.kind == TL_MATMUL_IN_NORM) {
-        norm_staged(xs, in, n, w.cols, chunks);
+        norm_staged(xs, in, rows_in, w.cols, chunks);
         __syncthreads();
     }
     if (INT_DOT) {
-        act_records(xs, n, chunks);
+        act_records(xs, rows_in, chunks);
         __syncthreads();
     }
 
@@ -583,7 +607,11 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
             rope_angle(pos + out_i, rope.freqs, t_dim >> 1, &sn, &cs);
             s = second ? rope_member(other, s, sn, cs, true) : rope_member(s, other, sn, cs, false);
         }
-        *dst = set.accumulate ? dst_old + s : s;
+        if (set.accumulate) {
+            asm volatile("cp.async.wait_all;" ::: "memory");   // resid (the regs path has not waited)
+            s += resid[warp][lane];
+        }
+        *dst = s;
     }
 }
 
