@@ -2,12 +2,16 @@
 
   kernel_profile.py run PATH --what decode|prefill --device D   the workload to trace
   kernel_profile.py summarize CSV --what W --tokens N            table from a profiler's CSV
+  kernel_profile.py timeline CSV                                  gaps between decode kernels
 
 `run` decodes 64 greedy tokens after a 128-token prompt (or appends 512 tokens once,
 after a warm-up). `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
 gpu__time_duration CSV and prints, per kernel, the launches and GPU time per decoded
 token (or per prefill), so the step's time can be split between GEMVs, attention and
-the small kernels.
+the small kernels. `timeline` reads nsys's cuda_gpu_trace CSV of the decode run and
+prints, per kernel, the median time it adds to the step (its end minus the later of its
+start and the previous kernel's end) and the median gap or overlap before it: whether
+launches leave the GPU idle, and whether programmatic dependent launch overlaps them.
 """
 
 import argparse
@@ -75,6 +79,26 @@ def cmd_summarize(args):
         print(f"| {name} | {n / unit:.1f} | {ns / unit / 1e3:.1f} | {ns / total:.1%} | {ns / max(n, 1) / 1e3:.2f} |")
 
 
+def cmd_timeline(args):
+    rows = _rows(args.csv)
+    trace = sorted((float(r["Start (ns)"]), float(r["Duration (ns)"]), _short(r["Name"])) for r in rows)
+    trace = trace[len(trace) // 2:]    # the decode steps (the prompt and the warm-up come first)
+    added = collections.defaultdict(list)
+    gaps = collections.defaultdict(list)
+    for (s0, d0, _), (s1, d1, name) in zip(trace, trace[1:]):
+        end0 = s0 + d0
+        gaps[name].append(s1 - end0)
+        added[name].append(s1 + d1 - max(s1, end0))
+    print("| kernel | launches | median added us | median gap before us (< 0: overlap) |")
+    print("|---|---:|---:|---:|")
+    for name in sorted(added, key=lambda n: -sum(added[n])):
+        print(f"| {name} | {len(added[name])} | {np.median(added[name]) / 1e3:.2f} | "
+              f"{np.median(gaps[name]) / 1e3:.2f} |")
+    all_gaps = [g for v in gaps.values() for g in v]
+    print(f"\nall: median gap {np.median(all_gaps) / 1e3:.2f} us, "
+          f"idle share {sum(max(g, 0) for g in all_gaps) / (trace[-1][0] + trace[-1][1] - trace[0][0]):.1%}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -86,8 +110,10 @@ def main(argv=None):
     s.add_argument("csv")
     s.add_argument("--what", choices=("decode", "prefill"), required=True)
     s.add_argument("--tokens", type=float, default=1.0)
+    t = sub.add_parser("timeline")
+    t.add_argument("csv")
     args = p.parse_args(argv)
-    return {"run": cmd_run, "summarize": cmd_summarize}[args.cmd](args)
+    return {"run": cmd_run, "summarize": cmd_summarize, "timeline": cmd_timeline}[args.cmd](args)
 
 
 if __name__ == "__main__":
