@@ -270,19 +270,22 @@ __device__ void merge_splits(const decode_args &d, float *st, int used, int item
 
 template <int DPL>
 __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode_args d) {
-    pdl_wait();
-    pdl_trigger();
     extern __shared__ float st[];   // DEC_WARPS x DEC_ITEMS states of hd + 2 floats
     const attn_args &a = d.a;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hd = a.head_dim, group = a.n_head / a.n_kv_head, kvh = blockIdx.x;
     const int kvd = a.n_kv_head * hd, qd = a.n_head * hd;
     const int n_items = a.n * group;
+    // The position is a step parameter, uploaded before the step and written by no
+    // kernel: read before the wait, so that splits past the last key (most of a grid
+    // sized for max_seq) leave without waiting for the previous kernel.
     const int pos0 = pos_value(a.pos0);
     const int lo_all = first_key(pos0, a.window);
     const int keys = pos0 + a.n - lo_all;
     const int per = split_keys(keys, gridDim.z);
     if ((int)blockIdx.z * per >= keys) return;   // a split past the last key (the whole block)
+    pdl_wait();
+    pdl_trigger();
     const int s_lo = lo_all + (int)blockIdx.z * per;
     const int s_hi = min(pos0 + a.n - 1, s_lo + per - 1);
 
