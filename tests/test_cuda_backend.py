@@ -3,7 +3,8 @@
 Covers every weight dtype and group size, shapes that take each kernel path (GEMV for
 up to 8 rows and the tiled GEMM above, one and several GEMM tiles, head_dim 16 to 128,
 split-sequence decode attention over long contexts, sliding windows), cached decode
-against full scoring on the device, greedy generation, sampling on the device (the
+against full scoring on the device, greedy generation (chained on the device and step
+by step), sampling on the device (the
 backend's sample op against the host sampler token for token, and sampled generation),
 and the memory report.
 
@@ -146,6 +147,48 @@ def test_greedy_generation_matches_cpu(model_dir):
         a = cpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
         b = gpu.generate(prompt, max_tokens=24, temperature=0.0, eos=False)
     assert a.tokens == b.tokens
+
+
+def _greedy_runs(gpu, prompt):
+    """Greedy generations stopped every way, and contexts continued after them: the
+    tokens, the contexts' lengths and their next logits."""
+    g = dict(temperature=0.0)
+    free = gpu.generate(prompt, max_tokens=20, eos=False, **g).tokens
+    out = {"max_tokens": free,
+           "eos": gpu.generate(prompt, max_tokens=20, eos=free[6], **g).tokens,
+           "stop": gpu.generate(prompt, max_tokens=20, eos=False, stop=[free[9:11]], **g).tokens}
+    with gpu.context() as ctx:
+        out["ctx_tokens"] = ctx.generate(prompt, max_tokens=5, eos=False, **g).tokens
+        out["ctx_tokens"] += ctx.generate([int(free[0])], max_tokens=9, eos=free[4], **g).tokens
+        out["ctx_length"] = len(ctx)
+        out["ctx_logits"] = ctx.append([3])
+    with gpu.context() as ctx:   # a stream dropped while a step runs ahead
+        stream = ctx.stream(prompt, max_tokens=20, eos=False, **g)
+        out["dropped_tokens"] = [next(stream) for _ in range(3)]
+        stream.close()
+        out["dropped_length"] = len(ctx)
+        out["dropped_logits"] = ctx.append([3])
+    return out
+
+
+def test_chained_greedy_decoding_matches_step_by_step(model_dir, monkeypatch):
+    """Greedy decoding chains its steps on the device and runs one step ahead of the
+    host (generate.c); with TINYLOOP_CUDA_CHAIN=0 it goes step by step. Both must give
+    the same tokens and leave contexts alike (length, next logits) whatever stops them."""
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    prompt = _tokens(2, SMALL["vocab_size"], 8)
+    runs = {}
+    for chain in ("1", "0"):
+        monkeypatch.setenv("TINYLOOP_CUDA_CHAIN", chain)
+        with tinyloop.Model(path, device=CUDA) as gpu:
+            runs[chain] = _greedy_runs(gpu, prompt)
+    chained, stepped = runs["1"], runs["0"]
+    assert len(stepped["eos"]) < 20 and len(stepped["stop"]) < 20   # the stops did stop
+    for key, value in stepped.items():
+        if key.endswith("logits"):
+            assert_close(chained[key], value, FLOAT_TOLERANCE, key)
+        else:
+            assert chained[key] == value, key
 
 
 # Vocabularies from one token to past 256k: one and many slices of ids per thread, rows

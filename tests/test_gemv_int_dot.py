@@ -37,15 +37,20 @@ F32 = np.float32
 def test_record_layout_matches_the_kernel():
     assert REC_WORDS == 26 and REC_WORDS * 4 <= 32 * 4       # written over the fp32 chunk
     assert (REC_WORDS // 2) % 2 == 1                          # 64-bit reads: 16 banks pairs apart
-    assert V_MAX == 2 ** 23 - 1 and THREADS_PER_CHUNK * 4 == 32
+    assert V_MAX == 2 ** 23 - 1 and THREADS_PER_CHUNK * 8 == 32    # eight elements a thread
 
 
 # ---------------------------------------------------------------- act_records, emulated
 
 def chunk_sum(x: np.ndarray) -> F32:
-    """The kernel's order: per thread (x0 + x1) + (x2 + x3), then an xor butterfly."""
-    part = [(F32(x[4 * k]) + F32(x[4 * k + 1])) + (F32(x[4 * k + 2]) + F32(x[4 * k + 3]))
-            for k in range(THREADS_PER_CHUNK)]
+    """The kernel's order: per thread ((x0 + x1) + (x2 + x3)) + ... over its eight
+    elements, pair by pair, then an xor butterfly."""
+    part = []
+    for k in range(THREADS_PER_CHUNK):
+        total = F32(0)
+        for j in range(8 * k, 8 * k + 8, 2):
+            total = F32(total + F32(F32(x[j]) + F32(x[j + 1])))
+        part.append(total)
     o = 1
     while o < THREADS_PER_CHUNK:
         part = [F32(part[k] + part[k ^ o]) for k in range(THREADS_PER_CHUNK)]

@@ -111,13 +111,16 @@ void cuda_exec_destroy(tl_exec *ex) {
     cudaFree(ex->argmax_partial);
     cudaFree(ex->tc_scratch);
     cudaFreeHost(ex->h_result);
+    for (cudaEvent_t ev : ex->chain_ready)
+        if (ev) cudaEventDestroy(ev);
     ex->be->device_bytes -= ex->bytes;
     delete ex;
 }
 
 // Features a context uses unless their variable is "0" (read per context):
 // TINYLOOP_CUDA_PDL (programmatic dependent launch), TINYLOOP_CUDA_TC (tensor cores),
-// TINYLOOP_CUDA_DP4A (integer dot products in the quantized GEMV).
+// TINYLOOP_CUDA_DP4A (integer dot products in the quantized GEMV), TINYLOOP_CUDA_CHAIN
+// (greedy decode steps chained on the device, generate.c's one step ahead).
 int env_allows(const char *name) {
     const char *env = getenv(name);
     return !(env && strcmp(env, "0") == 0);
@@ -149,6 +152,7 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     ex->pdl = cc_major >= 9 && env_allows("TINYLOOP_CUDA_PDL");
     ex->tensor_cores = cc_major >= 8 && env_allows("TINYLOOP_CUDA_TC");
     ex->gemv_int_dot = env_allows("TINYLOOP_CUDA_DP4A");
+    ex->chain = env_allows("TINYLOOP_CUDA_CHAIN");
     if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
@@ -157,7 +161,12 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     if (err == cudaSuccess)
         err = cudaMemsetAsync(ex->attn_partial, 0, ex->attn_partial_floats * sizeof(float), ex->stream);
     if (err == cudaSuccess) err = cudaMalloc(&ex->argmax_partial, argmax_partial_bytes());
-    if (err == cudaSuccess) err = cudaHostAlloc((void **)&ex->h_result, sizeof(int32_t), cudaHostAllocDefault);
+    // h_result, then the chained argmax slots
+    if (err == cudaSuccess)
+        err = cudaHostAlloc((void **)&ex->h_result, (1 + tl_exec::CHAIN_SLOTS) * sizeof(int32_t), cudaHostAllocDefault);
+    if (err == cudaSuccess) ex->h_chain = ex->h_result + 1;
+    for (cudaEvent_t &ev : ex->chain_ready)
+        if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
     // the tensor-core GEMM's split activations, for chunks of more rows than the GEMV takes
     if (err == cudaSuccess && ex->tensor_cores && rows > 8) {
         const int widest = std::max({ 2 * hp.d, hp.n_head * hp.head_dim, hp.ffn });
@@ -185,9 +194,12 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
 size_t cuda_exec_bytes(const tl_exec *ex) { return ex->bytes; }
 
 // Waits for the context's queued work, so kernel faults surface here, and returns the
-// first error since the last call (message via tl_cuda_last_error()).
+// first error since the last call (message via tl_cuda_last_error()). While chained
+// argmax results are queued it does not wait: the host is meant to run ahead, and
+// faults surface when the results are read (cuda_chained_token).
 tl_status cuda_status(tl_exec *ex) {
-    if (!bind(ex)) exec_check(ex, cudaStreamSynchronize(ex->stream), "a queued kernel");
+    if (!bind(ex) && ex->chain_head == ex->chain_tail)
+        exec_check(ex, cudaStreamSynchronize(ex->stream), "a queued kernel");
     tl_status st = ex->error;
     if (st != TL_OK) {
         cuda_fail(st, "%s", ex->message);
@@ -281,12 +293,13 @@ int upload_ints(tl_exec *ex, const int32_t *values, int n, const char *what) {
 
 // ---- math -------------------------------------------------------------------------------
 
-// In a recorded step the token travels with the step's parameters (not in the key).
+// In a recorded step the token travels with the step's parameters (not in the key); in
+// a chained step it is already on the device (tokens[0] is a placeholder).
 void cuda_embed(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n, float scale, tl_act out) {
     if (bind(ex) || n <= 0) return;
-    if (ex->step.recording && n == 1) {
+    if ((ex->step.recording || ex->step.device_token) && n == 1) {
         step_note(ex, { 4, K(table), K(scale), K(P(out)) });
-        ex->step.host.token = tokens[0];
+        if (!ex->step.device_token) ex->step.host.token = tokens[0];
         launch_embed(ex, *W(table), &ex->step.dev->token, 1, scale, P(out));
         return;
     }
@@ -469,6 +482,42 @@ int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
     return *ex->h_result;
 }
 
+// Chained greedy steps (backend.h): the index goes to the step parameters' token, which
+// the next chained step's embed reads, and on to the host behind an event.
+int cuda_chain_available(tl_exec *ex) { return !bind(ex) && ex->chain; }
+
+void cuda_argmax_chained(tl_exec *ex, tl_act x, int count) {
+    if (bind(ex) || count <= 0) return;
+    if (ex->chain_tail - ex->chain_head >= (unsigned)tl_exec::CHAIN_SLOTS) {
+        exec_reject(ex, "more chained decode steps queued than the host has read");
+        return;
+    }
+    step_flush(ex);
+    int32_t *token = &ex->step.dev->token;
+    launch_argmax(ex, P(x), count, token);
+    const unsigned slot = ex->chain_tail % tl_exec::CHAIN_SLOTS;
+    if (exec_check(ex, cudaMemcpyAsync(&ex->h_chain[slot], token, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                       ex->stream), "chained argmax (download)") ||
+        exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)"))
+        return;
+    ex->chain_tail++;
+}
+
+int32_t cuda_chained_token(tl_exec *ex) {
+    if (bind(ex)) return -1;
+    if (ex->chain_head == ex->chain_tail) {
+        exec_reject(ex, "no chained decode step is queued");
+        return -1;
+    }
+    const unsigned slot = ex->chain_head++ % tl_exec::CHAIN_SLOTS;
+    if (exec_check(ex, cudaEventSynchronize(ex->chain_ready[slot]), "chained argmax (or a kernel before it)") ||
+        ex->error != TL_OK)
+        return -1;
+    return ex->h_chain[slot];
+}
+
+void cuda_step_token_on_device(tl_exec *ex) { ex->step.device_token = 1; }
+
 // A sampling step on the device (cuda_sampling.cu); four bytes come back as for argmax.
 int32_t cuda_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample_step *step) {
     if (bind(ex) || vocab <= 0) return 0;
@@ -531,6 +580,10 @@ const tl_backend_ops cuda_ops = {
     /* sample */ cuda_sample,
     /* matmul_gated */ cuda_matmul_gated,
     /* matmul_rope_store */ cuda_matmul_rope_store,
+    /* chain_available */ cuda_chain_available,
+    /* argmax_chained */ cuda_argmax_chained,
+    /* chained_token */ cuda_chained_token,
+    /* step_token_on_device */ cuda_step_token_on_device,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -153,6 +153,11 @@ struct step_state {
     std::vector<std::function<void(cudaStream_t)>> work;
     step_params host;              // uploaded to dev at step_end
     step_params *dev;
+    step_params *upload_slots;     // pinned, two: uploads are copied from them in turn, so
+                                   // the host may fill the next while one is in flight
+    int next_slot;
+    int device_token;              // the step's token is the last chained argmax, already
+                                   // in dev->token: only the position is uploaded
     step_graph graphs[STEP_GRAPHS];
     int next_graph;                // slot the next capture replaces
     int unused_captures;           // captures in a row that were never replayed
@@ -184,6 +189,13 @@ struct tl_exec {
     size_t attn_partial_floats;
     void *argmax_partial;     // the first argmax pass's per-block winners
     int32_t *h_result;        // pinned: argmax comes back through it
+    // Chained greedy steps (backend.h): argmax results queued to the host, oldest at
+    // chain_head; slot i % CHAIN_SLOTS of h_chain, ready once chain_ready[i % CHAIN_SLOTS].
+    static constexpr int CHAIN_SLOTS = 2;
+    int chain;                // chaining offered (TINYLOOP_CUDA_CHAIN != 0)
+    int32_t *h_chain;         // pinned, CHAIN_SLOTS
+    cudaEvent_t chain_ready[CHAIN_SLOTS];
+    unsigned chain_head, chain_tail;
     size_t l2_persist_bytes;  // persisting L2 set aside for the loop body (0 = none)
     size_t l2_window_max;     // the device's largest access-policy window
     size_t bytes;             // device bytes of the above

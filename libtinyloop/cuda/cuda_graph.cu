@@ -16,6 +16,7 @@
 // that part persists and the rest streams from HBM every iteration.
 #include "cuda_common.cuh"
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -117,8 +118,12 @@ step_graph *find_graph(step_state &s, uint64_t key) {
 tl_status step_init(tl_exec *ex) {
     step_state &s = ex->step;
     cudaError_t err = cudaMalloc(&s.dev, sizeof(step_params));
+    if (err == cudaSuccess) err = cudaHostAlloc((void **)&s.upload_slots, 2 * sizeof(step_params), cudaHostAllocDefault);
     if (err != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(s.dev);
         s.dev = nullptr;
+        s.upload_slots = nullptr;
         return cuda_fail(TL_ERR_BACKEND, "cannot allocate the decode-step parameters: %s",
                          cudaGetErrorString(err));
     }
@@ -153,7 +158,9 @@ void step_free(tl_exec *ex) {
         if (g.exec) cudaGraphExecDestroy(g.exec);
     memset(s.graphs, 0, sizeof s.graphs);
     cudaFree(s.dev);
+    cudaFreeHost(s.upload_slots);
     s.dev = nullptr;
+    s.upload_slots = nullptr;
     s.work.clear();
 }
 
@@ -175,6 +182,7 @@ void step_note(tl_exec *ex, std::initializer_list<uint64_t> values) {
 void step_begin(tl_exec *ex, int pos) {
     step_state &s = ex->step;
     s.work.clear();
+    s.device_token = 0;
     s.recording = !s.off && ex->error == TL_OK;
     s.pos = pos;
     s.key = KEY_SEED;
@@ -182,14 +190,26 @@ void step_begin(tl_exec *ex, int pos) {
     s.host.token = 0;
 }
 
+// The step's parameters to the device, in stream order (a chained step keeps the token
+// its predecessor's argmax left there). Copied from pinned memory, so that the copy
+// never waits for the stream: the host may record the next step while this one runs.
+static int upload_step_params(tl_exec *ex) {
+    step_state &s = ex->step;
+    step_params *slot = &s.upload_slots[s.next_slot];
+    s.next_slot ^= 1;
+    *slot = s.host;
+    const size_t bytes = s.device_token ? sizeof slot->pos : sizeof *slot;
+    static_assert(offsetof(step_params, pos) == 0, "the position leads the parameters");
+    return exec_check(ex, cudaMemcpyAsync(s.dev, slot, bytes, cudaMemcpyHostToDevice, ex->stream),
+                      "decode step (parameters)");
+}
+
 // Runs the kept closures now (after the step parameters they read) and records no more.
 void step_flush(tl_exec *ex) {
     step_state &s = ex->step;
     if (!s.recording) return;
     s.recording = 0;
-    if (!exec_check(ex, cudaMemcpyAsync(s.dev, &s.host, sizeof s.host, cudaMemcpyHostToDevice, ex->stream),
-                    "decode step (parameters)"))
-        run_work(ex);
+    if (!upload_step_params(ex)) run_work(ex);
     s.work.clear();
 }
 
@@ -197,9 +217,7 @@ void step_end(tl_exec *ex) {
     step_state &s = ex->step;
     if (!s.recording) return;
     s.recording = 0;
-    // pageable source: the copy is staged before this returns, so host may change
-    if (exec_check(ex, cudaMemcpyAsync(s.dev, &s.host, sizeof s.host, cudaMemcpyHostToDevice, ex->stream),
-                   "decode step (parameters)")) {
+    if (upload_step_params(ex)) {
         s.work.clear();
         return;
     }

@@ -179,6 +179,19 @@ typedef struct tl_backend_ops {
     int (*matmul_rope_store)(tl_exec *ex, const tl_tensor *const *ws, const tl_matmul_in *in, int n, tl_act q,
                              int pos0, const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
                              tl_act v_cache);
+
+    /* Optional (NULL = not offered): greedy steps chained on the device, so that the
+     * host may enqueue the step that feeds token t before t reaches it (generate.c
+     * runs one step ahead). chain_available: whether the three below may be used now.
+     * argmax_chained: argmax whose index stays on the device, as the token of the next
+     * step that asks for it, and is queued to the host without waiting (at most two
+     * are queued); chained_token: the oldest queued index once it has arrived (-1 on an
+     * error, reported by status()); step_token_on_device: the next step's token is the
+     * last chained index, not the one given to embed (one-row steps only). */
+    int (*chain_available)(tl_exec *ex);
+    void (*argmax_chained)(tl_exec *ex, tl_act x, int count);
+    int32_t (*chained_token)(tl_exec *ex);
+    void (*step_token_on_device)(tl_exec *ex);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -179,6 +179,8 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
                 chunk_out.last_logits = out->last_logits;
                 chunk_out.last_token = out->last_token;
                 chunk_out.sample = out->sample;
+                chunk_out.token_on_device = out->token_on_device;
+                chunk_out.chain_token = out->chain_token;
             }
             if (out->n_targets > c0) {
                 chunk_out.targets = out->targets + c0;

@@ -219,13 +219,15 @@ static void outputs(const fwd *F, int n, const tl_forward_out *out) {
     tl_act h = buf0(ctx->h), xn = buf0(ctx->xn), logits = buf0(ctx->logits);
     int V = F->hp->vocab;
 
-    if (out->last_logits || out->last_token) {
+    if (out->last_logits || out->last_token || out->chain_token) {
         const tl_tensor *head = &m->output;
         tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
         size_t ld_logits = (size_t)V;
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
         if (out->last_logits) F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
-        if (out->last_token)
+        if (out->chain_token)
+            F->ops->argmax_chained(F->ex, logits, V);
+        else if (out->last_token)
             *out->last_token = out->sample ? F->ops->sample(F->ex, logits, V, out->sample)
                                            : F->ops->argmax(F->ex, logits, V);
     }
@@ -257,6 +259,7 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
     int step = n == 1 && F.ops->step_begin && F.ops->step_end;
 
     if (step) F.ops->step_begin(F.ex, pos0);
+    if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
     F.ops->embed(F.ex, &m->embed, tokens, n, hp->embed_scale, h);
     for (int b = 0; b < hp->n_pre; b++) block(&F, &m->pre[b], tl_kv_slot_pre(hp, b), h, n, pos0);
     run_loop(&F, n, pos0, hp->n_core > 0 ? depth : 0);

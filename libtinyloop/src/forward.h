@@ -19,6 +19,10 @@ typedef struct tl_forward_out {
     const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
     float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
     size_t n_targets;
+    int token_on_device;       /* one row whose token is the last chained argmax (backend.h);
+                                  tokens[0] is a placeholder                          */
+    int chain_token;           /* argmax of the last row kept on the device (argmax_chained),
+                                  read later with chained_token                        */
 } tl_forward_out;
 
 /* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already

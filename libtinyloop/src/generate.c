@@ -3,7 +3,15 @@
  * A step samples from the logits of the next position, then feeds the token back
  * lazily, at the start of the following step: when generation stops, the last
  * token never costs a forward pass. So after a generation the context holds the
- * prompt and every generated token except the last one. */
+ * prompt and every generated token except the last one.
+ *
+ * Greedy decoding on a backend that chains steps on the device (backend.h) runs one
+ * step ahead instead: the step that feeds token t is enqueued, its input being the
+ * argmax left on the device, before t reaches the host, so that the host's
+ * turnaround (reading t, recording and launching the next step) overlaps the
+ * device's work. A step run ahead of a stop is undone (the context's length is set
+ * back; what it wrote past that length is overwritten by later appends), so the
+ * context ends as it would without running ahead. */
 #include "generate.h"
 
 #include <stdlib.h>
@@ -73,6 +81,31 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
     return TL_OK;
 }
 
+static int chain_available(const struct tl_context *ctx) {
+    const tl_backend_ops *ops = ctx->be->ops;
+    return ops->chain_available && ops->argmax_chained && ops->chained_token && ops->step_token_on_device &&
+           ops->chain_available(ctx->ex);
+}
+
+/* The oldest chained token (tl_stream.queued > 0). */
+static tl_status read_chained(struct tl_stream *g, int32_t *token) {
+    g->queued--;
+    *token = g->ctx->be->ops->chained_token(g->ctx->ex);
+    if (*token >= 0) return TL_OK;
+    tl_status st = g->ctx->be->ops->status(g->ctx->ex);
+    return st != TL_OK ? st : tl_fail(TL_ERR_INTERNAL, "chained decode step lost its token");
+}
+
+/* At the end of a stream: read what is still queued (the backend's queue must be
+ * empty for the next stream) and undo a step run ahead (forget the token it fed). */
+static void undo_ahead(struct tl_stream *g) {
+    int32_t t;
+    while (g->queued > 0) (void)read_chained(g, &t);
+    if (!g->ahead) return;
+    tl_context_set_length(g->ctx, g->ctx->n_tokens - 1);
+    g->ahead = 0;
+}
+
 /* What a forward pass over `tokens` must produce for the next token. The backend picks
  * it where it can, so that the logits stay where they are: its argmax when sampling is
  * greedy without a penalty, else its sample op on a step prepared here (the history
@@ -80,7 +113,9 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
  * A backend without a sample op hands back the logits instead. */
 static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens, size_t n) {
     tl_forward_out out = { 0 };
-    if (g->greedy) {
+    if (g->chained) {
+        out.chain_token = 1;
+    } else if (g->greedy) {
         out.last_token = &g->next;
     } else if (g->backend_samples) {
         tl_sampler_begin_step(&g->sampler, g->ctx->tokens, g->ctx->n_tokens, tokens, n, &g->step);
@@ -112,6 +147,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     g->depth = depth;
     g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f;
     g->backend_samples = !g->greedy && ctx->be->ops->sample != NULL;
+    g->chained = g->greedy && chain_available(ctx);
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -132,12 +168,14 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         tl_stream_end(g);
         return st;
     }
+    g->queued = g->chained;
     g->depth = ctx->depth;
     g->n_prompt = (uint32_t)n_prompt;
     return TL_OK;
 }
 
 static void finish(struct tl_stream *g, tl_stop_reason reason) {
+    undo_ahead(g);
     g->finished = 1;
     g->stop_reason = reason;
 }
@@ -165,29 +203,47 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
         return TL_OK;
     }
     double t0 = now_seconds();
-    if (g->has_pending) {
+    g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
+    tl_status st = TL_OK;
+    if (g->has_pending && !(g->chained && g->queued)) {
         const int32_t *pending = &g->generated[g->n_generated - 1];
         tl_forward_out out = next_token_out(g, pending, 1);
-        tl_status st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
-        if (st != TL_OK) {
-            finish(g, TL_STOP_NONE);
-            g->decode_seconds += now_seconds() - t0;
-            *reason = TL_STOP_NONE;
-            return st;
-        }
-        g->has_pending = 0;
+        st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
+        if (st == TL_OK) g->queued += g->chained;
     }
-    int32_t t = g->greedy || g->backend_samples
-                    ? g->next
-                    : tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+    g->has_pending = 0;
+    int32_t t = g->next;
+    if (st == TL_OK && g->chained) {
+        /* feed the queued token on the device now, unless it is certain to be the last */
+        struct tl_context *ctx = g->ctx;
+        if (g->n_generated + 1 < g->max_tokens && ctx->n_tokens < (size_t)ctx->max_seq) {
+            const int32_t placeholder = 0;
+            tl_forward_out out = { .token_on_device = 1, .chain_token = 1 };
+            st = tl_context_eval(ctx, &placeholder, 1, g->depth, &out);
+            if (st == TL_OK) {
+                g->queued++;
+                g->ahead = 1;
+            }
+        }
+        tl_status read = read_chained(g, &t);
+        if (st == TL_OK) st = read;
+        if (g->ahead) ctx->tokens[ctx->n_tokens - 1] = t;
+    } else if (st == TL_OK && !g->greedy && !g->backend_samples) {
+        t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+    }
     g->decode_seconds += now_seconds() - t0;
+    if (st != TL_OK) {
+        finish(g, TL_STOP_NONE);
+        *reason = TL_STOP_NONE;
+        return st;
+    }
     if (t == g->eos) {
         finish(g, TL_STOP_EOS);
         *reason = TL_STOP_EOS;
         return TL_OK;
     }
     g->generated[g->n_generated++] = t;
-    g->has_pending = 1;
+    g->has_pending = !g->ahead;
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
     *token = t;
     *reason = TL_STOP_NONE;
@@ -205,6 +261,7 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
 }
 
 void tl_stream_end(struct tl_stream *g) {
+    if (g->ctx) undo_ahead(g);
     tl_sampler_free(&g->sampler);
     free(g->logits);
     free(g->generated);

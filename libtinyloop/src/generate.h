@@ -28,6 +28,9 @@ struct tl_stream {
     int32_t *generated;            /* tokens produced so far */
     size_t n_generated, max_tokens;
     int has_pending;               /* generated[n_generated-1] not yet fed to ctx */
+    int chained;                   /* greedy steps chained on the device, one step ahead */
+    int queued;                    /* chained: argmax results not yet read (0-2) */
+    int ahead;                     /* chained: generated[n_generated-1] was fed ahead of need */
     int finished;
     tl_stop_reason stop_reason;
     uint32_t n_prompt;
