@@ -36,9 +36,13 @@ constexpr int GEMV_THREADS = GEMV_WARPS * 32;
 constexpr int GEMV_MAX_ROWS = 8;      // the largest n served by the GEMV
 constexpr int GEMV_STAGE_BATCH = 2;   // activation loads in flight per thread while staging
 constexpr size_t SMEM_DEFAULT = 48 * 1024;   // dynamic shared memory without opting in
-// Blocks per SM the GEMV's register bound asks for, by input rows (its launch bounds;
-// the host sizes grids with the same number).
-__host__ __device__ constexpr int gemv_blocks_per_sm(int rows) { return rows <= 2 ? 3 : rows <= 4 ? 2 : 1; }
+// Blocks per SM the GEMV's register bound asks for, by input rows and epilogue (its
+// launch bounds; the host sizes grids with the same number). Gated pairs have the
+// largest grid (both matrices' rows) and keep it one wave with three blocks; the
+// others' grids fit two, whose 128 registers a thread hold a round without spilling.
+__host__ __device__ constexpr int gemv_blocks_per_sm(int rows, bool gated) {
+    return rows <= 2 ? (gated ? 3 : 2) : rows <= 4 ? 2 : 1;
+}
 
 constexpr int GEMM_BM = 64;         // input rows per block
 constexpr int GEMM_BN = 64;         // output features (weight rows) per block
@@ -497,7 +501,7 @@ __device__ __forceinline__ void int_dot_chunk(const uint2 *recs, int n, int chun
 // RT / 2 rows are rows of set.w[0], the others the same rows of set.w[1], and the group
 // writes act(first) * second; EPI_ROPE: q/k/v rows in rotary pairs (gemv_rope).
 template <int DT, int NR, bool INT_DOT, int EPI>
-__global__ void __launch_bounds__(GEMV_THREADS, gemv_blocks_per_sm(NR))
+__global__ void __launch_bounds__(GEMV_THREADS, gemv_blocks_per_sm(NR, EPI == EPI_GATED))
 gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
     constexpr int OUT_ROWS = EPI == EPI_GATED ? RT / 2 : RT;   // output rows of a row group
@@ -802,7 +806,7 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n, const gemv_rope 
         for (int k = 0; k < grid_mats; k++) blocks += (set.w[k].rows + rows_per_block - 1) / rows_per_block;
         return blocks;
     };
-    const int by_regs = gemv_blocks_per_sm(per_launch);
+    const int by_regs = gemv_blocks_per_sm(per_launch, set.gated_pairs != 0);
     const size_t block_smem = (size_t)per_launch * staged_bytes + 2048;
     const int per_sm = (int)std::max<size_t>(1, std::min<size_t>(by_regs, ex->smem_per_sm / block_smem));
     int split = 1;
