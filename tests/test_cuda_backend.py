@@ -122,11 +122,12 @@ def test_scores_match_cpu(model_dir, name, n_tokens):
 
 @pytest.mark.parametrize("name", list(LONG_CASES))
 def test_long_prefill_and_split_decode(model_dir, name):
-    """A 500-token prefill (several GEMM and attention tiles), then decode steps whose
-    attention is split over the sequence, against the CPU and against full scoring."""
+    """A 500-token prefill (several GEMM and attention tiles), then 30 decode steps whose
+    attention is split over the sequence (16-17 splits), against the CPU and against
+    full scoring at several steps."""
     config = {**LONG, **LONG_CASES[name]}
     path = _model(model_dir, name, LONG, LONG_CASES[name])
-    tokens = _tokens(3, LONG["vocab_size"], 508)
+    tokens = _tokens(3, LONG["vocab_size"], 530)
     depth = LONG["default_depth"]
     with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
         full_gpu = gpu.score_last_token(tokens, depth=depth)
@@ -134,9 +135,11 @@ def test_long_prefill_and_split_decode(model_dir, name):
                      f"{name} last logits")
         with gpu.context() as ctx:
             ctx.append(tokens[:500], depth=depth)
-            for t in tokens[500:-1]:
-                ctx.append([int(t)], depth=depth)
-            step = ctx.append([int(tokens[-1])], depth=depth)
+            for i in range(500, len(tokens)):
+                step = ctx.append([int(tokens[i])], depth=depth)
+                if i in (505, 511, 512, 520):
+                    assert_close(step, gpu.score_last_token(tokens[:i + 1], depth=depth), FLOAT_TOLERANCE,
+                                 f"{name} cached decode vs full scoring at {i + 1} keys")
         assert_close(step, full_gpu, FLOAT_TOLERANCE, f"{name} cached decode vs full scoring")
 
 
