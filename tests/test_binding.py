@@ -280,6 +280,24 @@ def test_context_primitives(model):
             ctx.append([65] * textmodel.MAX_SEQ_LEN)
 
 
+def test_context_is_refused_while_a_stream_over_it_is_open(model):
+    """A stream may run a step ahead in its context (chained decoding), so the context
+    accepts nothing else until the stream ends; then it holds the prompt and every
+    generated token but the last, as after generate()."""
+    with model.context() as ctx:
+        stream = ctx.stream(PROMPT, **GREEDY)
+        first = [next(stream), next(stream), next(stream)]
+        for use in (lambda: ctx.append([65]), lambda: ctx.truncate(1), ctx.reset,
+                    lambda: ctx.score(PROMPT), lambda: ctx.score_last_token(PROMPT),
+                    lambda: ctx.generate(PROMPT, **GREEDY), lambda: list(ctx.stream(PROMPT, **GREEDY))):
+            with pytest.raises(InvalidArgumentError, match="generation stream that is still open"):
+                use()
+        stream.close()
+        assert len(ctx) == len(PROMPT) + len(first) - 1
+        assert first == model.generate(PROMPT, **GREEDY).tokens[:3]
+        assert np.allclose(ctx.append([first[-1]]), model.score_last_token(PROMPT + first), atol=1e-4)
+
+
 def test_memory_report(model):
     before = model.memory_report()
     assert set(before) == {"weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",

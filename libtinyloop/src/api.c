@@ -346,7 +346,8 @@ static tl_status check_tokens_arg(const int32_t *tokens, size_t n, size_t min_n)
 tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                             int32_t depth, float *last_logits) {
     NEED(ctx, "ctx");
-    tl_status st = check_tokens_arg(tokens, n_tokens, last_logits ? 1 : 0);
+    tl_status st = tl_context_check_free(ctx);
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, last_logits ? 1 : 0);
     if (st != TL_OK) return st;
     tl_forward_out out = { .last_logits = last_logits };
     return tl_context_eval(ctx, tokens, n_tokens, depth, &out);
@@ -354,6 +355,8 @@ tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_t n_tok
 
 tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
     NEED(ctx, "ctx");
+    tl_status st = tl_context_check_free(ctx);
+    if (st != TL_OK) return st;
     if (n_keep > ctx->n_tokens)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "cannot truncate to %zu tokens: the sequence holds %zu", n_keep,
@@ -364,6 +367,8 @@ tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
 
 tl_status tl_context_reset(tl_context *ctx) {
     NEED(ctx, "ctx");
+    tl_status st = tl_context_check_free(ctx);
+    if (st != TL_OK) return st;
     tl_context_set_length(ctx, 0);
     return TL_OK;
 }
@@ -379,6 +384,8 @@ tl_status tl_context_fork(const tl_context *ctx, tl_context **out) {
     NEED(out, "out");
     *out = NULL;
     NEED(ctx, "ctx");
+    tl_status st = tl_context_check_free(ctx);
+    if (st != TL_OK) return st;
     return tl_context_clone(ctx, out);
 }
 
@@ -404,7 +411,8 @@ tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_toke
                            const tl_score_options *opts, float *logprobs) {
     NEED(ctx, "ctx");
     tl_score_options o;
-    tl_status st = read_score_options(opts, &o);
+    tl_status st = tl_context_check_free(ctx);
+    if (st == TL_OK) st = read_score_options(opts, &o);
     if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
     if (st != TL_OK) return st;
     if (n_tokens > 1 && !logprobs) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs must not be NULL");
@@ -417,7 +425,8 @@ tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens, si
     NEED(ctx, "ctx");
     NEED(logits, "logits");
     tl_score_options o;
-    tl_status st = read_score_options(opts, &o);
+    tl_status st = tl_context_check_free(ctx);
+    if (st == TL_OK) st = read_score_options(opts, &o);
     if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
     if (st != TL_OK) return st;
     tl_forward_out out = { .last_logits = logits };

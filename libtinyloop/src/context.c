@@ -200,6 +200,13 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
     return TL_OK;
 }
 
+tl_status tl_context_check_free(const struct tl_context *ctx) {
+    if (!ctx->stream) return TL_OK;
+    return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                   "the context is in use by a generation stream that is still open "
+                   "(finish or free the stream first)");
+}
+
 void tl_context_set_length(struct tl_context *ctx, size_t n_keep) {
     ctx->n_tokens = n_keep;
     if (n_keep == 0) ctx->depth = 0;

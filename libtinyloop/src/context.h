@@ -37,7 +37,13 @@ struct tl_context {
     tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d] */
 
     uint64_t buffer_bytes, kv_bytes;   /* as added to the model's stats */
+    const void *stream;   /* the generation stream over it while one is open: other uses
+                             of the context are refused until it ends (generate.c may have
+                             a step run ahead in it) */
 };
+
+/* TL_OK, or a clear error when a generation stream over ctx is still open. */
+tl_status tl_context_check_free(const struct tl_context *ctx);
 
 /* Create with resolved options (each 0 = the model's value). */
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth,

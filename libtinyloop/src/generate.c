@@ -131,9 +131,11 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
                           size_t n_prompt, const tl_generate_options *o,
                           size_t max_tokens_cap) {
     memset(g, 0, sizeof *g);
+    tl_status st = tl_context_check_free(ctx);
+    if (st != TL_OK) return st;
     g->ctx = ctx;
     int depth = 0;
-    tl_status st = validate_prompt(ctx, prompt, n_prompt);
+    st = validate_prompt(ctx, prompt, n_prompt);
     if (st == TL_OK) st = tl_context_resolve_depth(ctx, o->depth, &depth);
     if (st == TL_OK && o->max_tokens < 0)
         st = tl_fail(TL_ERR_INVALID_ARGUMENT, "max_tokens %d is negative", o->max_tokens);
@@ -169,6 +171,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         return st;
     }
     g->queued = g->chained;
+    ctx->stream = g;
     g->depth = ctx->depth;
     g->n_prompt = (uint32_t)n_prompt;
     return TL_OK;
@@ -262,6 +265,7 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
 
 void tl_stream_end(struct tl_stream *g) {
     if (g->ctx) undo_ahead(g);
+    if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
     free(g->logits);
     free(g->generated);
