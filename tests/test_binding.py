@@ -298,6 +298,16 @@ def test_context_is_refused_while_a_stream_over_it_is_open(model):
         assert np.allclose(ctx.append([first[-1]]), model.score_last_token(PROMPT + first), atol=1e-4)
 
 
+def test_freeing_a_context_ends_its_open_stream(model):
+    ctx = model.context()
+    stream = ctx.stream(PROMPT, **GREEDY)
+    next(stream)
+    ctx.close()
+    assert list(stream) == []
+    assert stream.result.stop_reason == "aborted"
+    stream.close()
+
+
 def test_memory_report(model):
     before = model.memory_report()
     assert set(before) == {"weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",

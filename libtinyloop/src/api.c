@@ -331,6 +331,7 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
 }
 
 tl_status tl_context_free(tl_context *ctx) {
+    if (ctx && ctx->stream) tl_stream_detach(ctx->stream);
     tl_context_close(ctx);
     return TL_OK;
 }

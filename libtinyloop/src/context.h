@@ -11,6 +11,8 @@
 #include "kv_cache.h"
 #include "model.h"
 
+struct tl_stream;   /* generate.h */
+
 struct tl_context {
     struct tl_model *model;
     tl_backend *be;
@@ -37,9 +39,9 @@ struct tl_context {
     tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d] */
 
     uint64_t buffer_bytes, kv_bytes;   /* as added to the model's stats */
-    const void *stream;   /* the generation stream over it while one is open: other uses
-                             of the context are refused until it ends (generate.c may have
-                             a step run ahead in it) */
+    struct tl_stream *stream;   /* the generation stream over it while one is open: other
+                                   uses of the context are refused until it ends
+                                   (generate.c may have a step run ahead in it) */
 };
 
 /* TL_OK, or a clear error when a generation stream over ctx is still open. */

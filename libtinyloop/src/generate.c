@@ -255,6 +255,18 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
 
 void tl_stream_abort(struct tl_stream *g) { finish(g, TL_STOP_ABORTED); }
 
+void tl_stream_detach(struct tl_stream *g) {
+    /* what the stream queued or ran ahead goes with the context's execution state */
+    g->queued = 0;
+    g->ahead = 0;
+    if (!g->finished) {
+        g->finished = 1;
+        g->stop_reason = TL_STOP_ABORTED;
+    }
+    g->ctx->stream = NULL;
+    g->ctx = NULL;
+}
+
 void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
     r->n_tokens = (uint32_t)g->n_generated;
     r->stop_reason = g->finished ? g->stop_reason : TL_STOP_NONE;

@@ -47,6 +47,9 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
 tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason);
 /* Record that the consumer stopped the stream (callback abort). */
 void tl_stream_abort(struct tl_stream *g);
+/* The stream's context is being freed under it: the stream ends (TL_STOP_ABORTED) and
+ * never touches the context again. */
+void tl_stream_detach(struct tl_stream *g);
 void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *result);
 /* Free what begin allocated (not ctx, unless owned_ctx). */
 void tl_stream_end(struct tl_stream *g);

@@ -303,6 +303,30 @@ static void test_stream_and_callback(fixture *f) {
         tl_stream_free(s);
     }
 
+    /* a stream over a caller's context: the context refuses other uses while the stream
+     * is open; freeing the context ends the stream, which then never touches it */
+    tl_context *ctx = NULL;
+    CHECK_OK(tl_context_create(f->model, NULL, &ctx));
+    s = NULL;
+    if (ctx) CHECK_OK(tl_stream_start(f->model, ctx, f->tokens, 5, &o, &s));
+    if (s) {
+        int32_t tok;
+        tl_stop_reason why = TL_STOP_NONE;
+        CHECK_OK(tl_stream_next(s, &tok, &why));
+        CHECK_STATUS(tl_context_append(ctx, f->tokens, 1, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+        CHECK(strstr(tl_last_error(), "still open") != NULL, "in-use message: %s", tl_last_error());
+        CHECK_STATUS(tl_context_truncate(ctx, 1), TL_ERR_INVALID_ARGUMENT);
+        tl_stream *second = NULL;
+        CHECK_STATUS(tl_stream_start(f->model, ctx, f->tokens, 5, &o, &second), TL_ERR_INVALID_ARGUMENT);
+        CHECK(second == NULL, "no second stream");
+        tl_context_free(ctx);
+        ctx = NULL;
+        CHECK_OK(tl_stream_next(s, &tok, &why));
+        CHECK(tok == -1 && why == TL_STOP_ABORTED, "stream after its context was freed: %d, stop %d", tok, why);
+        tl_stream_free(s);
+    }
+    tl_context_free(ctx);
+
     abort_state st = { 0, 3 };
     CHECK_OK(tl_generate_stream(f->model, f->tokens, 5, &o, count_and_abort, &st, &r));
     CHECK(st.seen == 3 && r.n_tokens == 3 && r.stop_reason == TL_STOP_ABORTED,

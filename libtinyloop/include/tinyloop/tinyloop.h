@@ -222,7 +222,8 @@ TL_API tl_status tl_generate_stream(tl_model *model, const int32_t *prompt, size
                                     void *user_data, tl_generate_result *result);
 
 /* Pull iterator: the stream owns a context of its own (or uses ctx when given; other
- * uses of ctx fail with TL_ERR_INVALID_ARGUMENT until the stream is freed). */
+ * uses of ctx fail with TL_ERR_INVALID_ARGUMENT until the stream is freed, and freeing
+ * ctx first ends the stream with TL_STOP_ABORTED). */
 TL_API tl_status tl_stream_start(tl_model *model, tl_context *ctx, const int32_t *prompt,
                                  size_t n_prompt, const tl_generate_options *opts,
                                  tl_stream **out);
