@@ -487,7 +487,9 @@ int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
 int cuda_chain_available(tl_exec *ex) { return !bind(ex) && ex->chain; }
 
 void cuda_argmax_chained(tl_exec *ex, tl_act x, int count) {
-    if (bind(ex) || count <= 0) return;
+    // queue nothing after an error: the forward pass then fails (status() reports it), so
+    // the caller does not count this result, and a queued one would be read by the next
+    if (bind(ex) || count <= 0 || ex->error != TL_OK) return;
     if (ex->chain_tail - ex->chain_head >= (unsigned)tl_exec::CHAIN_SLOTS) {
         exec_reject(ex, "more chained decode steps queued than the host has read");
         return;
