@@ -19,31 +19,34 @@ import statistics
 import subprocess
 import sys
 
-PROMPT_TOKENS = 128
-NEW_TOKENS = 256
+HERE = os.path.dirname(os.path.abspath(__file__))
 
+# one process per build and model; the workload is tools/gpu/bench.py's decode
 CHILD = r"""
-import json, sys, numpy as np, tinyloop
+import json, sys
+sys.path.insert(0, sys.argv[4])
+import tinyloop
+from bench import NEW_TOKENS, PROMPT_TOKENS, _tokens
 path, device, depths = sys.argv[1], sys.argv[2], [int(d) for d in sys.argv[3].split(",") if d]
 out = {}
 with tinyloop.Model(path, device=device) as model:
-    prompt = np.random.default_rng(7).integers(0, model.info.vocab_size, %d).astype(np.int32)
+    prompt = _tokens(PROMPT_TOKENS, model.info.vocab_size, 7)
     for depth in [None] + depths:
         opts = {"depth": depth} if depth else {}
         model.generate(prompt, max_tokens=16, temperature=0.0, eos=False, **opts)   # warm-up, graphs captured
         best, tokens = 0.0, None
         for _ in range(2):
-            res = model.generate(prompt, max_tokens=%d, temperature=0.0, eos=False, **opts)
+            res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False, **opts)
             best, tokens = max(best, res.decode_tokens_per_s), list(res.tokens)
         out[str(depth or "default")] = {"tok_s": best, "tokens": tokens}
 print(json.dumps(out))
-""" % (PROMPT_TOKENS, NEW_TOKENS)
+"""
 
 
 def measure(lib_dir, model, device, depths):
     env = dict(os.environ, TINYLOOP_LIBRARY=os.path.join(lib_dir, "libtinyloop.so"))
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, device, ",".join(map(str, depths))], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, device, ",".join(map(str, depths)), HERE],
+                          env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         raise RuntimeError(f"{lib_dir} on {model}: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
