@@ -2,13 +2,16 @@
 
   kernel_profile.py run PATH --what decode|prefill --device D   the workload to trace
   kernel_profile.py summarize CSV --what W --tokens N            table from a profiler's CSV
-  kernel_profile.py timeline CSV                                  gaps between decode kernels
+  kernel_profile.py timeline CSV|JSON                             gaps between decode kernels
 
 `run` decodes 64 greedy tokens after a 128-token prompt (or appends 512 tokens once,
-after a warm-up). `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
+after a warm-up); with `--trace FILE` it records the run with PyTorch's profiler (CUPTI,
+every kernel of the process, graph nodes one by one) into a Chrome trace, for machines
+without nsys. `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
 gpu__time_duration CSV and prints, per kernel, the launches and GPU time per decoded
 token (or per prefill), so the step's time can be split between GEMVs, attention and
-the small kernels. `timeline` reads nsys's cuda_gpu_trace CSV of the decode run and
+the small kernels. `timeline` reads nsys's cuda_gpu_trace CSV (or the Chrome trace of `run --trace`) of
+the decode run and
 prints, per kernel, the median time it adds to the step (its end minus the later of its
 start and the previous kernel's end) and the median gap or overlap before it: whether
 launches leave the GPU idle, and whether programmatic dependent launch overlaps them.
@@ -17,6 +20,7 @@ launches leave the GPU idle, and whether programmatic dependent launch overlaps 
 import argparse
 import collections
 import csv
+import json
 import re
 import sys
 
@@ -26,6 +30,18 @@ DECODE_TOKENS = 64
 
 
 def cmd_run(args):
+    if args.trace:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.init()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _workload(args)
+        prof.export_chrome_trace(args.trace)
+    else:
+        _workload(args)
+
+
+def _workload(args):
     import tinyloop
     with tinyloop.Model(args.path, device=args.device) as model:
         vocab = model.info.vocab_size
@@ -79,9 +95,18 @@ def cmd_summarize(args):
         print(f"| {name} | {n / unit:.1f} | {ns / unit / 1e3:.1f} | {ns / total:.1%} | {ns / max(n, 1) / 1e3:.2f} |")
 
 
+def _kernel_trace(path):
+    """(start ns, duration ns, short name) of every kernel, in start order."""
+    if path.endswith(".json"):                          # Chrome trace (run --trace)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        return sorted((float(e["ts"]) * 1e3, float(e["dur"]) * 1e3, _short(e["name"])) for e in events
+                      if e.get("ph") == "X" and e.get("cat") == "kernel")
+    return sorted((float(r["Start (ns)"]), float(r["Duration (ns)"]), _short(r["Name"])) for r in _rows(path))
+
+
 def cmd_timeline(args):
-    rows = _rows(args.csv)
-    trace = sorted((float(r["Start (ns)"]), float(r["Duration (ns)"]), _short(r["Name"])) for r in rows)
+    trace = _kernel_trace(args.csv)
     trace = trace[len(trace) // 2:]    # the decode steps (the prompt and the warm-up come first)
     added = collections.defaultdict(list)
     gaps = collections.defaultdict(list)
@@ -97,6 +122,30 @@ def cmd_timeline(args):
     all_gaps = [g for v in gaps.values() for g in v]
     print(f"\nall: median gap {np.median(all_gaps) / 1e3:.2f} us, "
           f"idle share {sum(max(g, 0) for g in all_gaps) / (trace[-1][0] + trace[-1][1] - trace[0][0]):.1%}")
+    _step_positions(trace)
+
+
+def _step_positions(trace):
+    """Per position within a decode step (steps begin with the embedding lookup), the
+    median time that position adds: which GEMV of the step (o, down, head) costs what."""
+    starts = [i for i, (_, _, name) in enumerate(trace) if name.startswith("embed_kernel")]
+    steps = [trace[a:b] for a, b in zip(starts, starts[1:])]
+    if not steps:
+        return
+    length = collections.Counter(len(s) for s in steps).most_common(1)[0][0]
+    steps = [s for s in steps if len(s) == length and [k[2] for k in s] == [k[2] for k in steps[0]]]
+    if not steps:
+        return
+    print(f"\n{len(steps)} steps of {length} kernels; per position, median over steps "
+          f"(a step: {np.median([s[-1][0] + s[-1][1] - s[0][0] for s in steps]) / 1e3:.1f} us from the "
+          "embedding's start to the last kernel's end)\n")
+    print("| # | kernel | added us | gap before us | duration us |")
+    print("|---:|---|---:|---:|---:|")
+    for i in range(1, length):
+        added = [s[i][0] + s[i][1] - max(s[i][0], s[i - 1][0] + s[i - 1][1]) for s in steps]
+        gap = [s[i][0] - (s[i - 1][0] + s[i - 1][1]) for s in steps]
+        print(f"| {i} | {steps[0][i][2]} | {np.median(added) / 1e3:.2f} | {np.median(gap) / 1e3:.2f} | "
+              f"{np.median([s[i][1] for s in steps]) / 1e3:.2f} |")
 
 
 def main(argv=None):
@@ -106,6 +155,7 @@ def main(argv=None):
     r.add_argument("path")
     r.add_argument("--what", choices=("decode", "prefill"), required=True)
     r.add_argument("--device", default="cuda")
+    r.add_argument("--trace", help="record with PyTorch's profiler into this Chrome trace (.json)")
     s = sub.add_parser("summarize")
     s.add_argument("csv")
     s.add_argument("--what", choices=("decode", "prefill"), required=True)
