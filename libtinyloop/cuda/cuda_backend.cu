@@ -163,8 +163,9 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     if (err == cudaSuccess) err = cudaMalloc(&ex->argmax_partial, argmax_partial_bytes());
     // h_result, then the chained argmax slots
     if (err == cudaSuccess)
-        err = cudaHostAlloc((void **)&ex->h_result, (1 + tl_exec::CHAIN_SLOTS) * sizeof(int32_t), cudaHostAllocDefault);
+        err = cudaHostAlloc((void **)&ex->h_result, (1 + tl_exec::CHAIN_SLOTS) * sizeof(int32_t), cudaHostAllocMapped);
     if (err == cudaSuccess) ex->h_chain = ex->h_result + 1;
+    if (err == cudaSuccess) err = cudaHostGetDevicePointer((void **)&ex->h_chain_dev, ex->h_chain, 0);
     for (cudaEvent_t &ev : ex->chain_ready)
         if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
     // the tensor-core GEMM's split activations, for chunks of more rows than the GEMV takes
@@ -483,26 +484,36 @@ int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
 }
 
 // Chained greedy steps (backend.h): the index goes to the step parameters' token, which
-// the next chained step's embed reads, and on to the host behind an event.
+// the next chained step's embed reads, and to the host's pinned ring, behind an event.
+// Inside a recorded step the argmax is part of the step's graph, its event recorded
+// after the graph (step_end), and it leaves the next position in the parameters, so
+// the next chained step uploads nothing: between two steps the stream holds only the
+// event and the graph launch.
 int cuda_chain_available(tl_exec *ex) { return !bind(ex) && ex->chain; }
 
-void cuda_argmax_chained(tl_exec *ex, tl_act x, int count) {
+void cuda_argmax_chained(tl_exec *ex, tl_act x, int count, int pos) {
     // queue nothing after an error: the forward pass then fails (status() reports it), so
     // the caller does not count this result, and a queued one would be read by the next
     if (bind(ex) || count <= 0 || ex->error != TL_OK) return;
-    if (ex->chain_tail - ex->chain_head >= (unsigned)tl_exec::CHAIN_SLOTS) {
+    const unsigned queued = ex->chain_tail - ex->chain_head;
+    if (queued >= (unsigned)tl_exec::CHAIN_SLOTS) {
         exec_reject(ex, "more chained decode steps queued than the host has read");
         return;
     }
-    step_flush(ex);
-    int32_t *token = &ex->step.dev->token;
-    launch_argmax(ex, P(x), count, token);
     const unsigned slot = ex->chain_tail % tl_exec::CHAIN_SLOTS;
-    if (exec_check(ex, cudaMemcpyAsync(&ex->h_chain[slot], token, sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                       ex->stream), "chained argmax (download)") ||
-        exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)"))
+    if (queued > 0 && ex->chain_pos[(ex->chain_tail - 1) % tl_exec::CHAIN_SLOTS] != pos - 1) {
+        exec_reject(ex, "queued chained decode steps must be at consecutive positions");
         return;
+    }
+    step_state &s = ex->step;
+    step_note(ex, { 19, K(P(x)), (uint64_t)count });
+    const argmax_chain chain = { ex->h_chain_dev, step_pos(ex, pos), &s.dev->pos };
+    launch_argmax(ex, P(x), count, &s.dev->token, chain);
+    s.dev_pos = pos + 1;
+    ex->chain_pos[slot] = pos;
     ex->chain_tail++;
+    if (s.recording) s.chain_event = &ex->chain_ready[slot];
+    else exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)");
 }
 
 int32_t cuda_chained_token(tl_exec *ex) {
@@ -515,7 +526,7 @@ int32_t cuda_chained_token(tl_exec *ex) {
     if (exec_check(ex, cudaEventSynchronize(ex->chain_ready[slot]), "chained argmax (or a kernel before it)") ||
         ex->error != TL_OK)
         return -1;
-    return ex->h_chain[slot];
+    return ex->h_chain[ex->chain_pos[slot] % tl_exec::CHAIN_SLOTS];
 }
 
 void cuda_step_token_on_device(tl_exec *ex) { ex->step.device_token = 1; }

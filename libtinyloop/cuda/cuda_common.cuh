@@ -157,7 +157,11 @@ struct step_state {
                                    // the host may fill the next while one is in flight
     int next_slot;
     int device_token;              // the step's token is the last chained argmax, already
-                                   // in dev->token: only the position is uploaded
+                                   // in dev->token: only the position is uploaded, and
+                                   // nothing when dev->pos already holds it
+    int dev_pos;                   // dev->pos once the queued work has run (-1: unknown)
+    cudaEvent_t *chain_event;      // a chained argmax recorded in the step: its event,
+                                   // recorded once the step's work is in the stream
     step_graph graphs[STEP_GRAPHS];
     int next_graph;                // slot the next capture replaces
     int unused_captures;           // captures in a row that were never replayed
@@ -190,10 +194,14 @@ struct tl_exec {
     void *argmax_partial;     // the first argmax pass's per-block winners
     int32_t *h_result;        // pinned: argmax comes back through it
     // Chained greedy steps (backend.h): argmax results queued to the host, oldest at
-    // chain_head; slot i % CHAIN_SLOTS of h_chain, ready once chain_ready[i % CHAIN_SLOTS].
+    // chain_head; queue entry i is the argmax of the row at chain_pos[i % CHAIN_SLOTS],
+    // which the kernel writes to h_chain[that position % CHAIN_SLOTS] (two queued
+    // entries are consecutive positions), ready once chain_ready[i % CHAIN_SLOTS].
     static constexpr int CHAIN_SLOTS = 2;
     int chain;                // chaining offered (TINYLOOP_CUDA_CHAIN != 0)
-    int32_t *h_chain;         // pinned, CHAIN_SLOTS
+    int32_t *h_chain;         // pinned and mapped, CHAIN_SLOTS
+    int32_t *h_chain_dev;     // its device address
+    int chain_pos[CHAIN_SLOTS];
     cudaEvent_t chain_ready[CHAIN_SLOTS];
     unsigned chain_head, chain_tail;
     size_t l2_persist_bytes;  // persisting L2 set aside for the loop body (0 = none)
@@ -330,7 +338,13 @@ void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
 // *d_out = the first index of the largest of count floats (sampling.c's argmax), in
 // two passes through ex->argmax_partial (argmax_partial_bytes() of device memory)
 size_t argmax_partial_bytes();
-void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out);
+// A chained argmax's extra outputs (cuda_argmax_chained); ring = nullptr: none.
+struct argmax_chain {
+    int32_t *ring;   // device address of the host's pinned ring (tl_exec::h_chain)
+    pos_arg pos;     // position of the row the index is taken from
+    int *next_pos;   // step_params::pos, set to pos + 1
+};
+void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out, const argmax_chain &chain = {});
 
 // cuda_attention.cu
 // Floats of split-sequence scratch attention needs for this geometry (decode rows).

@@ -320,7 +320,9 @@ __device__ argmax_pair block_argmax(argmax_pair best) {
     return best;
 }
 
-// Pass 1: each block's best pair of its slices of x.
+// Pass 1: each block's best pair of its slices of x. (One launch whose last block
+// merged the pairs, behind a fence and an arrival counter, was slower than this pass
+// and the next.)
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
     pdl_wait();
@@ -344,15 +346,25 @@ argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
     if (threadIdx.x == 0) partial[blockIdx.x] = best;
 }
 
-// Pass 2: one block over the n_partial winners.
+// Pass 2: one block over the n_partial winners. A chained argmax (chain.ring set) also
+// writes the index to the host's ring (mapped memory, slot pos % CHAIN_SLOTS) and the
+// next step's position to the step parameters: every kernel before this one has
+// finished (each waited for its predecessor), so none still reads them.
 __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_final_kernel(const float *x, const argmax_pair *partial, int n_partial, int32_t *out) {
+argmax_final_kernel(const float *x, const argmax_pair *partial, int n_partial, int32_t *out, argmax_chain chain) {
     pdl_wait();
     pdl_trigger();
     argmax_pair best = { 0.0f, -1 };
     for (int b = threadIdx.x; b < n_partial; b += ARGMAX_THREADS) argmax_offer(best, partial[b].v, partial[b].i);
     best = block_argmax(best);
-    if (threadIdx.x == 0) *out = (isnan(x[0]) || best.i < 0) ? 0 : best.i;
+    if (threadIdx.x != 0) return;
+    const int token = (isnan(x[0]) || best.i < 0) ? 0 : best.i;
+    *out = token;
+    if (chain.ring) {
+        const int pos = pos_value(chain.pos);
+        chain.ring[pos % tl_exec::CHAIN_SLOTS] = token;
+        *chain.next_pos = pos + 1;
+    }
 }
 
 uint64_t host_splitmix64(uint64_t x) {
@@ -463,11 +475,11 @@ void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
 
 size_t argmax_partial_bytes() { return ARGMAX_MAX_BLOCKS * sizeof(argmax_pair); }
 
-void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out) {
+void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out, const argmax_chain &chain) {
     const int per_block = ARGMAX_THREADS * ARGMAX_PER_THREAD;
     const int blocks = std::max(1, std::min(ARGMAX_MAX_BLOCKS, (count + per_block - 1) / per_block));
     argmax_pair *partial = static_cast<argmax_pair *>(ex->argmax_partial);
     launch(ex, "argmax", argmax_blocks_kernel, blocks, ARGMAX_THREADS, 0, x, count, partial);
     launch(ex, "argmax (final)", argmax_final_kernel, 1, ARGMAX_THREADS, 0, x, (const argmax_pair *)partial,
-           blocks, d_out);
+           blocks, d_out, chain);
 }

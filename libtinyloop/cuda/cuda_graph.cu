@@ -127,6 +127,7 @@ tl_status step_init(tl_exec *ex) {
         return cuda_fail(TL_ERR_BACKEND, "cannot allocate the decode-step parameters: %s",
                          cudaGetErrorString(err));
     }
+    s.dev_pos = -1;
     if (!graphs_allowed()) {
         s.off = 1;
         snprintf(s.reason, sizeof s.reason, "TINYLOOP_CUDA_GRAPHS=0");
@@ -191,17 +192,28 @@ void step_begin(tl_exec *ex, int pos) {
 }
 
 // The step's parameters to the device, in stream order (a chained step keeps the token
-// its predecessor's argmax left there). Copied from pinned memory, so that the copy
-// never waits for the stream: the host may record the next step while this one runs.
+// its predecessor's argmax left there, and the position when that argmax advanced it
+// to this step's). Copied from pinned memory, so that the copy never waits for the
+// stream: the host may record the next step while this one runs.
 static int upload_step_params(tl_exec *ex) {
     step_state &s = ex->step;
+    if (s.device_token && s.dev_pos == s.host.pos) return 0;
     step_params *slot = &s.upload_slots[s.next_slot];
     s.next_slot ^= 1;
     *slot = s.host;
     const size_t bytes = s.device_token ? sizeof slot->pos : sizeof *slot;
     static_assert(offsetof(step_params, pos) == 0, "the position leads the parameters");
+    s.dev_pos = s.host.pos;
     return exec_check(ex, cudaMemcpyAsync(s.dev, slot, bytes, cudaMemcpyHostToDevice, ex->stream),
                       "decode step (parameters)");
+}
+
+// After the step's work is in the stream: the event of a chained argmax it holds.
+static void record_chain_event(tl_exec *ex) {
+    step_state &s = ex->step;
+    if (!s.chain_event) return;
+    exec_check(ex, cudaEventRecord(*s.chain_event, ex->stream), "chained argmax (event)");
+    s.chain_event = nullptr;
 }
 
 // Runs the kept closures now (after the step parameters they read) and records no more.
@@ -211,12 +223,11 @@ void step_flush(tl_exec *ex) {
     s.recording = 0;
     if (!upload_step_params(ex)) run_work(ex);
     s.work.clear();
+    record_chain_event(ex);
 }
 
-void step_end(tl_exec *ex) {
+static void replay_or_capture(tl_exec *ex) {
     step_state &s = ex->step;
-    if (!s.recording) return;
-    s.recording = 0;
     if (upload_step_params(ex)) {
         s.work.clear();
         return;
@@ -244,4 +255,12 @@ void step_end(tl_exec *ex) {
     }
     s.work.clear();
     exec_check(ex, cudaGraphLaunch(g->exec, ex->stream), "decode step (graph launch)");
+}
+
+void step_end(tl_exec *ex) {
+    step_state &s = ex->step;
+    if (!s.recording) return;
+    s.recording = 0;
+    replay_or_capture(ex);
+    record_chain_event(ex);
 }

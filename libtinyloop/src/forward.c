@@ -212,8 +212,9 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
     }
 }
 
-/* Final norm and head for the rows the caller asked for; h holds the coda output. */
-static void outputs(const fwd *F, int n, const tl_forward_out *out) {
+/* Final norm and head for the rows the caller asked for; h holds the coda output (rows
+ * at positions pos0 ..). */
+static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     const struct tl_model *m = F->m;
     struct tl_context *ctx = F->ctx;
     tl_act h = buf0(ctx->h), xn = buf0(ctx->xn), logits = buf0(ctx->logits);
@@ -226,7 +227,7 @@ static void outputs(const fwd *F, int n, const tl_forward_out *out) {
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
         if (out->last_logits) F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
         if (out->chain_token)
-            F->ops->argmax_chained(F->ex, logits, V);
+            F->ops->argmax_chained(F->ex, logits, V, pos0 + n - 1);
         else if (out->last_token)
             *out->last_token = out->sample ? F->ops->sample(F->ex, logits, V, out->sample)
                                            : F->ops->argmax(F->ex, logits, V);
@@ -265,7 +266,11 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
     run_loop(&F, n, pos0, hp->n_core > 0 ? depth : 0);
     for (int b = 0; b < hp->n_post; b++)
         block(&F, &m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, pos0);
-    if (step) F.ops->step_end(F.ex);
-    if (out) outputs(&F, n, out);
+    /* A chained token is the step's last op: head and argmax are recorded with it. Other
+     * outputs come back to the host, which ends a recording, so they follow the step. */
+    int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
+    if (step && !outputs_in_step) F.ops->step_end(F.ex);
+    if (out) outputs(&F, n, pos0, out);
+    if (outputs_in_step) F.ops->step_end(F.ex);
     return F.ops->status(F.ex);
 }
