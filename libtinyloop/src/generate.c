@@ -231,6 +231,14 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
         tl_status read = read_chained(g, &t);
         if (st == TL_OK) st = read;
         if (g->ahead) ctx->tokens[ctx->n_tokens - 1] = t;
+        if (g->n_generated == 0) {
+            /* the prompt's token was not waited for in tl_stream_begin: the wait for it
+             * is the prefill's, so decode_seconds counts from the first token on, as
+             * without chaining */
+            double now = now_seconds();
+            g->prefill_seconds += now - t0;
+            t0 = now;
+        }
     } else if (st == TL_OK && !g->greedy && !g->backend_samples) {
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
     }
