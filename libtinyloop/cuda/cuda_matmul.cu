@@ -496,11 +496,29 @@ __device__ __forceinline__ void int_dot_chunk(const uint2 *recs, int n, int chun
     }
 }
 
+// The first output row of row group `group` in tile t (a block's share of one member
+// of the set when the grid is one wave), and the weight row of each row of the group.
+template <int RT, int EPI>
+__device__ __forceinline__ int tile_rows(const matrix_set &set, const gemv_rope &rope, int t, int j, int group,
+                                         int split, int (&rows)[RT]) {
+    constexpr int OUT_ROWS = EPI == EPI_GATED ? RT / 2 : RT;
+    const int row0 = (set_local(set, j, t) * (GEMV_WARPS / split) + group) * OUT_ROWS;
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+        rows[r] = EPI == EPI_GATED ? row0 + r % OUT_ROWS : EPI == EPI_ROPE ? rope_row(rope, j, row0 + r) : row0 + r;
+    return row0;
+}
+
 // INT_DOT: quantized weights against the activation records (integer dot products)
 // instead of fp32 activations. EPI (gemv_epilogue): EPI_GATED: a row group's first
 // RT / 2 rows are rows of set.w[0], the others the same rows of set.w[1], and the group
 // writes act(first) * second; EPI_ROPE: q/k/v rows in rotary pairs (gemv_rope).
-template <int DT, int NR, bool INT_DOT, int EPI>
+// The set's rows come in tiles (set.first), one a block. WALK: a grid smaller than the
+// tiles (a matrix larger than one wave, the head) walks them, block b taking tiles b,
+// b + gridDim.x, ..., so the input is staged, normalised and turned into records once
+// per block, and the next tile's first weights are requested before this tile's sums
+// are reduced. (Kernels of one tile a block leave that out: it costs them time.)
+template <int DT, int NR, bool INT_DOT, int EPI, bool WALK>
 __global__ void __launch_bounds__(GEMV_THREADS, gemv_blocks_per_sm(NR, EPI == EPI_GATED))
 gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     constexpr int RT = gemv_tile<DT>::rows, U = gemv_tile<DT>::unroll;
@@ -512,110 +530,125 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
                                                    // gated and in.vec: as many for `up` after them
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     __shared__ float resid[GEMV_WARPS][32];        // set.accumulate: what each writer adds to
-    const int b = blockIdx.x;
-    const int j = set_member(set, b);
-    const dev_weight &w = set_weight(set, j);
-    float *__restrict__ y = set_out(set, j);
-    const size_t ldy = set_ld(set, j);
-    const int block_in_mat = set_local(set, j, b);
-    const int chunks = (w.cols + 31) >> 5;
+    const int tiles = set.first[set.n_mats];
+    const int chunks = (set.w[0].cols + 31) >> 5;  // every member is as wide as x
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = warp / split, sub = warp - group * split;
-    const int row0 = (block_in_mat * (GEMV_WARPS / split) + group) * OUT_ROWS;
     const int stride = 32 * split;   // chunks between a lane's consecutive chunks
+    int t = blockIdx.x, j = set_member(set, t);
     int rows[RT];   // the weight row of each row of the group
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-        rows[r] = EPI == EPI_GATED ? row0 + r % OUT_ROWS : EPI == EPI_ROPE ? rope_row(rope, j, row0 + r) : row0 + r;
+    int row0 = tile_rows<RT, EPI>(set, rope, t, j, group, split, rows);
 
     // The first round's weights are requested before the wait for the previous
     // kernel: their latency overlaps its tail and this kernel's staging.
     chunk_bits<DT> bits[RT][U];
     __half2 scale_min[RT][U];   // as stored (f16): half the registers of floats
-    load_round<DT, RT, U, EPI>(w, set.w[1], rows, sub * 32, lane, stride, chunks, bits, scale_min);
+    load_round<DT, RT, U, EPI>(set_weight(set, j), set.w[1], rows, sub * 32, lane, stride, chunks, bits, scale_min);
     if (in.kind == TL_MATMUL_IN_NORM) {
-        prefetch_vector_l1(in.norm_w, w.cols);
-        if (in.has_bias) prefetch_vector_l1(in.norm_b, w.cols);
+        prefetch_vector_l1(in.norm_w, set.w[0].cols);
+        if (in.has_bias) prefetch_vector_l1(in.norm_b, set.w[0].cols);
     }
 
     pdl_wait();
     pdl_trigger();
-    // the residual this block adds to, requested now (into shared memory: a register
-    // would be spilled, and the spill would wait for the load) and used at the end
     const int out_r = lane / NR, out_i = lane % NR;
-    const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
     const int pos = EPI == EPI_ROPE ? pos_value(rope.pos) : 0;
-    // EPI_ROPE: k and v go to the cache rows of their positions
-    const size_t y_row = EPI == EPI_ROPE && j > 0 ? (size_t)(pos + out_i) : (size_t)out_i;
-    const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
-    float *dst = y + y_row * ldy + out_row;
-    if (writer && set.accumulate) copy4_async(&resid[warp][lane], dst);
     const int rows_in = NR == 1 ? 1 : n;   // a constant where it can be
-    if (in.stage_async) stage_x_async(xs, xs + rows_in * chunks * 8, in, rows_in, w.cols, chunks);
-    else stage_x_regs(xs, in, rows_in, w.cols, chunks);
-    __syncthreads();
-    if (in.kind == TL_MATMUL_IN_NORM) {
-        norm_staged(xs, in, rows_in, w.cols, chunks);
+    bool staged = false;
+    for (;;) {
+        const dev_weight &w = set_weight(set, j);
+        const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
+        // EPI_ROPE: k and v go to the cache rows of their positions
+        const size_t y_row = EPI == EPI_ROPE && j > 0 ? (size_t)(pos + out_i) : (size_t)out_i;
+        const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
+        float *dst = set_out(set, j) + y_row * set_ld(set, j) + out_row;
+        // the residual this tile adds to, requested now (into shared memory: a register
+        // would be spilled, and the spill would wait for the load) and used at the end
+        if (writer && set.accumulate) copy4_async(&resid[warp][lane], dst);
+        if (!staged) {
+            if (in.stage_async) stage_x_async(xs, xs + rows_in * chunks * 8, in, rows_in, w.cols, chunks);
+            else stage_x_regs(xs, in, rows_in, w.cols, chunks);
+            __syncthreads();
+            if (in.kind == TL_MATMUL_IN_NORM) {
+                norm_staged(xs, in, rows_in, w.cols, chunks);
+                __syncthreads();
+            }
+            if (INT_DOT) {
+                act_records(xs, rows_in, chunks);
+                __syncthreads();
+            }
+            staged = true;
+        }
+
+        float acc[RT][NR];
+#pragma unroll
+        for (int r = 0; r < RT; r++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) acc[r][i] = 0.0f;
+
+        for (int base = sub * 32; base < chunks; base += stride * U) {
+            if (base != sub * 32)
+                load_round<DT, RT, U, EPI>(w, set.w[1], rows, base, lane, stride, chunks, bits, scale_min);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = base + lane + stride * u;
+                if (c >= chunks) continue;
+                if constexpr (INT_DOT)
+                    int_dot_chunk<DT, RT, U, NR>(reinterpret_cast<const uint2 *>(xs), n, chunks, c, u, bits,
+                                                 scale_min, acc);
+                else
+                    float_dot_chunk<DT, RT, U, NR>(xs, n, chunks, c, u, bits, scale_min, acc);
+            }
+        }
+
+        // the next tile's first round, in flight while this one is reduced and written
+        const int next = WALK ? t + (int)gridDim.x : tiles;
+        int next_j = j, next_row0 = row0;
+        if (WALK && next < tiles) {
+            next_j = set_member(set, next);
+            next_row0 = tile_rows<RT, EPI>(set, rope, next, next_j, group, split, rows);
+            load_round<DT, RT, U, EPI>(set_weight(set, next_j), set.w[1], rows, sub * 32, lane, stride, chunks,
+                                       bits, scale_min);
+        }
+
+        // lanes, then the warps of a row group (in warp order: deterministic)
+#pragma unroll
+        for (int r = 0; r < RT; r++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+                const float s = warp_sum(acc[r][i]);
+                if (lane == 0) red[warp][r * NR + i] = s;
+            }
         __syncthreads();
-    }
-    if (INT_DOT) {
-        act_records(xs, rows_in, chunks);
-        __syncthreads();
-    }
-
-    float acc[RT][NR];
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-#pragma unroll
-        for (int i = 0; i < NR; i++) acc[r][i] = 0.0f;
-
-    for (int base = sub * 32; base < chunks; base += stride * U) {
-        if (base != sub * 32)
-            load_round<DT, RT, U, EPI>(w, set.w[1], rows, base, lane, stride, chunks, bits, scale_min);
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = base + lane + stride * u;
-            if (c >= chunks) continue;
-            if constexpr (INT_DOT)
-                int_dot_chunk<DT, RT, U, NR>(reinterpret_cast<const uint2 *>(xs), n, chunks, c, u, bits,
-                                             scale_min, acc);
-            else
-                float_dot_chunk<DT, RT, U, NR>(xs, n, chunks, c, u, bits, scale_min, acc);
+        if (writer) {
+            float s = 0.0f;
+            for (int k = 0; k < split; k++) s += red[warp + k][lane];
+            if (EPI == EPI_GATED) {
+                float up = 0.0f;   // the same output of the second matrix
+                for (int k = 0; k < split; k++) up += red[warp + k][lane + OUT_ROWS * NR];
+                s = gated(s, up, set.gated_pairs == 2);
+            }
+            const int t_dim = EPI == EPI_ROPE ? (row0 + out_r) % rope.head_dim : 0;
+            if (EPI == EPI_ROPE && j < 2 && t_dim < 2 * rope.pairs) {
+                float other = 0.0f;   // the pair's other member: the neighbouring row of the group
+                for (int k = 0; k < split; k++) other += red[warp + k][(out_r ^ 1) * NR + out_i];
+                const bool second = t_dim & 1;
+                float sn, cs;
+                rope_angle(pos + out_i, rope.freqs, t_dim >> 1, &sn, &cs);
+                s = second ? rope_member(other, s, sn, cs, true) : rope_member(s, other, sn, cs, false);
+            }
+            if (set.accumulate) {
+                asm volatile("cp.async.wait_all;" ::: "memory");   // resid (the regs path has not waited)
+                s += resid[warp][lane];
+            }
+            *dst = s;
         }
-    }
-
-    // lanes, then the warps of a row group (in warp order: deterministic)
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-#pragma unroll
-        for (int i = 0; i < NR; i++) {
-            const float s = warp_sum(acc[r][i]);
-            if (lane == 0) red[warp][r * NR + i] = s;
-        }
-    __syncthreads();
-    if (writer) {
-        float s = 0.0f;
-        for (int t = 0; t < split; t++) s += red[warp + t][lane];
-        if (EPI == EPI_GATED) {
-            float up = 0.0f;   // the same output of the second matrix
-            for (int t = 0; t < split; t++) up += red[warp + t][lane + OUT_ROWS * NR];
-            s = gated(s, up, set.gated_pairs == 2);
-        }
-        const int t_dim = EPI == EPI_ROPE ? (row0 + out_r) % rope.head_dim : 0;
-        if (EPI == EPI_ROPE && j < 2 && t_dim < 2 * rope.pairs) {
-            float other = 0.0f;   // the pair's other member: the neighbouring row of the group
-            for (int t = 0; t < split; t++) other += red[warp + t][(out_r ^ 1) * NR + out_i];
-            const bool second = t_dim & 1;
-            float sn, cs;
-            rope_angle(pos + out_i, rope.freqs, t_dim >> 1, &sn, &cs);
-            s = second ? rope_member(other, s, sn, cs, true) : rope_member(s, other, sn, cs, false);
-        }
-        if (set.accumulate) {
-            asm volatile("cp.async.wait_all;" ::: "memory");   // resid (the regs path has not waited)
-            s += resid[warp][lane];
-        }
-        *dst = s;
+        if (next >= tiles) break;
+        __syncthreads();   // red and resid are the next tile's
+        t = next;
+        j = next_j;
+        row0 = next_row0;
     }
 }
 
@@ -714,48 +747,53 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
-template <int DT, int NR, bool INT_DOT, int EPI>
-void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
-                        const gemv_rope &rope) {
+template <int DT, int NR, bool INT_DOT, int EPI, bool WALK = false>
+void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid,
+                        size_t smem, const gemv_rope &rope) {
     if (smem > SMEM_DEFAULT &&
-        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI>,
+        exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI, WALK>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                    "matmul (gemv shared memory size)"))
         return;
-    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, EPI>, set.first[set.n_mats], GEMV_THREADS, smem,
-           set, in, n, split, rope);
+    launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, EPI, WALK>, WALK ? grid : set.first[set.n_mats],
+           GEMV_THREADS, smem, set, in, n, split, rope);
 }
 
 // The epilogue's kernel: pairs (gated, RoPE) exist for dtypes with an even number of
-// rows per group (all but f32, whose calls are declined before they get here).
+// rows per group (all but f32, whose calls are declined before they get here). A plain
+// one-row GEMV with more tiles than the grid (the head) walks them; other sets larger
+// than one wave run a block per tile.
 template <int DT, int NR, bool INT_DOT>
-void gemv_launch_epilogue(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
-                          const gemv_rope *rope) {
+void gemv_launch_epilogue(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid,
+                          size_t smem, const gemv_rope *rope) {
     static const gemv_rope no_rope = {};
     if constexpr (gemv_tile<DT>::rows % 2 == 0) {
         if (rope) {
-            gemv_launch_kernel<DT, NR, INT_DOT, EPI_ROPE>(ex, set, in, n, split, smem, *rope);
+            gemv_launch_kernel<DT, NR, INT_DOT, EPI_ROPE>(ex, set, in, n, split, grid, smem, *rope);
             return;
         }
         if (set.gated_pairs) {
-            gemv_launch_kernel<DT, NR, INT_DOT, EPI_GATED>(ex, set, in, n, split, smem, no_rope);
+            gemv_launch_kernel<DT, NR, INT_DOT, EPI_GATED>(ex, set, in, n, split, grid, smem, no_rope);
             return;
         }
     }
-    gemv_launch_kernel<DT, NR, INT_DOT, EPI_STORE>(ex, set, in, n, split, smem, no_rope);
+    if (NR == 1 && grid < set.first[set.n_mats])
+        gemv_launch_kernel<DT, NR, INT_DOT, EPI_STORE, NR == 1>(ex, set, in, n, split, grid, smem, no_rope);
+    else
+        gemv_launch_kernel<DT, NR, INT_DOT, EPI_STORE>(ex, set, in, n, split, grid, smem, no_rope);
 }
 
 // Quantized weights use integer dot products unless the context turned them off.
 template <int DT, int NR>
-void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, size_t smem,
+void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid, size_t smem,
                  const gemv_rope *rope) {
     if constexpr (dtype_traits<DT>::quantized) {
         if (ex->gemv_int_dot) {
-            gemv_launch_epilogue<DT, NR, true>(ex, set, in, n, split, smem, rope);
+            gemv_launch_epilogue<DT, NR, true>(ex, set, in, n, split, grid, smem, rope);
             return;
         }
     }
-    gemv_launch_epilogue<DT, NR, false>(ex, set, in, n, split, smem, rope);
+    gemv_launch_epilogue<DT, NR, false>(ex, set, in, n, split, grid, smem, rope);
 }
 
 // Shared memory one GEMV block may use for activation rows (its static shared memory,
@@ -816,6 +854,8 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n, const gemv_rope 
     for (int k = 0; k < set.n_mats; k++)
         set.first[k + 1] = set.first[k] + (k < grid_mats ? (set.w[k].rows + rows_per_block - 1) / rows_per_block : 0);
     if (set.first[set.n_mats] == 0) return;
+    // one wave (a set larger than that may walk its tiles: gemv_launch_epilogue)
+    const int grid = std::min(set.first[set.n_mats], per_sm * ex->sm_count);
 
     for (int i0 = 0; i0 < n; i0 += per_launch) {
         const int m = std::min(per_launch, n - i0);
@@ -829,10 +869,10 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n, const gemv_rope 
         if (in.kind == TL_MATMUL_IN_GATED) pin.up += (size_t)i0 * in.ld_up;
         const size_t smem = (size_t)m * staged_bytes;
         const gemv_rope *r = rope ? &part_rope : nullptr;
-        if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, smem, r);
-        else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, smem, r);
-        else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, smem, r);
-        else gemv_launch<DT, 8>(ex, part, pin, m, split, smem, r);
+        if (m == 1) gemv_launch<DT, 1>(ex, part, pin, m, split, grid, smem, r);
+        else if (m == 2) gemv_launch<DT, 2>(ex, part, pin, m, split, grid, smem, r);
+        else if (m <= 4) gemv_launch<DT, 4>(ex, part, pin, m, split, grid, smem, r);
+        else gemv_launch<DT, 8>(ex, part, pin, m, split, grid, smem, r);
     }
 }
 
