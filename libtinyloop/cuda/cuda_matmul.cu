@@ -309,17 +309,39 @@ __device__ __forceinline__ void norm_staged(float4 *xs, const gemv_input &in, in
 // magnitude and sum by shuffles); a wave of 64 chunks reads its fp32 values, waits for
 // the block, then writes records, which only overlap fp32 chunks of this wave or
 // earlier ones.
-__device__ __forceinline__ void act_records(float4 *xs, int n, int chunks) {
+// RMS: the rows are an RMS norm's input x: the records are those of x * gain, and
+// row_scale[i] gets row i's 1 / rms (from the same reads), which the kernel applies to
+// its sums: the norm costs no pass of its own. NR: the kernel's input rows (n <= NR).
+template <int NR, bool RMS>
+__device__ __forceinline__ void act_records(float4 *xs, int n, int chunks, const gemv_input &in, int cols,
+                                            float *row_scale) {
     unsigned *rec_words = reinterpret_cast<unsigned *>(xs);
     const int total = n * chunks, t = threadIdx.x % ACT_THREADS_PER_CHUNK;
+    float sq[NR] = {};   // RMS: this thread's sum of x^2 of each row
     for (int g0 = 0; g0 < total; g0 += ACT_CHUNKS_PER_WAVE) {
         const int g = g0 + threadIdx.x / ACT_THREADS_PER_CHUNK;
-        const int swz = (n == 1 ? g : g % chunks) & 7;
+        const int c = n == 1 ? g : g % chunks;
+        const int swz = c & 7;
         float x[8] = {};
         if (g < total) {
             const float4 a = xs[g * 8 + ((2 * t) ^ swz)], b = xs[g * 8 + ((2 * t + 1) ^ swz)];
             x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
             x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+            if constexpr (RMS) {
+                const int row = n == 1 ? 0 : g / chunks, e0 = c * 32 + 8 * t;
+                float part = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    part = fmaf(x[j], x[j], part);
+                    if (e0 + j < cols) {
+                        const float gain = load_vector_elem(in.norm_w, e0 + j);
+                        x[j] *= in.unit_offset ? 1.0f + gain : gain;
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < NR; i++)
+                    if (i == row) sq[i] += part;
+            }
         }
         // magnitudes compared as bits: finite < inf < NaN
         unsigned amax = 0;
@@ -357,6 +379,22 @@ __device__ __forceinline__ void act_records(float4 *xs, int n, int chunks) {
                 __byte_perm(__byte_perm(v[0], v[1], 0x0062), __byte_perm(v[2], v[3], 0x0062), 0x5410),
                 __byte_perm(__byte_perm(v[4], v[5], 0x0062), __byte_perm(v[6], v[7], 0x0062), 0x5410));
             if (t == 0) rec[12] = make_uint2(__float_as_uint(step), __float_as_uint(sum));
+        }
+    }
+    if constexpr (RMS) {
+        // per row: lanes, then warps in order (deterministic), as norm_staged's formula
+        __shared__ float red[GEMV_WARPS][NR];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+            const float s = warp_sum(sq[i]);
+            if (lane == 0) red[warp][i] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < n) {
+            float s = 0.0f;
+            for (int w = 0; w < GEMV_WARPS; w++) s += red[w][threadIdx.x];
+            row_scale[threadIdx.x] = 1.0f / sqrtf(s / (float)cols + in.eps);
         }
     }
 }
@@ -530,6 +568,10 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
                                                    // gated and in.vec: as many for `up` after them
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     __shared__ float resid[GEMV_WARPS][32];        // set.accumulate: what each writer adds to
+    __shared__ float row_scale[GEMV_MAX_ROWS];     // rms_in_records: 1 / rms of each input row
+    // An RMS norm of the input is folded into the integer records (act_records): the
+    // sums are scaled by 1 / rms at the end instead of x before the records.
+    const bool rms_in_records = INT_DOT && in.kind == TL_MATMUL_IN_NORM && !in.layer_norm;
     const int tiles = set.first[set.n_mats];
     const int chunks = (set.w[0].cols + 31) >> 5;  // every member is as wide as x
 
@@ -570,12 +612,13 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
             if (in.stage_async) stage_x_async(xs, xs + rows_in * chunks * 8, in, rows_in, w.cols, chunks);
             else stage_x_regs(xs, in, rows_in, w.cols, chunks);
             __syncthreads();
-            if (in.kind == TL_MATMUL_IN_NORM) {
+            if (in.kind == TL_MATMUL_IN_NORM && !rms_in_records) {
                 norm_staged(xs, in, rows_in, w.cols, chunks);
                 __syncthreads();
             }
             if (INT_DOT) {
-                act_records(xs, rows_in, chunks);
+                if (rms_in_records) act_records<NR, true>(xs, rows_in, chunks, in, w.cols, row_scale);
+                else act_records<NR, false>(xs, rows_in, chunks, in, w.cols, row_scale);
                 __syncthreads();
             }
             staged = true;
@@ -622,17 +665,20 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
             }
         __syncthreads();
         if (writer) {
+            const float in_scale = rms_in_records ? row_scale[out_i] : 1.0f;
             float s = 0.0f;
             for (int k = 0; k < split; k++) s += red[warp + k][lane];
+            s *= in_scale;
             if (EPI == EPI_GATED) {
                 float up = 0.0f;   // the same output of the second matrix
                 for (int k = 0; k < split; k++) up += red[warp + k][lane + OUT_ROWS * NR];
-                s = gated(s, up, set.gated_pairs == 2);
+                s = gated(s, up * in_scale, set.gated_pairs == 2);
             }
             const int t_dim = EPI == EPI_ROPE ? (row0 + out_r) % rope.head_dim : 0;
             if (EPI == EPI_ROPE && j < 2 && t_dim < 2 * rope.pairs) {
                 float other = 0.0f;   // the pair's other member: the neighbouring row of the group
                 for (int k = 0; k < split; k++) other += red[warp + k][(out_r ^ 1) * NR + out_i];
+                other *= in_scale;
                 const bool second = t_dim & 1;
                 float sn, cs;
                 rope_angle(pos + out_i, rope.freqs, t_dim >> 1, &sn, &cs);
