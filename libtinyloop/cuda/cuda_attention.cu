@@ -276,18 +276,39 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     const int hd = a.head_dim, group = a.n_head / a.n_kv_head, kvh = blockIdx.x;
     const int kvd = a.n_kv_head * hd, qd = a.n_head * hd;
     const int n_items = a.n * group;
-    // The position is a step parameter, uploaded before the step and written by no
-    // kernel: read before the wait, so that splits past the last key (most of a grid
-    // sized for max_seq) leave without waiting for the previous kernel.
+    // The position is a step parameter, set before the step (uploaded, or advanced by
+    // the previous step's chained argmax, its last kernel) and not changed during it:
+    // read before the wait, so that splits past the last key (most of a grid sized for
+    // max_seq) leave without waiting for the previous kernel.
     const int pos0 = pos_value(a.pos0);
     const int lo_all = first_key(pos0, a.window);
     const int keys = pos0 + a.n - lo_all;
     const int per = split_keys(keys, gridDim.z);
     if ((int)blockIdx.z * per >= keys) return;   // a split past the last key (the whole block)
-    pdl_wait();
-    pdl_trigger();
     const int s_lo = lo_all + (int)blockIdx.z * per;
     const int s_hi = min(pos0 + a.n - 1, s_lo + per - 1);
+    const float *kbase = a.k + (size_t)kvh * hd, *vbase = a.v + (size_t)kvh * hd;
+    // The warp's first keys: rows before pos0 were written by earlier steps, so they are
+    // requested before the wait (their latency overlaps the previous kernel); rows from
+    // pos0 on come from the previous kernel and are read after it.
+    float kr[DEC_KEYS][DPL], vr[DEC_KEYS][DPL];
+    const int first0 = s_lo + warp * DEC_KEYS;
+#pragma unroll
+    for (int j = 0; j < DEC_KEYS; j++) {
+        const int key = min(first0 + j, s_hi);   // past the split: a valid row, scored -inf below
+        if (key >= pos0) continue;
+        load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
+        load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+    }
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int j = 0; j < DEC_KEYS; j++) {
+        const int key = min(first0 + j, s_hi);
+        if (key < pos0) continue;
+        load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
+        load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+    }
 
     float q[DEC_ITEMS][DPL], acc[DEC_ITEMS][DPL], m[DEC_ITEMS], l[DEC_ITEMS];
     int lo[DEC_ITEMS], hi[DEC_ITEMS];
@@ -312,14 +333,14 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
         }
     }
 
-    const float *kbase = a.k + (size_t)kvh * hd, *vbase = a.v + (size_t)kvh * hd;
-    for (int key0 = s_lo + warp * DEC_KEYS; key0 <= s_hi; key0 += DEC_WARPS * DEC_KEYS) {
-        float kr[DEC_KEYS][DPL], vr[DEC_KEYS][DPL];
+    for (int key0 = first0; key0 <= s_hi; key0 += DEC_WARPS * DEC_KEYS) {
+        if (key0 != first0) {
 #pragma unroll
-        for (int j = 0; j < DEC_KEYS; j++) {
-            const int key = min(key0 + j, s_hi);   // past the split: a valid row, scored -inf below
-            load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
-            load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+            for (int j = 0; j < DEC_KEYS; j++) {
+                const int key = min(key0 + j, s_hi);
+                load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
+                load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+            }
         }
 #pragma unroll
         for (int t = 0; t < DEC_ITEMS; t++) {
