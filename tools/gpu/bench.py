@@ -116,22 +116,29 @@ def cmd_tinyloop(args):
                     graph_tokens = list(res.tokens)
                 peak = max(peak, model.memory_report()["device_bytes"])
             out["decode_tok_s"] = max(decode)
-            # The same work with one feature switched off (contexts read the switches
-            # when they are created): what CUDA graphs, programmatic dependent launch,
-            # the integer-dot GEMV and the tensor-core GEMM each bring, and whether the
-            # decode tokens change (they may without the integer dot: other rounding).
+            # The same work with one feature switched off: what CUDA graphs, programmatic
+            # dependent launch, the integer-dot GEMV and the tensor-core GEMM each bring,
+            # and whether the decode tokens change (they may without the integer dot:
+            # other rounding). A context reads the switches when it is created, so each
+            # variant runs on a context of its own (model.generate reuses the model's
+            # internal context, created before the switch), warmed up like the above.
             for name, key in (("TINYLOOP_CUDA_GRAPHS", "eager"), ("TINYLOOP_CUDA_PDL", "no_pdl"),
                               ("TINYLOOP_CUDA_DP4A", "no_dp4a")):
                 os.environ[name] = "0"
                 try:
-                    res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False)
+                    with model.context() as ctx:
+                        ctx.generate(prompt, max_tokens=16, temperature=0.0, eos=False)
+                        ctx.reset()
+                        res = ctx.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, eos=False)
                 finally:
                     del os.environ[name]
                 out[f"decode_tok_s_{key}"] = res.decode_tokens_per_s
                 out[f"tokens_match_{key}"] = list(res.tokens) == graph_tokens
             out["graph_tokens_match_eager"] = out["tokens_match_eager"]
-            res = model.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.8, top_k=40, top_p=0.95,
-                                 repetition_penalty=1.1, seed=3, eos=False)
+            # sampled steps are recorded apart from chained greedy ones: warm up first
+            sampling = dict(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=3, eos=False)
+            model.generate(prompt, max_tokens=16, **sampling)
+            res = model.generate(prompt, max_tokens=NEW_TOKENS, **sampling)
             out["decode_tok_s_sampled"] = res.decode_tokens_per_s
             os.environ["TINYLOOP_CUDA_TC"] = "0"
             try:
