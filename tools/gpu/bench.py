@@ -172,46 +172,64 @@ def _copy_bandwidth(torch):
     return 2 * n / best
 
 
-def _peer_model(path, torch):
-    """An unrolled LlamaForCausalLM on the loop-1b weights: prelude blocks, then the core
-    block repeated `depth` times with its parameters shared, bf16."""
+def _peer_layers(dims):
+    """The file's block (name prefix) behind each layer of the unrolled model: the
+    prelude, the core blocks once per loop iteration (default depth), the coda."""
+    core = [f"core.{c}." for c in range(dims["n_core"])]
+    return ([f"pre.{i}." for i in range(dims["n_pre"])] + core * (dims["default_depth"] if core else 0)
+            + [f"post.{i}." for i in range(dims["n_post"])])
+
+
+def _peer_model(path, torch, device="cuda"):
+    """An unrolled LlamaForCausalLM on a .tinyloop file's weights, bf16: loop-1b's prelude,
+    then its core block repeated `depth` times with the parameters shared; a plain model
+    (SmolLM2: 30 prelude blocks) as it is. Q/K rows stored for interleaved RoPE (GGUF's
+    layout) are put back in the half-rotation order transformers' Llama uses."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from tinyloop.format import read_file
     with read_file(path) as f:
-        dims = f.dims
-        n_pre, depth = dims["n_pre"], dims["default_depth"]
+        dims, meta = f.dims, f.metadata
+        sources = _peer_layers(dims)
         config = LlamaConfig(vocab_size=dims["vocab_size"], hidden_size=dims["d_model"],
                              intermediate_size=dims["ffn_dim"], num_attention_heads=dims["n_head"],
                              num_key_value_heads=dims["n_kv_head"], head_dim=dims["head_dim"],
-                             num_hidden_layers=n_pre + depth, rms_norm_eps=1e-5, rope_theta=10000.0,
-                             max_position_embeddings=2048, tie_word_embeddings=False,
+                             num_hidden_layers=len(sources), rms_norm_eps=float(meta.get("arch.norm_eps", 1e-5)),
+                             rope_theta=float(meta.get("arch.rope_theta", 10000.0)),
+                             max_position_embeddings=2048, tie_word_embeddings="output.weight" not in f.tensors,
                              attention_bias=False, mlp_bias=False)
-        with torch.device("cuda"):
+        with torch.device(device):
             model = LlamaForCausalLM(config).to(torch.bfloat16)
-        layers = model.model.layers
-        core = layers[n_pre]
-        for layer in layers[n_pre + 1:]:   # share, keeping each layer's own cache index
-            for attr in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, attr).weight = getattr(core.self_attn, attr).weight
-            for attr in ("gate_proj", "up_proj", "down_proj"):
-                getattr(layer.mlp, attr).weight = getattr(core.mlp, attr).weight
-            layer.input_layernorm.weight = core.input_layernorm.weight
-            layer.post_attention_layernorm.weight = core.post_attention_layernorm.weight
+        interleaved = meta.get("arch.rope_style") == "interleaved"
 
-        def put(param, name):
-            value = torch.from_numpy(np.ascontiguousarray(f.tensor(name), dtype=np.float32))
-            param.data.copy_(value.to(device="cuda", dtype=torch.bfloat16))
+        def put(param, name, heads=0):
+            value = np.ascontiguousarray(f.tensor(name), dtype=np.float32)
+            if heads and interleaved:   # rows (head, pair, member) -> (head, member, pair)
+                value = value.reshape(heads, -1, 2, value.shape[1]).swapaxes(1, 2).reshape(value.shape)
+            param.data.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(device=device, dtype=torch.bfloat16))
 
         put(model.model.embed_tokens.weight, "embed.weight")
-        put(model.lm_head.weight, "output.weight" if "output.weight" in f.tensors else "embed.weight")
+        if "output.weight" in f.tensors:
+            put(model.lm_head.weight, "output.weight")
         put(model.model.norm.weight, "final_norm.weight")
-        for i in range(n_pre + 1):
-            layer, prefix = layers[i], (f"pre.{i}." if i < n_pre else "core.0.")
-            for attr, key in (("q_proj", "attn.q"), ("k_proj", "attn.k"), ("v_proj", "attn.v"),
-                              ("o_proj", "attn.o")):
-                put(getattr(layer.self_attn, attr).weight, prefix + key + ".weight")
+        first = {}   # block prefix -> the layer that holds its parameters
+        for layer, prefix in zip(model.model.layers, sources):
+            attn, mlp = layer.self_attn, layer.mlp
+            if prefix in first:   # a loop iteration: share, keeping each layer's own cache index
+                owner = first[prefix]
+                for attr in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    getattr(attn, attr).weight = getattr(owner.self_attn, attr).weight
+                for attr in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(mlp, attr).weight = getattr(owner.mlp, attr).weight
+                layer.input_layernorm.weight = owner.input_layernorm.weight
+                layer.post_attention_layernorm.weight = owner.post_attention_layernorm.weight
+                continue
+            first[prefix] = layer
+            put(attn.q_proj.weight, prefix + "attn.q.weight", dims["n_head"])
+            put(attn.k_proj.weight, prefix + "attn.k.weight", dims["n_kv_head"])
+            put(attn.v_proj.weight, prefix + "attn.v.weight")
+            put(attn.o_proj.weight, prefix + "attn.o.weight")
             for attr, key in (("gate_proj", "mlp.gate"), ("up_proj", "mlp.up"), ("down_proj", "mlp.down")):
-                put(getattr(layer.mlp, attr).weight, prefix + key + ".weight")
+                put(getattr(mlp, attr).weight, prefix + key + ".weight")
             put(layer.input_layernorm.weight, prefix + "attn_norm.weight")
             put(layer.post_attention_layernorm.weight, prefix + "mlp_norm.weight")
     model.eval()

@@ -65,8 +65,13 @@ def main():
             record = _load(path)
             if record:
                 steps[record["name"]] = record
-    peer = _load(os.path.join(steps_dir, "peer.result.json")) or {}
-    bandwidth = peer.get("copy_bandwidth_Bps")
+    # the HF peer of loop-1b (peer.result.json) and of other models (peer-TAG.result.json)
+    peers = {}
+    for path in sorted(glob.glob(os.path.join(steps_dir, "peer*.result.json")), key=lambda p: "peer." not in p):
+        name = os.path.basename(path)[:-len(".result.json")]
+        peers["loop-1b" if name == "peer" else name[len("peer-"):]] = _load(path) or {}
+    peer = peers.get("loop-1b", {})
+    bandwidth = next((p["copy_bandwidth_Bps"] for p in peers.values() if p.get("copy_bandwidth_Bps")), None)
     benches = {}
     for path in sorted(glob.glob(os.path.join(steps_dir, "bench-*.result.json"))):
         tag = os.path.basename(path)[len("bench-"):-len(".result.json")]
@@ -78,7 +83,7 @@ def main():
         "command": "tools/gpu_check", "device": args.device, "gpu_archs": args.archs,
         "elapsed_s": args.elapsed, "steps": steps,
         "pytest": _pytest_summary(os.path.join(args.out, "pytest.xml")),
-        "tinyloop": benches, "peer": peer,
+        "tinyloop": benches, "peer": peer, "peers": peers,
     }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -112,17 +117,19 @@ def main():
                      f"{num(b.get('floor_tok_s'), '{:.0f}')} / {num(b.get('floor_tok_s_core_in_l2'), '{:.0f}')} | "
                      f"{num(b.get('fraction_of_floor'), '{:.1%}')} |"
                      + (f" error: {b['error'][:120]}" if b.get("error") else ""))
-    if peer:
-        peak = peer.get("peak_device_bytes")
+    for model, p in peers.items():
+        peak = p.get("peak_device_bytes")
+        label = "" if model == "loop-1b" else f" ({model})"
         for mode in ("eager", "static_cache"):
-            lines.append(f"| HF bf16 {mode} | {num(peer.get(f'decode_tok_s_{mode}'))} | | | | "
-                         f"| {num(peer.get('prefill_512_ms'))} | | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
-                         + (f" error: {peer[f'error_{mode}'][:120]}" if peer.get(f"error_{mode}") else ""))
-        if bandwidth:
-            lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
-                          f"L2 {peer.get('l2_bytes', 0) / 2**20:.0f} MiB"]
-        if peer.get("error"):
-            lines += ["", f"peer error: {peer['error'][:300]}"]
+            lines.append(f"| HF bf16 {mode}{label} | {num(p.get(f'decode_tok_s_{mode}'))} | | | | "
+                         f"| {num(p.get('prefill_512_ms'))} | | {num(peak / GIB if peak else None, '{:.2f}')} | | |"
+                         + (f" error: {p[f'error_{mode}'][:120]}" if p.get(f"error_{mode}") else ""))
+    if bandwidth:
+        lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
+                      f"L2 {next(iter(peers.values())).get('l2_bytes', 0) / 2**20:.0f} MiB"]
+    for model, p in peers.items():
+        if p.get("error"):
+            lines += ["", f"peer error ({model}): {p['error'][:300]}"]
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
