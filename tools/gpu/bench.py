@@ -291,6 +291,8 @@ def cmd_peer(args):
         import torch
         out["copy_bandwidth_Bps"] = _copy_bandwidth(torch)
         out["l2_bytes"] = torch.cuda.get_device_properties(0).L2_cache_size
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()   # the peak below is the peer's, not the copy test's
         with torch.inference_mode():
             model, config = _peer_model(args.path, torch)
             vocab = config.vocab_size
