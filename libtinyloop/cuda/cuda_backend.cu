@@ -485,10 +485,10 @@ int32_t cuda_argmax(tl_exec *ex, tl_act x, int count) {
 
 // Chained greedy steps (backend.h): the index goes to the step parameters' token, which
 // the next chained step's embed reads, and to the host's pinned ring, behind an event.
-// Inside a recorded step the argmax is part of the step's graph, its event recorded
-// after the graph (step_end), and it leaves the next position in the parameters, so
-// the next chained step uploads nothing: between two steps the stream holds only the
-// event and the graph launch.
+// Inside a recorded step the argmax is part of the step's graph and its event is
+// recorded after the graph (step_end); between two steps the stream holds the event,
+// the position's upload and the graph launch. The argmax also leaves the next position
+// in the parameters, which spares the step after an eager (prompt) argmax its upload.
 int cuda_chain_available(tl_exec *ex) { return !bind(ex) && ex->chain; }
 
 void cuda_argmax_chained(tl_exec *ex, tl_act x, int count, int pos) {
@@ -509,11 +509,18 @@ void cuda_argmax_chained(tl_exec *ex, tl_act x, int count, int pos) {
     step_note(ex, { 19, K(P(x)), (uint64_t)count });
     const argmax_chain chain = { ex->h_chain_dev, step_pos(ex, pos), &s.dev->pos };
     launch_argmax(ex, P(x), count, &s.dev->token, chain);
+    if (!s.recording && ex->error != TL_OK) return;   // not queued: nothing to count
     s.dev_pos = pos + 1;
     ex->chain_pos[slot] = pos;
     ex->chain_tail++;
-    if (s.recording) s.chain_event = &ex->chain_ready[slot];
-    else exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)");
+    if (s.recording) {
+        s.chain_event = &ex->chain_ready[slot];   // settled at step_end (cuda_graph.cu)
+        return;
+    }
+    if (exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)")) {
+        ex->chain_tail--;
+        s.dev_pos = -1;
+    }
 }
 
 int32_t cuda_chained_token(tl_exec *ex) {

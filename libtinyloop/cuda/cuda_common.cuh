@@ -111,6 +111,11 @@ __device__ __forceinline__ int set_local(const matrix_set &s, int j, int b) {
 // pdl_wait() before it reads or writes any activation, buffer or cache: only weights,
 // which never change, may be read before. pdl_wait() returns once the previous kernel
 // has completed and its writes are visible; pdl_trigger() lets the next kernel launch.
+// Every kernel waits before it triggers, and none lets all its blocks leave before
+// waiting, so a kernel that has started finds every kernel but its predecessor
+// complete: data those wrote and its predecessor does not touch may be read before the
+// wait too (decode attention's cached keys before the step's position). The step
+// parameters (`pos_arg`) are set before a step and not changed during it.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

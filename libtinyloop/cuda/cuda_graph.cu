@@ -192,9 +192,12 @@ void step_begin(tl_exec *ex, int pos) {
 }
 
 // The step's parameters to the device, in stream order (a chained step keeps the token
-// its predecessor's argmax left there, and the position when that argmax advanced it
-// to this step's). Copied from pinned memory, so that the copy never waits for the
-// stream: the host may record the next step while this one runs.
+// its predecessor's argmax left there, and the position when the host knows that the
+// argmax advanced it to this step's: after an eager chained argmax, a prompt's). In a
+// recorded step the chained argmax is recorded before this upload, whose position then
+// replaces the one it noted, so recorded chained steps still upload their position.
+// Copied from pinned memory, so that the copy never waits for the stream: the host may
+// record the next step while this one runs.
 static int upload_step_params(tl_exec *ex) {
     step_state &s = ex->step;
     if (s.device_token && s.dev_pos == s.host.pos) return 0;
@@ -203,16 +206,25 @@ static int upload_step_params(tl_exec *ex) {
     *slot = s.host;
     const size_t bytes = s.device_token ? sizeof slot->pos : sizeof *slot;
     static_assert(offsetof(step_params, pos) == 0, "the position leads the parameters");
-    s.dev_pos = s.host.pos;
-    return exec_check(ex, cudaMemcpyAsync(s.dev, slot, bytes, cudaMemcpyHostToDevice, ex->stream),
-                      "decode step (parameters)");
+    const int failed = exec_check(ex, cudaMemcpyAsync(s.dev, slot, bytes, cudaMemcpyHostToDevice, ex->stream),
+                                  "decode step (parameters)");
+    s.dev_pos = failed ? -1 : s.host.pos;
+    return failed;
 }
 
-// After the step's work is in the stream: the event of a chained argmax it holds.
-static void record_chain_event(tl_exec *ex) {
+// After the step's work is in the stream: the event of the chained argmax it holds. If
+// the step failed (its work not, or not all, queued), the entry is taken back instead:
+// the host's queue holds only results that will arrive, and the forward pass reports
+// the error, so the caller does not count the entry either.
+static void settle_chain_entry(tl_exec *ex) {
     step_state &s = ex->step;
     if (!s.chain_event) return;
-    exec_check(ex, cudaEventRecord(*s.chain_event, ex->stream), "chained argmax (event)");
+    if (ex->error == TL_OK)
+        exec_check(ex, cudaEventRecord(*s.chain_event, ex->stream), "chained argmax (event)");
+    if (ex->error != TL_OK) {
+        ex->chain_tail--;
+        s.dev_pos = -1;
+    }
     s.chain_event = nullptr;
 }
 
@@ -223,7 +235,7 @@ void step_flush(tl_exec *ex) {
     s.recording = 0;
     if (!upload_step_params(ex)) run_work(ex);
     s.work.clear();
-    record_chain_event(ex);
+    settle_chain_entry(ex);
 }
 
 static void replay_or_capture(tl_exec *ex) {
@@ -262,5 +274,5 @@ void step_end(tl_exec *ex) {
     if (!s.recording) return;
     s.recording = 0;
     replay_or_capture(ex);
-    record_chain_event(ex);
+    settle_chain_entry(ex);
 }

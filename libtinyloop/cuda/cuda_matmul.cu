@@ -845,7 +845,7 @@ void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n
 // Shared memory one GEMV block may use for activation rows (its static shared memory,
 // the per-warp sums and norm statistics, comes on top). The integer path's records
 // replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
-size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - 2048; }
+size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - 4096; }
 
 // Whether the GEMV takes these matrices: n <= GEMV_MAX_ROWS rows whose activations fit
 // one block's shared memory (one row at least).
