@@ -513,14 +513,8 @@ void cuda_argmax_chained(tl_exec *ex, tl_act x, int count, int pos) {
     s.dev_pos = pos + 1;
     ex->chain_pos[slot] = pos;
     ex->chain_tail++;
-    if (s.recording) {
-        s.chain_event = &ex->chain_ready[slot];   // settled at step_end (cuda_graph.cu)
-        return;
-    }
-    if (exec_check(ex, cudaEventRecord(ex->chain_ready[slot], ex->stream), "chained argmax (event)")) {
-        ex->chain_tail--;
-        s.dev_pos = -1;
-    }
+    s.chain_event = &ex->chain_ready[slot];
+    if (!s.recording) settle_chain_entry(ex);   // else at step_end, after the step's launch
 }
 
 int32_t cuda_chained_token(tl_exec *ex) {

@@ -266,6 +266,10 @@ void step_note(tl_exec *ex, std::initializer_list<uint64_t> values);
 void step_flush(tl_exec *ex);
 void step_begin(tl_exec *ex, int pos);
 void step_end(tl_exec *ex);
+// Once a chained argmax's work is in the stream (step.chain_event set): record its
+// event, or after an error take its queue entry back (step_end does this for a
+// recorded step).
+void settle_chain_entry(tl_exec *ex);
 tl_status step_init(tl_exec *ex);
 void step_free(tl_exec *ex);
 

@@ -216,7 +216,7 @@ static int upload_step_params(tl_exec *ex) {
 // the step failed (its work not, or not all, queued), the entry is taken back instead:
 // the host's queue holds only results that will arrive, and the forward pass reports
 // the error, so the caller does not count the entry either.
-static void settle_chain_entry(tl_exec *ex) {
+void settle_chain_entry(tl_exec *ex) {
     step_state &s = ex->step;
     if (!s.chain_event) return;
     if (ex->error == TL_OK)
