@@ -36,6 +36,9 @@ constexpr int GEMV_THREADS = GEMV_WARPS * 32;
 constexpr int GEMV_MAX_ROWS = 8;      // the largest n served by the GEMV
 constexpr int GEMV_STAGE_BATCH = 2;   // activation loads in flight per thread while staging
 constexpr size_t SMEM_DEFAULT = 48 * 1024;   // dynamic shared memory without opting in
+// Set aside for a GEMV block's static shared memory (per-warp sums, residuals, norm
+// statistics: ~2.7 KB for eight input rows) when sizing its dynamic part.
+constexpr size_t GEMV_STATIC_SMEM = 4096;
 // Blocks per SM the GEMV's register bound asks for, by input rows and epilogue (its
 // launch bounds; the host sizes grids with the same number). Gated pairs have the
 // largest grid (both matrices' rows) and keep it one wave with three blocks; the
@@ -845,7 +848,7 @@ void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n
 // Shared memory one GEMV block may use for activation rows (its static shared memory,
 // the per-warp sums and norm statistics, comes on top). The integer path's records
 // replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
-size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - 4096; }
+size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - GEMV_STATIC_SMEM; }
 
 // Whether the GEMV takes these matrices: n <= GEMV_MAX_ROWS rows whose activations fit
 // one block's shared memory (one row at least).
@@ -891,7 +894,7 @@ void gemv_dt(tl_exec *ex, matrix_set set, gemv_input in, int n, const gemv_rope 
         return blocks;
     };
     const int by_regs = gemv_blocks_per_sm(per_launch, set.gated_pairs != 0);
-    const size_t block_smem = (size_t)per_launch * staged_bytes + 2048;
+    const size_t block_smem = (size_t)per_launch * staged_bytes + GEMV_STATIC_SMEM;
     const int per_sm = (int)std::max<size_t>(1, std::min<size_t>(by_regs, ex->smem_per_sm / block_smem));
     int split = 1;
     while (split < GEMV_WARPS && 32 * split < chunks && blocks_for(2 * split) <= per_sm * ex->sm_count) split *= 2;
