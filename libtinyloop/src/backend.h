@@ -187,9 +187,10 @@ typedef struct tl_backend_ops {
      * device, as the token of the next step that asks for it, and is queued to the host
      * without waiting (at most two are queued, at consecutive positions); it may be
      * the last op of a recorded step (forward.c records head and argmax with the step
-     * when nothing else comes back); chained_token: the oldest queued index once it has arrived (-1 on an
-     * error, reported by status()); step_token_on_device: the next step's token is the
-     * last chained index, not the one given to embed (one-row steps only). */
+     * when nothing else comes back); chained_token: the oldest queued index once it has
+     * arrived (-1 on an error, reported by status()); step_token_on_device: the next
+     * step's token is the last chained index, not the one given to embed (one-row steps
+     * only). */
     int (*chain_available)(tl_exec *ex);
     void (*argmax_chained)(tl_exec *ex, tl_act x, int count, int pos);
     int32_t (*chained_token)(tl_exec *ex);
