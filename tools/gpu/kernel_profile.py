@@ -10,11 +10,11 @@ every kernel of the process, graph nodes one by one) into a Chrome trace, for ma
 without nsys. `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
 gpu__time_duration CSV and prints, per kernel, the launches and GPU time per decoded
 token (or per prefill), so the step's time can be split between GEMVs, attention and
-the small kernels. `timeline` reads nsys's cuda_gpu_trace CSV (or the Chrome trace of `run --trace`) of
-the decode run and
-prints, per kernel, the median time it adds to the step (its end minus the later of its
-start and the previous kernel's end) and the median gap or overlap before it: whether
-launches leave the GPU idle, and whether programmatic dependent launch overlaps them.
+the small kernels. `timeline` reads nsys's cuda_gpu_trace CSV (or the Chrome trace of
+`run --trace`) of the decode run and prints, per kernel and per position in a step, the
+median time it adds to the step (its end minus the later of its start and the previous
+kernel's end) and the median gap or overlap before it: whether launches leave the GPU
+idle, and whether programmatic dependent launch overlaps them.
 """
 
 import argparse
@@ -105,15 +105,21 @@ def _kernel_trace(path):
     return sorted((float(r["Start (ns)"]), float(r["Duration (ns)"]), _short(r["Name"])) for r in _rows(path))
 
 
+def _added_and_gap(prev, cur):
+    """(time cur adds after prev ends, gap between them; < 0: they overlap), in ns."""
+    end0 = prev[0] + prev[1]
+    return cur[0] + cur[1] - max(cur[0], end0), cur[0] - end0
+
+
 def cmd_timeline(args):
     trace = _kernel_trace(args.csv)
     trace = trace[len(trace) // 2:]    # the decode steps (the prompt and the warm-up come first)
     added = collections.defaultdict(list)
     gaps = collections.defaultdict(list)
-    for (s0, d0, _), (s1, d1, name) in zip(trace, trace[1:]):
-        end0 = s0 + d0
-        gaps[name].append(s1 - end0)
-        added[name].append(s1 + d1 - max(s1, end0))
+    for prev, cur in zip(trace, trace[1:]):
+        a, g = _added_and_gap(prev, cur)
+        added[cur[2]].append(a)
+        gaps[cur[2]].append(g)
     print("| kernel | launches | median added us | median gap before us (< 0: overlap) |")
     print("|---|---:|---:|---:|")
     for name in sorted(added, key=lambda n: -sum(added[n])):
@@ -142,8 +148,7 @@ def _step_positions(trace):
     print("| # | kernel | added us | gap before us | duration us |")
     print("|---:|---|---:|---:|---:|")
     for i in range(1, length):
-        added = [s[i][0] + s[i][1] - max(s[i][0], s[i - 1][0] + s[i - 1][1]) for s in steps]
-        gap = [s[i][0] - (s[i - 1][0] + s[i - 1][1]) for s in steps]
+        added, gap = zip(*(_added_and_gap(s[i - 1], s[i]) for s in steps))
         print(f"| {i} | {steps[0][i][2]} | {np.median(added) / 1e3:.2f} | {np.median(gap) / 1e3:.2f} | "
               f"{np.median([s[i][1] for s in steps]) / 1e3:.2f} |")
 
