@@ -100,6 +100,9 @@ def parse_args(argv=None):
     ap.add_argument("--kl-weight", type=float, default=1.0, help="0 trains with CE only, no teacher pass")
     ap.add_argument("--ce-weight", type=float, default=0.5)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every block (teacher and student) and the distillation loss; "
+                         "where compilation fails, that code runs eagerly")
     ap.add_argument("--hidden-weight", type=float, default=1.0,
                     help="weight of the loop-state alignment loss (0: off): after iteration i "
                          "the state's direction should match the teacher's residual i/max_depth "
@@ -270,6 +273,20 @@ def distill_loss(s_logits, t_logits, targets, args):
     return args.kl_weight * T * T * kl + args.ce_weight * ce, kl, ce
 
 
+def compile_step(teacher, student):
+    """Compile every block in place (one graph per mode, shared by all blocks: the blocks
+    are alike, so guards hold across them) and return the compiled loss. Fusing the
+    norms, RoPE and the softmaxes over the vocabulary is where eager mode loses time: the
+    matrices are small (d = 576) and every elementwise op is its own pass over memory.
+    A failed compilation falls back to eager for that code instead of stopping the run."""
+    import torch._dynamo
+    torch._dynamo.config.suppress_errors = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    for block in [*teacher.layers, *student.pre, *student.core, *student.post]:
+        block.compile(dynamic=False)
+    return torch.compile(distill_loss, dynamic=False)
+
+
 def hidden_targets(n_teacher: int, cfg: StudentConfig) -> list[int]:
     """Teacher layer whose output iteration i (1..max_depth) is aligned with: spread
     evenly over the layers the loop replaces, the last one being the coda's input."""
@@ -404,6 +421,9 @@ def main(argv=None) -> None:
 
     qat = None
     if args.qat_start > 0:
+        # a trained embedding is fake-quantized on the rtn grid (qat.py): say so in the logs
+        if args.train_embed and args.qat_embed == "search":
+            args.qat_embed = "rtn"
         qat = QAT(student, group=args.qat_group, embed_group=args.qat_embed_group,
                   embed_method=args.qat_embed if args.qat_embed != "none" else "rtn",
                   quantize_embed=args.qat_embed != "none")
@@ -479,6 +499,8 @@ def main(argv=None) -> None:
         qat_logged = True
         last_tick = time.time()
 
+    # after the initialisation, whose float32 teacher passes would be compiled for nothing
+    loss_fn = compile_step(teacher, student) if args.compile else distill_loss
     run_start = time.time()
     last_save, last_tick = time.time(), time.time()
     student.train()
@@ -497,7 +519,7 @@ def main(argv=None) -> None:
                 else (None, None)
             with qat.active(qat_on()) if qat is not None else nullcontext():
                 s_logits, states = student.forward_with_states(x, depth)
-        loss, kl, ce = distill_loss(s_logits, t_logits if args.kl_weight > 0 else None, y, args)
+        loss, kl, ce = loss_fn(s_logits, t_logits if args.kl_weight > 0 else None, y, args)
         hid = torch.zeros((), device=device)
         if args.hidden_weight > 0:
             hid = hidden_loss(states, t_hidden, targets)
