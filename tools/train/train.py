@@ -442,7 +442,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{ckpt} was made with {state['student_config']}, not {asdict(cfg)}")
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["sampler"])
+        gen.set_state(state["sampler"].cpu())  # map_location moved it to the device
         step, elapsed = state["step"], state["elapsed"]
         log("resume", step=step, elapsed_s=round(elapsed, 1),
             **({"init_weights_ignored": args.init_weights} if args.init_weights else {}))
