@@ -103,6 +103,10 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block (teacher and student) and the distillation loss; "
                          "where compilation fails, that code runs eagerly")
+    ap.add_argument("--resample", type=float, default=0.0,
+                    help="fraction of each window's tokens (never the first) replaced by a token "
+                         "the teacher samples there from the original prefix, so repeated passes "
+                         "over the small corpus see new contexts (0: off; costs one more teacher pass)")
     ap.add_argument("--hidden-weight", type=float, default=1.0,
                     help="weight of the loop-state alignment loss (0: off): after iteration i "
                          "the state's direction should match the teacher's residual i/max_depth "
@@ -271,6 +275,24 @@ def distill_loss(s_logits, t_logits, targets, args):
     s_logp = F.log_softmax(s / T, dim=-1)
     kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
     return args.kl_weight * T * T * kl + args.ce_weight * ce, kl, ce
+
+
+@torch.no_grad()
+def resample_tokens(teacher, window, frac: float, seed: int, autocast):
+    """The window [B, T+1] with about `frac` of its tokens after the first replaced, each
+    by a token drawn from the teacher's next-token distribution given the original text
+    before it. The text stays the corpus's, varied where the teacher finds other words
+    plausible; seeded per step (`seed`), so a resumed run draws the same."""
+    gen = torch.Generator(device=window.device).manual_seed(seed)
+    pick = torch.rand(window[:, 1:].shape, generator=gen, device=window.device) < frac
+    if not pick.any():
+        return window
+    with autocast():
+        logits = teacher(window[:, :-1])
+    probs = torch.softmax(logits[pick].float(), dim=-1)
+    out = window.clone()
+    out[:, 1:][pick] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return out
 
 
 def compile_step(teacher, student):
@@ -511,6 +533,10 @@ def main(argv=None) -> None:
             break
         depth = 1 + int(torch.multinomial(probs, 1, generator=gen))
         x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device, sources)
+        if args.resample > 0:
+            window = resample_tokens(teacher, torch.cat((x, y[:, -1:]), dim=1), args.resample,
+                                     args.seed * 1_000_003 + step, autocast)
+            x, y = window[:, :-1], window[:, 1:]
         lr = lr_at(args, step, progress())
         for group in opt.param_groups:
             group["lr"] = lr
