@@ -1,0 +1,38 @@
+"""tools/train/pair.py: models come back from the GPU machine in pieces below its 16 MiB
+per-file limit that join to the same bytes; variant arguments are parsed strictly."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PAIR = Path(__file__).resolve().parent.parent / "tools" / "train" / "pair.py"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    spec = importlib.util.spec_from_file_location("pair", PAIR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("size", [0, 1, 15 << 20, (15 << 20) + 1, (31 << 20) + 12345])
+def test_pieces_join_to_the_file(pair, tmp_path, size):
+    src = tmp_path / "m.tinyloop"
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    src.write_bytes(data)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    pieces = pair.split_file(src, dest)
+    assert len(pieces) == -(-size // pair.PIECE_BYTES)
+    assert all(p.stat().st_size <= 16 << 20 for p in pieces)
+    assert [p.name for p in pieces] == [f"m.tinyloop.part-{i}" for i in range(len(pieces))]
+    assert b"".join(p.read_bytes() for p in pieces) == data
+
+
+def test_named_arguments(pair):
+    assert pair.named(['a=--lr 1e-4 --seed 2', 'b='], "--variant") == {"a": "--lr 1e-4 --seed 2", "b": ""}
+    for bad in ("no-equals", "1x=--lr 1", "=--lr 1"):
+        with pytest.raises(SystemExit, match="NAME=ARGS"):
+            pair.named([bad], "--variant")
