@@ -120,6 +120,25 @@ def test_scores_match_cpu(model_dir, name, n_tokens):
                          f"{name} depth {depth} last logits")
 
 
+# Wide inputs for the GEMV: eight rows of 1536 floats are exactly the 48 KB a block may
+# use without opting in, before its static shared memory (that launch once failed);
+# 2048 needs the opt-in.
+WIDE_FFN = dict(seed=13, vocab_size=160, d_model=128, n_head=4, n_kv_head=2, head_dim=32,
+                n_pre=1, n_core=1, n_post=1, default_depth=2, max_depth=2, max_seq_len=32)
+
+
+@pytest.mark.parametrize("ffn_dim", [1536, 2048])
+@pytest.mark.parametrize("dtype", ["q4", "f16"])
+def test_gemv_on_wide_rows_for_every_row_count(model_dir, ffn_dim, dtype):
+    overrides = dict(ffn_dim=ffn_dim, dtype=dtype, group_size=64 if dtype == "q4" else 32)
+    path = _model(model_dir, f"wide-{ffn_dim}-{dtype}", WIDE_FFN, overrides)
+    tokens = _tokens(ffn_dim, WIDE_FFN["vocab_size"], 8)
+    with tinyloop.Model(path, device="cpu") as cpu, tinyloop.Model(path, device=CUDA) as gpu:
+        for n in range(1, 9):
+            assert_close(gpu.score_last_token(tokens[:n]), cpu.score_last_token(tokens[:n]),
+                         _tolerance(overrides), f"ffn {ffn_dim} {dtype}, {n} rows")
+
+
 @pytest.mark.parametrize("name", list(LONG_CASES))
 def test_long_prefill_and_split_decode(model_dir, name):
     """A 500-token prefill (several GEMM and attention tiles), then 30 decode steps whose

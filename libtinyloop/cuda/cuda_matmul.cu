@@ -35,7 +35,7 @@ constexpr int GEMV_WARPS = 8;
 constexpr int GEMV_THREADS = GEMV_WARPS * 32;
 constexpr int GEMV_MAX_ROWS = 8;      // the largest n served by the GEMV
 constexpr int GEMV_STAGE_BATCH = 2;   // activation loads in flight per thread while staging
-constexpr size_t SMEM_DEFAULT = 48 * 1024;   // dynamic shared memory without opting in
+constexpr size_t SMEM_DEFAULT = 48 * 1024;   // static + dynamic shared memory without opting in
 // Set aside for a GEMV block's static shared memory (per-warp sums, residuals, norm
 // statistics: ~2.7 KB for eight input rows) when sizing its dynamic part.
 constexpr size_t GEMV_STATIC_SMEM = 4096;
@@ -572,6 +572,8 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     __shared__ float resid[GEMV_WARPS][32];        // set.accumulate: what each writer adds to
     __shared__ float row_scale[GEMV_MAX_ROWS];     // rms_in_records: 1 / rms of each input row
+    static_assert(sizeof(red) + sizeof(resid) + sizeof(row_scale) <= GEMV_STATIC_SMEM,
+                  "the host sizes and opts in shared memory with GEMV_STATIC_SMEM for these");
     // An RMS norm of the input is folded into the integer records (act_records): the
     // sums are scaled by 1 / rms at the end instead of x before the records.
     const bool rms_in_records = INT_DOT && in.kind == TL_MATMUL_IN_NORM && !in.layer_norm;
@@ -799,7 +801,9 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
 template <int DT, int NR, bool INT_DOT, int EPI, bool WALK = false>
 void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid,
                         size_t smem, const gemv_rope &rope) {
-    if (smem > SMEM_DEFAULT &&
+    // Without the opt-in a block gets 48 KB of static and dynamic shared memory together:
+    // eight 1536-wide rows (48 KB of activations) plus the static sums failed to launch.
+    if (smem + GEMV_STATIC_SMEM > SMEM_DEFAULT &&
         exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI, WALK>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                    "matmul (gemv shared memory size)"))
