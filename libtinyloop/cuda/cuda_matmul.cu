@@ -572,8 +572,12 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     __shared__ float red[GEMV_WARPS][RT * NR];     // per-warp sums
     __shared__ float resid[GEMV_WARPS][32];        // set.accumulate: what each writer adds to
     __shared__ float row_scale[GEMV_MAX_ROWS];     // rms_in_records: 1 / rms of each input row
-    static_assert(sizeof(red) + sizeof(resid) + sizeof(row_scale) <= GEMV_STATIC_SMEM,
-                  "the host sizes and opts in shared memory with GEMV_STATIC_SMEM for these");
+    // with the reduction arrays of norm_staged (red, mean, rstd) and act_records (red),
+    // the static shared memory the host sizes and opts in with (GEMV_STATIC_SMEM)
+    static_assert(sizeof(red) + sizeof(resid) + sizeof(row_scale) +
+                      sizeof(float) * (GEMV_WARPS * GEMV_MAX_ROWS + 2 * GEMV_MAX_ROWS + GEMV_WARPS * NR) <=
+                      GEMV_STATIC_SMEM,
+                  "GEMV static shared memory exceeds GEMV_STATIC_SMEM");
     // An RMS norm of the input is folded into the integer records (act_records): the
     // sums are scaled by 1 / rms at the end instead of x before the records.
     const bool rms_in_records = INT_DOT && in.kind == TL_MATMUL_IN_NORM && !in.layer_norm;
