@@ -23,6 +23,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate import heldout_tokens  # noqa: E402
 from tinyloop import Model  # noqa: E402
 
 SPLITS = (("training text", "train.u16"), ("validation", "val.u16"), ("held-out SOTU 2001+", "eval_sotu.u16"))
@@ -30,9 +32,7 @@ SPLITS = (("training text", "train.u16"), ("validation", "val.u16"), ("held-out 
 
 def sample(path: Path, windows: int, ctx: int, spread: bool) -> np.ndarray:
     """`windows` windows of `ctx` tokens: evenly spaced over the file, or its start."""
-    if not path.exists():
-        raise SystemExit(f"{path} is missing: run tools/train/data.py first")
-    tokens = np.fromfile(path, dtype=np.uint16).astype(np.int32)
+    tokens = heldout_tokens(path, 0)
     if len(tokens) < windows * ctx:
         raise SystemExit(f"{path}: {len(tokens)} tokens, fewer than {windows} windows of {ctx}")
     if not spread:
@@ -51,6 +51,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.windows < 1 or args.ctx < 2:
+        ap.error("--windows must be >= 1 and --ctx >= 2")
 
     texts = {label: sample(Path(args.data) / name, args.windows, args.ctx, spread=name != "eval_sotu.u16")
              for label, name in SPLITS}
