@@ -11,7 +11,8 @@ run's returned weights (fresh optimizer and schedule); --qat-start turns on
 quantization-aware training (qat.py: the q4 grid of export.py, straight-through gradients)
 for the last part of the schedule; --compile runs blocks and loss through torch.compile
 (2.2x the eager speed on an H200); --resample varies the windows with teacher-sampled
-tokens. Seeded and resumable: --out holds
+tokens; --synthetic mixes in whole teacher-sampled continuations (generate_text.py).
+Seeded and resumable: --out holds
 latest.pt (weights, optimizer, sampler state, elapsed time), log.jsonl, and at the end
 weights/ (fp16 shards of the trained tensors, each < 15 MiB, + student.json) and
 results.json (per-depth validation and held-out perplexity).
@@ -109,6 +110,11 @@ def parse_args(argv=None):
                     help="fraction of each window's tokens (never the first) replaced by a token "
                          "the teacher samples there from the original prefix, so repeated passes "
                          "over the small corpus see new contexts (0: off; costs one more teacher pass)")
+    ap.add_argument("--synthetic", default="",
+                    help="comma-separated record files of generate_text.py (teacher-sampled "
+                         "continuations of training prompts, --seq + 1 tokens each)")
+    ap.add_argument("--synthetic-share", type=float, default=0.0,
+                    help="expected share of each batch's windows drawn from --synthetic")
     ap.add_argument("--hidden-weight", type=float, default=1.0,
                     help="weight of the loop-state alignment loss (0: off): after iteration i "
                          "the state's direction should match the teacher's residual i/max_depth "
@@ -131,6 +137,8 @@ def parse_args(argv=None):
         ap.error("--qat-start must be in (0, 1] (0: off)")
     if not 0.0 <= args.resample < 1.0:
         ap.error("--resample must be in [0, 1)")
+    if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
+        ap.error("--synthetic and --synthetic-share in (0, 1] go together")
     return args
 
 
@@ -252,6 +260,30 @@ def sample_batch(tokens: np.ndarray, batch: int, seq: int, gen: torch.Generator,
     x = np.stack([tokens[s:s + seq + 1] for s in starts]).astype(np.int64)
     x = torch.from_numpy(x).to(device, non_blocking=True)
     return x[:, :-1], x[:, 1:]
+
+
+def load_synthetic(spec: str, seq: int) -> np.ndarray:
+    """Records [N, seq + 1] of generate_text.py's files, in the order given."""
+    parts = []
+    for name in filter(None, spec.split(",")):
+        arr = load_tokens(Path(name))
+        if arr.size == 0 or arr.size % (seq + 1):
+            raise SystemExit(f"--synthetic {name}: {arr.size} tokens is not a whole number of "
+                             f"records of --seq + 1 = {seq + 1} tokens (generate_text.py --length)")
+        parts.append(np.asarray(arr).reshape(-1, seq + 1))
+    return np.concatenate(parts)
+
+
+def mix_synthetic(x, y, records: np.ndarray, share: float, gen: torch.Generator):
+    """x, y with about `share` of the rows replaced by random synthetic records."""
+    pick = (torch.rand(x.shape[0], generator=gen) < share).nonzero().flatten()
+    if pick.numel() == 0:
+        return x, y
+    rows = torch.randint(0, len(records), (pick.numel(),), generator=gen).numpy()
+    window = torch.from_numpy(records[rows].astype(np.int64)).to(x.device)
+    x, y = x.clone(), y.clone()
+    x[pick.to(x.device)], y[pick.to(x.device)] = window[:, :-1], window[:, 1:]
+    return x, y
 
 
 def fixed_windows(tokens: np.ndarray, count: int, seq: int) -> list[np.ndarray]:
@@ -430,6 +462,7 @@ def main(argv=None) -> None:
     data = Path(args.data)
     train_tokens = load_tokens(data / "train.u16")
     sources = source_ranges(data, len(train_tokens), args.source_weights) if args.source_weights else None
+    synthetic = load_synthetic(args.synthetic, args.seq) if args.synthetic else None
     probs = depth_probs(args.max_depth, args.depth_power)
     val_windows = fixed_windows(load_tokens(data / "val.u16"), args.eval_windows, args.seq)
 
@@ -443,7 +476,8 @@ def main(argv=None) -> None:
     targets = hidden_targets(len(teacher.layers), cfg)
     student.embed.weight.requires_grad_(args.train_embed)
     log("setup", device=str(device), teacher_load_s=round(time.time() - t0, 1),
-        student=asdict(cfg), train_tokens=len(train_tokens), val_windows=len(val_windows))
+        student=asdict(cfg), train_tokens=len(train_tokens), val_windows=len(val_windows),
+        synthetic_records=0 if synthetic is None else len(synthetic))
 
     qat = None
     if args.qat_start > 0:
@@ -537,6 +571,8 @@ def main(argv=None) -> None:
             break
         depth = 1 + int(torch.multinomial(probs, 1, generator=gen))
         x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device, sources)
+        if synthetic is not None:
+            x, y = mix_synthetic(x, y, synthetic, args.synthetic_share, gen)
         if args.resample > 0:
             window = resample_tokens(teacher, torch.cat((x, y[:, -1:]), dim=1), args.resample,
                                      args.seed * 1_000_003 + step, autocast)

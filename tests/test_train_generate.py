@@ -1,0 +1,68 @@
+"""tools/train/generate_text.py and train.py's synthetic mixing: the cached decode gives the
+teacher's full-sequence logits, and mixed batches hold whole records in place of windows.
+Needs PyTorch (the training tools' environment, tools/train/README.md); without it the
+module is skipped with that reason."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the training tools' tests need it")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train"))
+
+from generate_text import check_cache, sample_records  # noqa: E402
+from layers import Dims  # noqa: E402
+from teacher import Teacher  # noqa: E402
+from train import load_synthetic, mix_synthetic  # noqa: E402
+
+
+def tiny_teacher(seed: int) -> Teacher:
+    torch.manual_seed(seed)
+    dims = Dims(vocab=97, d=48, heads=6, kv_heads=2, head_dim=8, ffn=64, rope_theta=10000.0)
+    model = Teacher(dims, n_layers=3)
+    for p in model.parameters():  # norms away from 1 so a skipped norm shows
+        torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("prompt", [1, 5, 11])
+def test_cached_decode_matches_full_pass(prompt):
+    teacher = tiny_teacher(prompt)
+    tokens = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(prompt))
+    assert check_cache(teacher, tokens, prompt) < 1e-5
+
+
+def test_records_keep_their_prompts_and_reproduce():
+    teacher = tiny_teacher(0)
+    prompts = torch.randint(0, 97, (4, 3), generator=torch.Generator().manual_seed(1))
+    a = sample_records(teacher, prompts, 10, 1.0, torch.Generator().manual_seed(7))
+    b = sample_records(teacher, prompts, 10, 1.0, torch.Generator().manual_seed(7))
+    assert a.shape == (4, 10) and torch.equal(a[:, :3], prompts) and torch.equal(a, b)
+    assert int(a.min()) >= 0 and int(a.max()) < 97
+
+
+def test_mixed_batches_hold_whole_records(tmp_path):
+    seq = 6
+    records = np.arange(5 * (seq + 1), dtype=np.uint16) + 1000
+    records.tofile(tmp_path / "s.u16")
+    loaded = load_synthetic(f"{tmp_path / 's.u16'}", seq)
+    assert loaded.shape == (5, seq + 1)
+    x = torch.zeros((64, seq), dtype=torch.long)
+    y = torch.zeros((64, seq), dtype=torch.long)
+    mx, my = mix_synthetic(x, y, loaded, 0.5, torch.Generator().manual_seed(0))
+    mixed = (mx[:, 0] >= 1000).nonzero().flatten()
+    assert 16 <= len(mixed) <= 48 and torch.all(x == 0)  # inputs are not modified in place
+    for r in mixed:
+        start = int(mx[r, 0]) - 1000
+        assert start % (seq + 1) == 0
+        assert mx[r].tolist() == list(range(1000 + start, 1000 + start + seq))
+        assert my[r].tolist() == list(range(1001 + start, 1001 + start + seq))
+    assert torch.all(mx[(mx[:, 0] < 1000)] == 0)
+
+
+def test_ragged_record_file_is_refused(tmp_path):
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "bad.u16")
+    with pytest.raises(SystemExit, match="whole number of records"):
+        load_synthetic(str(tmp_path / "bad.u16"), 6)
