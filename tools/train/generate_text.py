@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layers import apply_rope_interleaved, rope_tables  # noqa: E402
 from teacher import Teacher, load_teacher  # noqa: E402
+from train import load_tokens, sample_batch, source_ranges  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,8 +115,6 @@ def check_cache(teacher: Teacher, tokens: torch.Tensor, prompt: int) -> float:
 
 
 def main(argv=None) -> int:
-    from train import load_tokens, sample_batch, source_ranges
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", required=True, help="teacher GGUF")
     ap.add_argument("--data", default=str(REPO / ".traindata" / "tokens"), help="data.py's output folder")
