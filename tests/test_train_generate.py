@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the training tools' tests need it")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train"))
 
-from generate_text import check_cache, sample_records  # noqa: E402
+from generate_text import check_cache, main as generate_main, sample_records  # noqa: E402
 from layers import Dims  # noqa: E402
 from teacher import Teacher  # noqa: E402
 from train import load_synthetic, mix_synthetic  # noqa: E402
@@ -66,3 +66,21 @@ def test_ragged_record_file_is_refused(tmp_path):
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "bad.u16")
     with pytest.raises(SystemExit, match="whole number of records"):
         load_synthetic(str(tmp_path / "bad.u16"), 6)
+
+
+def test_missing_or_empty_record_file_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        load_synthetic(str(tmp_path / "absent.u16"), 6)
+    (tmp_path / "empty.u16").write_bytes(b"")
+    with pytest.raises(SystemExit, match="whole number of records"):
+        load_synthetic(str(tmp_path / "empty.u16"), 6)
+
+
+def test_generation_refuses_to_append_to_misaligned_records(tmp_path, capsys):
+    out = tmp_path / "records.u16"
+    np.arange(10, dtype=np.uint16).tofile(out)
+    # refused before the teacher is read, so no teacher file is needed
+    assert generate_main(["--teacher", str(tmp_path / "none.gguf"), "--out", str(out),
+                          "--length", "7", "--prompt-tokens", "2", "--records", "1"]) == 2
+    assert "not whole records of --length 7" in capsys.readouterr().err
+    assert out.stat().st_size == 20

@@ -80,8 +80,7 @@ class CachedDecoder:
             h = h + self._attend(i, block, block.attn_norm(h))
             h = h + block.mlp(block.mlp_norm(h))
         self.pos += tokens.shape[1]
-        w = self.t.embed.weight if self.t.output is None else self.t.output.weight
-        return self.t.final_norm(h) @ w.t()
+        return self.t.head(h)
 
 
 @torch.no_grad()
@@ -136,13 +135,20 @@ def main(argv=None) -> int:
         ap.error("give --minutes and/or --records")
     if not 1 <= args.prompt_tokens < args.length:
         ap.error("--prompt-tokens must be in [1, --length)")
-    if not 0.0 <= args.free_share <= 1.0 or args.temperature <= 0:
-        ap.error("--free-share must be in [0, 1] and --temperature > 0")
+    if not 0.0 <= args.free_share <= 1.0 or args.temperature <= 0 or args.batch < 1:
+        ap.error("--free-share must be in [0, 1], --temperature > 0 and --batch >= 1")
 
+    out = Path(args.out)
+    size = out.stat().st_size if out.exists() else 0
+    if size % (2 * args.length):
+        print(f"[generate] {out} holds {size // 2} tokens, not whole records of --length {args.length}: "
+              "appending would misalign every record after them", file=sys.stderr)
+        return 2
+    have = size // (2 * args.length)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
     t0 = time.time()
-    teacher, meta = load_teacher(args.teacher)
+    teacher, _ = load_teacher(args.teacher)
     teacher.to(device)
     if device.type == "cuda":
         teacher.to(torch.bfloat16)
@@ -167,8 +173,6 @@ def main(argv=None) -> int:
             print("[generate] the cached decode disagrees with the full pass: stopping", file=sys.stderr)
             return 1
 
-    out = Path(args.out)
-    have = out.stat().st_size // (2 * args.length) if out.exists() else 0
     made, sampled, batches, start = 0, 0, 0, time.time()
     while True:
         if args.records > 0 and have + made >= args.records:
@@ -189,8 +193,8 @@ def main(argv=None) -> int:
         rate = sampled / (time.time() - start)
         print(f"[generate] batch {batches} ({'free' if free else 'prompted'}): {have + made} records, "
               f"{rate:.0f} sampled tokens/s", flush=True)
-    info.update(records=have + made, records_this_run=made, sampled_tokens_this_run=sampled, seconds=round(time.time() - t0, 1),
-                setup_s=round(start - t0, 1))
+    info.update(records=have + made, records_this_run=made, sampled_tokens_this_run=sampled,
+                seconds=round(time.time() - t0, 1), setup_s=round(start - t0, 1))
     Path(str(out) + ".json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"[generate] {out}: {have + made} records of {args.length} tokens", flush=True)
     return 0

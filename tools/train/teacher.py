@@ -48,9 +48,13 @@ class Teacher(nn.Module):
             h = layer(h, cos, sin)
             if return_hidden:
                 hidden.append(h)
-        w = self.embed.weight if self.output is None else self.output.weight
-        logits = self.final_norm(h) @ w.t()
+        logits = self.head(h)
         return (logits, hidden) if return_hidden else logits
+
+    def head(self, h):
+        """Logits from the last layer's output: final norm, then the (tied) output matrix."""
+        w = self.embed.weight if self.output is None else self.output.weight
+        return self.final_norm(h) @ w.t()
 
 
 def load_teacher(path: str) -> tuple[Teacher, dict]:

@@ -266,11 +266,14 @@ def load_synthetic(spec: str, seq: int) -> np.ndarray:
     """Records [N, seq + 1] of generate_text.py's files, in the order given."""
     parts = []
     for name in filter(None, spec.split(",")):
-        arr = load_tokens(Path(name))
-        if arr.size == 0 or arr.size % (seq + 1):
-            raise SystemExit(f"--synthetic {name}: {arr.size} tokens is not a whole number of "
+        path = Path(name)
+        if not path.is_file():
+            raise SystemExit(f"--synthetic {name}: no such file (generate_text.py --out writes it)")
+        size = path.stat().st_size  # np.memmap cannot map an empty file: check before
+        if size == 0 or size % (2 * (seq + 1)):
+            raise SystemExit(f"--synthetic {name}: {size // 2} tokens is not a whole number of "
                              f"records of --seq + 1 = {seq + 1} tokens (generate_text.py --length)")
-        parts.append(np.asarray(arr).reshape(-1, seq + 1))
+        parts.append(np.asarray(load_tokens(path)).reshape(-1, seq + 1))
     return np.concatenate(parts)
 
 
@@ -281,8 +284,9 @@ def mix_synthetic(x, y, records: np.ndarray, share: float, gen: torch.Generator)
         return x, y
     rows = torch.randint(0, len(records), (pick.numel(),), generator=gen).numpy()
     window = torch.from_numpy(records[rows].astype(np.int64)).to(x.device)
+    pick = pick.to(x.device)
     x, y = x.clone(), y.clone()
-    x[pick.to(x.device)], y[pick.to(x.device)] = window[:, :-1], window[:, 1:]
+    x[pick], y[pick] = window[:, :-1], window[:, 1:]
     return x, y
 
 
