@@ -3,6 +3,7 @@ teacher's full-sequence logits, and mixed batches hold whole records in place of
 Needs PyTorch (the training tools' environment, tools/train/README.md); without it the
 module is skipped with that reason."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the training tools' tests need it")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train"))
 
-from generate_text import check_cache, main as generate_main, sample_records  # noqa: E402
+from bench_generate import main as bench_main  # noqa: E402
+from generate_text import check_cache, main as generate_main, sample_next, sample_records  # noqa: E402
 from layers import Dims  # noqa: E402
 from teacher import Teacher  # noqa: E402
 from train import load_synthetic, mix_synthetic  # noqa: E402
@@ -27,11 +29,36 @@ def tiny_teacher(seed: int) -> Teacher:
     return model.eval()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("prompt", [1, 5, 11])
-def test_cached_decode_matches_full_pass(prompt):
+def test_cached_decode_matches_full_pass(prompt, attention):
     teacher = tiny_teacher(prompt)
     tokens = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(prompt))
-    assert check_cache(teacher, tokens, prompt) < 1e-5
+    assert check_cache(teacher, tokens, prompt, attention) < 1e-5
+
+
+@pytest.mark.parametrize("sampler", ["race", "multinomial"])
+def test_samplers_draw_from_the_tempered_softmax(sampler):
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    for temperature in (1.0, 0.7):
+        want = torch.softmax(logits / temperature, -1)
+        draws = sample_next(logits.expand(40000, -1), temperature, torch.Generator().manual_seed(3), sampler)
+        freq = torch.bincount(draws, minlength=5).double() / len(draws)
+        sigma = (want * (1 - want) / len(draws)).sqrt()
+        assert torch.all((freq - want).abs() <= 5 * sigma + 1e-12), (freq, want)
+        assert freq[4] == 0
+
+
+def test_bench_generate_times_every_path_and_names_one(tmp_path):
+    choice, report = tmp_path / "choice.txt", tmp_path / "bench.json"
+    assert bench_main(["--batch", "2", "--layers", "1", "--length", "16", "--position", "4", "--steps", "2",
+                       "--device", "cpu", "--choice", str(choice), "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["rows"]
+    assert {(r["attention"], r["sampler"]) for r in rows} == {(a, s) for a in ("sdpa", "matmul")
+                                                              for s in ("race", "multinomial")}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert choice.read_text().strip() in ("sdpa", "matmul")
+    assert json.loads(report.read_text())["sdpa_vs_matmul_rel_diff"] < 1e-5
 
 
 def test_records_keep_their_prompts_and_reproduce():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layers import apply_rope_interleaved, rope_tables  # noqa: E402
@@ -36,6 +37,8 @@ from teacher import Teacher, load_teacher  # noqa: E402
 from train import load_tokens, sample_batch, source_ranges  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+ATTENTION = ("sdpa", "matmul")  # a decode step's attention: fused kernel, or scores in float32
+SAMPLERS = ("race", "multinomial")
 
 
 class CachedDecoder:
@@ -43,8 +46,10 @@ class CachedDecoder:
     Attention groups the query heads by their kv head ([B, kv, group*t, hd] against
     [B, kv, T, hd]), so the cache is never repeated across the group."""
 
-    def __init__(self, teacher: Teacher, batch: int, max_len: int, dtype, device):
-        self.t, self.dims = teacher, teacher.dims
+    def __init__(self, teacher: Teacher, batch: int, max_len: int, dtype, device, attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: one of {ATTENTION}")
+        self.t, self.dims, self.attention = teacher, teacher.dims, attention
         dm = self.dims
         shape = (batch, dm.kv_heads, max_len, dm.head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in teacher.layers]
@@ -63,6 +68,9 @@ class CachedDecoder:
         self.v[i][:, :, p:p + t] = a.v(x).view(B, t, dm.kv_heads, dm.head_dim).transpose(1, 2)
         keys, values = self.k[i][:, :, :p + t], self.v[i][:, :, :p + t]
         q = q.reshape(B, dm.kv_heads, group * t, dm.head_dim)  # head kv*group + g reads kv head kv
+        if t == 1 and self.attention == "sdpa":  # the group's queries see every key: no mask
+            o = F.scaled_dot_product_attention(q, keys, values)
+            return a.o(o.reshape(B, dm.heads * dm.head_dim)[:, None])
         scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(dm.head_dim)
         if t > 1:  # query j of the chunk (row % t) sees keys up to p + j
             rows = torch.arange(group * t, device=x.device) % t
@@ -83,29 +91,42 @@ class CachedDecoder:
         return self.t.head(h)
 
 
+def sample_next(logits: torch.Tensor, temperature: float, gen: torch.Generator, sampler: str) -> torch.Tensor:
+    """One token per row of logits [B, V], drawn from softmax(logits / temperature).
+    race: argmax of logits / T - log(E) with E ~ Exp(1) per entry (the Gumbel-max trick:
+    exact, and no normalised probabilities or cumulative sums over the vocabulary)."""
+    scaled = logits.float() / temperature
+    if sampler == "race":
+        noise = torch.empty_like(scaled).exponential_(generator=gen)
+        return (scaled - noise.log_()).argmax(-1)
+    if sampler == "multinomial":
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
+    raise ValueError(f"sampler {sampler!r}: one of {SAMPLERS}")
+
+
 @torch.no_grad()
 def sample_records(teacher: Teacher, prompts: torch.Tensor, length: int, temperature: float,
-                   gen: torch.Generator) -> torch.Tensor:
+                   gen: torch.Generator, attention: str = "sdpa", sampler: str = "race") -> torch.Tensor:
     """prompts [B, P] continued to [B, length] with tokens sampled from the teacher."""
     B, P = prompts.shape
-    dec = CachedDecoder(teacher, B, length, teacher.embed.weight.dtype, prompts.device)
+    dec = CachedDecoder(teacher, B, length, teacher.embed.weight.dtype, prompts.device, attention)
     out = torch.empty((B, length), dtype=torch.long, device=prompts.device)
     out[:, :P] = prompts
     logits = dec.logits(prompts)[:, -1]
     for pos in range(P, length):
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        out[:, pos] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        out[:, pos] = sample_next(logits, temperature, gen, sampler)
         if pos + 1 < length:
             logits = dec.logits(out[:, pos:pos + 1])[:, -1]
     return out
 
 
 @torch.no_grad()
-def check_cache(teacher: Teacher, tokens: torch.Tensor, prompt: int) -> float:
+def check_cache(teacher: Teacher, tokens: torch.Tensor, prompt: int, attention: str = "sdpa") -> float:
     """Largest |cached - full| logit over positions prompt-1.. of `tokens` [B, T], relative to
     the largest |logit|; the prompt is read in one chunk, the rest one token at a time."""
     full = teacher(tokens).float()
-    dec = CachedDecoder(teacher, tokens.shape[0], tokens.shape[1], teacher.embed.weight.dtype, tokens.device)
+    dec = CachedDecoder(teacher, tokens.shape[0], tokens.shape[1], teacher.embed.weight.dtype, tokens.device,
+                        attention)
     steps = [dec.logits(tokens[:, :prompt])[:, -1:]]
     steps += [dec.logits(tokens[:, p:p + 1]) for p in range(prompt, tokens.shape[1] - 1)]
     cached = torch.cat(steps, dim=1).float()
@@ -129,6 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--source-weights", default="", help="train.py --source-weights for the prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention", default="sdpa", choices=ATTENTION,
+                    help="decode-step attention (bench_generate.py says which is faster on a machine)")
+    ap.add_argument("--sampler", default="race", choices=SAMPLERS)
     ap.add_argument("--check", action="store_true", help="compare cached and full logits first")
     args = ap.parse_args(argv)
     if args.minutes <= 0 and args.records <= 0:
@@ -165,7 +189,7 @@ def main(argv=None) -> int:
             "teacher": Path(args.teacher).name, "separator_id": sep}
     if args.check:
         x, _ = sample_batch(tokens, 2, 64, torch.Generator().manual_seed(args.seed + 2), device, sources)
-        err = check_cache(teacher, x, 16)
+        err = check_cache(teacher, x, 16, args.attention)
         info["cache_check_rel_err"] = err
         limit = 2e-2 if device.type == "cuda" else 1e-4  # bf16 on the GPU
         print(f"[generate] cached vs full logits: max relative difference {err:.2e} (limit {limit:g})", flush=True)
@@ -184,7 +208,8 @@ def main(argv=None) -> int:
             prompts = torch.full((args.batch, 1), sep, dtype=torch.long, device=device)
         else:
             prompts, _ = sample_batch(tokens, args.batch, args.prompt_tokens, gen, device, sources)
-        records = sample_records(teacher, prompts, args.length, args.temperature, dev_gen)
+        records = sample_records(teacher, prompts, args.length, args.temperature, dev_gen,
+                                 args.attention, args.sampler)
         with open(out, "ab") as f:
             records.to("cpu", torch.int64).numpy().astype(np.uint16).tofile(f)
         made += records.shape[0]
