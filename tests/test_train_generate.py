@@ -111,3 +111,59 @@ def test_generation_refuses_to_append_to_misaligned_records(tmp_path, capsys):
                           "--length", "7", "--prompt-tokens", "2", "--records", "1"]) == 2
     assert "not whole records of --length 7" in capsys.readouterr().err
     assert out.stat().st_size == 20
+
+
+@pytest.mark.parametrize("attention,fused_calls", [("sdpa", 3), ("matmul", 0)])
+def test_decode_steps_take_the_named_attention_path(monkeypatch, attention, fused_calls):
+    import generate_text
+    calls = []
+    fused = generate_text.F.scaled_dot_product_attention
+    monkeypatch.setattr(generate_text.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    teacher = tiny_teacher(0)
+    dec = generate_text.CachedDecoder(teacher, 2, 8, torch.float32, "cpu", attention)
+    dec.logits(torch.tensor([[1, 2, 3], [4, 5, 6]]))  # a prompt chunk: always the masked product
+    assert calls == []
+    dec.logits(torch.tensor([[7], [8]]))  # one step: each of the 3 layers
+    assert len(calls) == fused_calls
+
+
+def test_nan_logits_fail_loudly():
+    teacher = tiny_teacher(0)
+    with torch.no_grad():
+        teacher.layers[1].mlp.down.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="NaN"):
+        sample_records(teacher, torch.tensor([[1, 2]]), 5, 1.0, torch.Generator().manual_seed(0))
+
+
+def test_main_passes_attention_and_sampler_to_every_batch(tmp_path, monkeypatch):
+    import generate_text
+    data = tmp_path / "data"
+    data.mkdir()
+    np.random.default_rng(0).integers(1, 97, 400).astype(np.uint16).tofile(data / "train.u16")
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": {"separator_id": 0}}))
+    monkeypatch.setattr(generate_text, "load_teacher", lambda path: (tiny_teacher(0), {}))
+    seen = []
+    real = generate_text.sample_records
+    monkeypatch.setattr(generate_text, "sample_records",
+                        lambda *a: seen.append(a[5:]) or real(*a))
+    out = tmp_path / "r.u16"
+    assert generate_main(["--teacher", "t.gguf", "--data", str(data), "--out", str(out), "--length", "9",
+                          "--prompt-tokens", "3", "--batch", "2", "--records", "4", "--device", "cpu",
+                          "--attention", "matmul", "--sampler", "multinomial", "--check"]) == 0
+    assert seen == [("matmul", "multinomial")] * 2
+    records = np.fromfile(out, dtype=np.uint16).reshape(-1, 9)
+    assert records.shape == (4, 9) and records.max() < 97
+    settings = json.loads((tmp_path / "r.u16.json").read_text())
+    assert settings["settings"]["attention"] == "matmul" and settings["records"] == 4
+
+
+@pytest.mark.parametrize("sampler", ["race", "multinomial"])
+def test_records_are_drawn_with_the_named_sampler(monkeypatch, sampler):
+    import generate_text
+    seen = []
+    real = generate_text.sample_next
+    monkeypatch.setattr(generate_text, "sample_next", lambda *a: seen.append(a[3]) or real(*a))
+    generate_text.sample_records(tiny_teacher(0), torch.tensor([[1, 2]]), 6, 1.0, torch.Generator().manual_seed(0),
+                                 "sdpa", sampler)
+    assert seen == [sampler] * 4

@@ -37,7 +37,7 @@ from teacher import Teacher, load_teacher  # noqa: E402
 from train import load_tokens, sample_batch, source_ranges  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-ATTENTION = ("sdpa", "matmul")  # a decode step's attention: fused kernel, or scores in float32
+ATTENTION = ("sdpa", "matmul")  # a decode step's attention: fused kernel, or explicit product and softmax
 SAMPLERS = ("race", "multinomial")
 
 
@@ -98,7 +98,8 @@ def sample_next(logits: torch.Tensor, temperature: float, gen: torch.Generator, 
     scaled = logits.float() / temperature
     if sampler == "race":
         noise = torch.empty_like(scaled).exponential_(generator=gen)
-        return (scaled - noise.log_()).argmax(-1)
+        # a draw of exactly 0 would make its token win (-log 0 = inf), whatever its logit
+        return (scaled - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
     if sampler == "multinomial":
         return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
     raise ValueError(f"sampler {sampler!r}: one of {SAMPLERS}")
@@ -113,10 +114,14 @@ def sample_records(teacher: Teacher, prompts: torch.Tensor, length: int, tempera
     out = torch.empty((B, length), dtype=torch.long, device=prompts.device)
     out[:, :P] = prompts
     logits = dec.logits(prompts)[:, -1]
+    nan = torch.zeros((), dtype=torch.bool, device=prompts.device)  # checked once a batch: no sync per step
     for pos in range(P, length):
+        nan |= logits.isnan().any()
         out[:, pos] = sample_next(logits, temperature, gen, sampler)
         if pos + 1 < length:
             logits = dec.logits(out[:, pos:pos + 1])[:, -1]
+    if nan.item():
+        raise FloatingPointError("the teacher's logits hold NaN: these records would be noise")
     return out
 
 

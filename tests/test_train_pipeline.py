@@ -1,0 +1,89 @@
+"""tools/train/sample_and_train.sh: sampling on every GPU, then pair.py, with WORK/done
+holding the exit status whatever happens. A stand-in python3 on PATH records each call, so
+the pipeline's logic is tested without PyTorch or a GPU."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "train" / "sample_and_train.sh"
+FAKE_PYTHON = """#!/bin/sh
+echo "GPU=$CUDA_VISIBLE_DEVICES $*" >> "$CALLS"
+case "$*" in
+  -c*) echo "${FAKE_GPUS:-2}" ;;
+  *generate_text.py*) [ "$CUDA_VISIBLE_DEVICES" = "${FAIL_GPU:-none}" ] && exit 1; exit 0 ;;
+  *pair.py*) exit "${PAIR_STATUS:-0}" ;;
+esac
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+
+
+def run(tmp_path, env_extra=None, work=None):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    work = work or tmp_path / "work"
+    calls = tmp_path / "calls.txt"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SEED": "40",
+           **(env_extra or {})}
+    (tmp_path / "sotu=3,brown=x").write_text("")  # what the glob in the arguments would match
+    proc = subprocess.run(["bash", str(SCRIPT), str(work), "T.gguf", "DATA", "0.5",
+                           "--batch 8 --free-share 0.2 --source-weights sotu=3,brown=*",
+                           "--root", "R", "--variant", "a=--lr 1e-4"],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return proc, (work / "done").read_text().strip() if (work / "done").exists() else None, lines
+
+
+def test_samples_on_every_gpu_then_trains(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "attention.txt").write_text("matmul\n")
+    proc, done, calls = run(tmp_path, work=work)
+    assert proc.returncode == 0 and done == "0", proc.stdout + proc.stderr
+    generate = [c for c in calls if "generate_text.py" in c]
+    assert len(generate) == 2
+    for g, call in enumerate(sorted(generate)):
+        assert call.startswith(f"GPU={g} ")
+        assert f"--out {work}/synthetic/synthetic-{g}.u16 --minutes 0.5 --seed {40 + g} --attention matmul" in call
+        assert call.endswith("--batch 8 --free-share 0.2 --source-weights sotu=3,brown=*")  # no glob expansion
+        assert str(work / "code" / "tools" / "train") in call  # runs from the copy
+    assert calls[-1].endswith("pair.py --teacher T.gguf --root R --variant a=--lr 1e-4")
+    assert not list((work / "code" / "python").rglob("*.tinyloop"))
+
+
+def test_failed_sampling_stops_before_training(tmp_path):
+    proc, done, calls = run(tmp_path, {"FAIL_GPU": "1"})
+    assert done == "92" and proc.returncode == 92
+    assert "sampling on GPU 1 failed" in proc.stdout
+    assert not any("pair.py" in c for c in calls)
+
+
+def test_training_status_reaches_done(tmp_path):
+    proc, done, _ = run(tmp_path, {"PAIR_STATUS": "5"})
+    assert done == "5" and proc.returncode == 5
+
+
+def test_unreadable_gpu_count_stops(tmp_path):
+    proc, done, calls = run(tmp_path, {"FAKE_GPUS": "Traceback"})
+    assert done == "91" and not any("generate_text.py" in c for c in calls)
+
+
+def test_existing_records_are_not_appended_to(tmp_path):
+    work = tmp_path / "work"
+    (work / "synthetic").mkdir(parents=True)
+    (work / "synthetic" / "synthetic-0.u16").write_bytes(b"\0\0")
+    proc, done, calls = run(tmp_path, work=work)
+    assert done == "93" and calls == []
+    assert "already holds records" in proc.stdout
+
+
+def test_usage(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
