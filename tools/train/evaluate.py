@@ -5,7 +5,8 @@ scored in windows of --ctx tokens, each from a fresh context), the ratio to the 
 perplexity on the same tokens (a converted teacher .tinyloop), and the greedy draft
 agreement: the share of positions where the argmax next token at depth d equals the one at
 the default depth (token-by-token decode through a context, as speculative decoding sees it).
-Writes JSON and prints a markdown table for docs/models.md.
+Writes JSON and prints a markdown table for docs/models.md; --by-document also scores each
+address (in the order of eval_sotu.txt, 2001 first) at the default depth, from the same pass.
 
   python3 tools/train/evaluate.py --model student.tinyloop --teacher-model teacher.tinyloop \\
       --json eval.json
@@ -60,6 +61,24 @@ def draft_agreement(model: Model, tokens: np.ndarray, depths: list, default_dept
     return {d: a / total for d, a in agree.items()}
 
 
+def document_spans(tokens: np.ndarray, boundary: list) -> list:
+    """(start, end) of each address: data.py joins them with a blank line (`boundary`, its
+    tokens); a span ends after the blank line that closes it."""
+    n = len(boundary)
+    if n == 0:
+        raise SystemExit("the blank line between addresses encodes as no tokens")
+    hits = np.ones(len(tokens) - n + 1, dtype=bool)
+    for i, t in enumerate(boundary):
+        hits &= tokens[i:len(tokens) - n + 1 + i] == t
+    cuts = [0, *(np.flatnonzero(hits) + n).tolist(), len(tokens)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b - a > 1]
+
+
+def by_document(logprobs: np.ndarray, spans: list) -> list:
+    """Perplexity of each span's tokens (log-probs predict tokens[1:], hence the shift)."""
+    return [float(np.exp(-np.mean(logprobs[max(a - 1, 0):b - 1], dtype=np.float64))) for a, b in spans]
+
+
 def markdown(res: dict) -> str:
     depths = list(res["ppl"])
     head = "| depth | " + " | ".join(depths) + (" | teacher |" if res.get("teacher_ppl") else " |")
@@ -89,6 +108,8 @@ def main(argv=None) -> None:
     ap.add_argument("--agree-prefix", type=int, default=64)
     ap.add_argument("--agree-span", type=int, default=128, help="decoded positions per window")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--by-document", action="store_true",
+                    help="also the default depth's (and the teacher's) perplexity per address")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
@@ -99,13 +120,21 @@ def main(argv=None) -> None:
     depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, info.max_depth + 1))
     res = {"model": Path(args.model).name, "tokens": len(tokens), "ctx": args.ctx,
            "default_depth": default_depth, "ppl": {}}
+    spans = document_spans(tokens, model.tokenizer.encode("\n\n", add_bos=False)) if args.by_document else None
     for d in depths:
         t0 = time.time()
-        res["ppl"][str(d)] = model.perplexity(tokens, depth=d, ctx=args.ctx)
+        logprobs = model.score_windows(tokens, depth=d, ctx=args.ctx)
+        res["ppl"][str(d)] = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+        if spans and d == default_depth:
+            res["documents"] = [{"start": a, "end": b, "ppl": p} for (a, b), p in zip(spans, by_document(logprobs, spans))]
         print(f"depth {d}: perplexity {res['ppl'][str(d)]:.2f} ({time.time() - t0:.0f} s)", flush=True)
     if args.teacher_model:
         with Model(args.teacher_model, threads=args.threads) as teacher:
-            res["teacher_ppl"] = teacher.perplexity(tokens, ctx=args.ctx)
+            logprobs = teacher.score_windows(tokens, ctx=args.ctx)
+        res["teacher_ppl"] = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+        if res.get("documents"):
+            for doc, p in zip(res["documents"], by_document(logprobs, spans)):
+                doc["teacher_ppl"] = p
         print(f"teacher: perplexity {res['teacher_ppl']:.2f}", flush=True)
     if args.agree_windows > 0:
         drafts = [d for d in depths if d < default_depth]
@@ -120,6 +149,9 @@ def main(argv=None) -> None:
     model.close()
     table = markdown(res)
     print("\n" + table)
+    for i, doc in enumerate(res.get("documents", [])):
+        ratio = f", ratio {doc['ppl'] / doc['teacher_ppl']:.2f}" if "teacher_ppl" in doc else ""
+        print(f"address {i + 1}: {doc['end'] - doc['start']} tokens, perplexity {doc['ppl']:.2f}{ratio}")
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "markdown": table}, indent=1) + "\n")
 

@@ -1,0 +1,57 @@
+"""tools/train/evaluate.py on a tiny random model with a real tokenizer: the per-address
+breakdown comes from the same pass as the headline perplexity and adds up to it."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from textmodel import make_text_model
+
+EVALUATE = Path(__file__).resolve().parent.parent / "tools" / "train" / "evaluate.py"
+
+
+@pytest.fixture(scope="module")
+def evaluate():
+    spec = importlib.util.spec_from_file_location("evaluate_tool", EVALUATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_document_spans_cut_after_each_blank_line(evaluate):
+    tokens = np.array([5, 6, 10, 10, 7, 8, 9, 10, 10, 4, 10])
+    assert evaluate.document_spans(tokens, [10, 10]) == [(0, 4), (4, 9), (9, 11)]
+    assert evaluate.document_spans(tokens, [7]) == [(0, 5), (5, 11)]
+    with pytest.raises(SystemExit):
+        evaluate.document_spans(tokens, [])
+
+
+def test_per_address_perplexities_add_up_to_the_whole(evaluate, tmp_path):
+    from tinyloop import Model
+
+    path = tmp_path / "m.tinyloop"
+    make_text_model(path, add_bos=False)
+    text = "\n\n".join(["The first address is short.", "A second one, a little longer than the first.",
+                        "Third."]) + "\n"
+    with Model(path) as model:
+        ids = model.tokenizer.encode(text, add_bos=False)
+    held_out = tmp_path / "held.u16"
+    np.array(ids, dtype=np.uint16).tofile(held_out)
+    out = tmp_path / "eval.json"
+    evaluate.main(["--model", str(path), "--teacher-model", str(path), "--tokens", str(held_out),
+                   "--n-tokens", "0", "--ctx", "32", "--depths", "1,2", "--agree-windows", "0",
+                   "--threads", "1", "--by-document", "--json", str(out)])
+    res = json.loads(out.read_text())
+    docs = res["documents"]
+    assert len(docs) == 3 and docs[0]["start"] == 0 and docs[-1]["end"] == len(ids)
+    assert all(a["end"] == b["start"] for a, b in zip(docs, docs[1:]))
+    predicted = [d["end"] - 1 - max(d["start"] - 1, 0) for d in docs]  # log-probs predict tokens[1:]
+    assert sum(predicted) == len(ids) - 1
+    whole = math.exp(sum(n * math.log(d["ppl"]) for n, d in zip(predicted, docs)) / sum(predicted))
+    assert whole == pytest.approx(res["ppl"][str(res["default_depth"])], rel=1e-9)
+    assert all(d["teacher_ppl"] == pytest.approx(d["ppl"], rel=1e-12) for d in docs)  # the same model
+    assert len({round(d["ppl"], 6) for d in docs}) == 3
