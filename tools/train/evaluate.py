@@ -61,17 +61,20 @@ def draft_agreement(model: Model, tokens: np.ndarray, depths: list, default_dept
     return {d: a / total for d, a in agree.items()}
 
 
-def document_spans(tokens: np.ndarray, boundary: list) -> list:
-    """(start, end) of each address: data.py joins them with a blank line (`boundary`, its
-    tokens); a span ends after the blank line that closes it."""
-    n = len(boundary)
-    if n == 0:
-        raise SystemExit("the blank line between addresses encodes as no tokens")
-    hits = np.ones(len(tokens) - n + 1, dtype=bool)
-    for i, t in enumerate(boundary):
-        hits &= tokens[i:len(tokens) - n + 1 + i] == t
-    cuts = [0, *(np.flatnonzero(hits) + n).tolist(), len(tokens)]
+def document_spans(tokens: np.ndarray, is_break: np.ndarray) -> list:
+    """(start, end) of each address. data.py joins them with a blank line and each address is
+    one line, so the addresses are what lies between runs of newline tokens (`is_break`: how
+    the blank line encodes depends on its neighbours); a span ends after the run closing it."""
+    ends = np.flatnonzero(is_break[:-1] & ~is_break[1:]) + 1
+    cuts = [0, *ends.tolist(), len(tokens)]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b - a > 1]
+
+
+def newline_tokens(tokens: np.ndarray, tokenizer) -> np.ndarray:
+    """Whether each token decodes to newlines only."""
+    ids = np.unique(tokens)
+    newline = {int(i) for i in ids if set(tokenizer.decode([int(i)], skip_special_tokens=False) or "x") == {"\n"}}
+    return np.isin(tokens, list(newline))
 
 
 def by_document(logprobs: np.ndarray, spans: list) -> list:
@@ -120,7 +123,7 @@ def main(argv=None) -> None:
     depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, info.max_depth + 1))
     res = {"model": Path(args.model).name, "tokens": len(tokens), "ctx": args.ctx,
            "default_depth": default_depth, "ppl": {}}
-    spans = document_spans(tokens, model.tokenizer.encode("\n\n", add_bos=False)) if args.by_document else None
+    spans = document_spans(tokens, newline_tokens(tokens, model.tokenizer)) if args.by_document else None
     for d in depths:
         t0 = time.time()
         logprobs = model.score_windows(tokens, depth=d, ctx=args.ctx)
