@@ -1,25 +1,19 @@
 """tools/train/evaluate.py on a tiny random model with a real tokenizer: the per-address
 breakdown comes from the same pass as the headline perplexity and adds up to it."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from textmodel import make_text_model
-
-EVALUATE = Path(__file__).resolve().parent.parent / "tools" / "train" / "evaluate.py"
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def evaluate():
-    spec = importlib.util.spec_from_file_location("evaluate_tool", EVALUATE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train/evaluate.py", "evaluate_tool")
 
 
 def test_document_spans_cut_after_each_run_of_newlines(evaluate):

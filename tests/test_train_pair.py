@@ -1,20 +1,14 @@
 """tools/train/pair.py: models come back from the GPU machine in pieces below its 16 MiB
 per-file limit that join to the same bytes; variant arguments are parsed strictly."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PAIR = Path(__file__).resolve().parent.parent / "tools" / "train" / "pair.py"
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def pair():
-    spec = importlib.util.spec_from_file_location("pair", PAIR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train/pair.py", "pair")
 
 
 @pytest.mark.parametrize("size", [0, 1, 15 << 20, (15 << 20) + 1, (31 << 20) + 12345])
