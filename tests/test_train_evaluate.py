@@ -48,3 +48,13 @@ def test_per_address_perplexities_add_up_to_the_whole(evaluate, tmp_path):
     assert whole == pytest.approx(res["ppl"][str(res["default_depth"])], rel=1e-9)
     assert all(d["teacher_ppl"] == pytest.approx(d["ppl"], rel=1e-12) for d in docs)  # the same model
     assert len({round(d["ppl"], 6) for d in docs}) == 3
+
+
+def test_by_document_needs_the_default_depth(evaluate, tmp_path):
+    path = tmp_path / "m.tinyloop"
+    make_text_model(path, add_bos=False)
+    held_out = tmp_path / "held.u16"
+    np.arange(40, dtype=np.uint16).tofile(held_out)
+    with pytest.raises(SystemExit, match="default depth \\(2\\)"):
+        evaluate.main(["--model", str(path), "--tokens", str(held_out), "--depths", "1",
+                       "--agree-windows", "0", "--by-document"])

@@ -72,14 +72,17 @@ def document_spans(tokens: np.ndarray, is_break: np.ndarray) -> list:
 
 def newline_tokens(tokens: np.ndarray, tokenizer) -> np.ndarray:
     """Whether each token decodes to newlines only."""
-    ids = np.unique(tokens)
-    newline = {int(i) for i in ids if set(tokenizer.decode([int(i)], skip_special_tokens=False) or "x") == {"\n"}}
-    return np.isin(tokens, list(newline))
+    texts = {int(i): tokenizer.decode([int(i)], skip_special_tokens=False) for i in np.unique(tokens)}
+    return np.isin(tokens, [i for i, text in texts.items() if text and not text.strip("\n")])
+
+
+def perplexity(logprobs: np.ndarray) -> float:
+    return float(np.exp(-np.mean(logprobs, dtype=np.float64)))
 
 
 def by_document(logprobs: np.ndarray, spans: list) -> list:
     """Perplexity of each span's tokens (log-probs predict tokens[1:], hence the shift)."""
-    return [float(np.exp(-np.mean(logprobs[max(a - 1, 0):b - 1], dtype=np.float64))) for a, b in spans]
+    return [perplexity(logprobs[max(a - 1, 0):b - 1]) for a, b in spans]
 
 
 def markdown(res: dict) -> str:
@@ -121,20 +124,22 @@ def main(argv=None) -> None:
     info = model.info
     default_depth = info.default_depth
     depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, info.max_depth + 1))
+    if args.by_document and default_depth not in depths:
+        raise SystemExit(f"--by-document scores the default depth ({default_depth}): add it to --depths")
     res = {"model": Path(args.model).name, "tokens": len(tokens), "ctx": args.ctx,
            "default_depth": default_depth, "ppl": {}}
     spans = document_spans(tokens, newline_tokens(tokens, model.tokenizer)) if args.by_document else None
     for d in depths:
         t0 = time.time()
         logprobs = model.score_windows(tokens, depth=d, ctx=args.ctx)
-        res["ppl"][str(d)] = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+        res["ppl"][str(d)] = perplexity(logprobs)
         if spans and d == default_depth:
             res["documents"] = [{"start": a, "end": b, "ppl": p} for (a, b), p in zip(spans, by_document(logprobs, spans))]
         print(f"depth {d}: perplexity {res['ppl'][str(d)]:.2f} ({time.time() - t0:.0f} s)", flush=True)
     if args.teacher_model:
         with Model(args.teacher_model, threads=args.threads) as teacher:
             logprobs = teacher.score_windows(tokens, ctx=args.ctx)
-        res["teacher_ppl"] = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
+        res["teacher_ppl"] = perplexity(logprobs)
         if res.get("documents"):
             for doc, p in zip(res["documents"], by_document(logprobs, spans)):
                 doc["teacher_ppl"] = p
