@@ -67,6 +67,26 @@ def test_generate_uses_config(tmp_path, model_path):
     assert overridden["n_tokens"] <= 6 and overridden["tokens"][:4] == report["tokens"]
 
 
+def test_speculative_mode_from_config(tmp_path, model_path):
+    """[modes.speculative] gives plain greedy decoding's tokens and reports its drafts;
+    with sampling left on it is a clear error."""
+    plain = last_json(run("generate", model_path, "Hello", "--max-tokens", 12, "--temperature",
+                          0, "--threads", 1, "--json"))
+    config = tmp_path / "tinyloop.toml"
+    config.write_text("[sampling]\ntemperature = 0\n"
+                      "[modes.speculative]\ndraft_depth = 1\nn_draft = 3\n")
+    spec = last_json(run("generate", model_path, "Hello", "--max-tokens", 12, "--threads", 1,
+                         "--config", config, "--json"))
+    assert spec["mode"] == "speculative" and spec["tokens"] == plain["tokens"]
+    assert spec["stop_reason"] == plain["stop_reason"]
+    assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"] and spec["drafted_tokens"] > 0
+    config.write_text("[modes.speculative]\ndraft_depth = 1\n")
+    proc = run("generate", model_path, "Hello", "--threads", 1, "--config", config, "--json",
+               check=False)
+    assert proc.returncode == 1 and "greedy tokens only" in proc.stderr
+    assert last_json(proc)["error_type"] == "UnsupportedError"
+
+
 def test_bad_config_is_a_clear_error(tmp_path, model_path):
     config = tmp_path / "tinyloop.toml"
     config.write_text("[sampling]\ntop_q = 0.5\n")

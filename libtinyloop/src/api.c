@@ -466,13 +466,24 @@ tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_t
 
 /* ---- generation ------------------------------------------------------------------ */
 
+/* The first release's sizes: the speculative fields came later. */
+#define GENERATE_OPTIONS_V1_SIZE offsetof(tl_generate_options, draft_depth)
+#define GENERATE_RESULT_V1_SIZE offsetof(tl_generate_result, n_drafted)
+
 static tl_status read_generate_options(const tl_generate_options *opts, tl_generate_options *o) {
     tl_generate_options_default(o);
-    return read_struct(o, sizeof *o, opts, sizeof *o, "tl_generate_options");
+    tl_status st = read_struct(o, sizeof *o, opts, GENERATE_OPTIONS_V1_SIZE, "tl_generate_options");
+    /* draft_depth sits where the first release's struct had its tail padding: read the
+     * speculative fields only from a struct that holds both */
+    uint32_t size = 0;
+    if (opts) memcpy(&size, opts, sizeof size);
+    if (opts && size < offsetof(tl_generate_options, n_draft) + sizeof o->n_draft)
+        o->draft_depth = o->n_draft = 0;
+    return st;
 }
 
 static tl_status check_result_arg(tl_generate_result *result) {
-    return result ? check_struct_size(result, sizeof *result, "tl_generate_result") : TL_OK;
+    return result ? check_struct_size(result, GENERATE_RESULT_V1_SIZE, "tl_generate_result") : TL_OK;
 }
 
 /* One generation on ctx with the caller's structs checked and the result written back. */
@@ -629,6 +640,13 @@ tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t
                                   const tl_generate_options *opts, int32_t draft_depth,
                                   int32_t n_draft, int32_t *out_tokens, size_t out_capacity,
                                   tl_generate_result *result) {
-    return tl_fail(TL_ERR_NOT_IMPLEMENTED,
-                   "tl_generate_speculative is not implemented yet; use tl_generate");
+    tl_generate_options o;
+    tl_status st = read_generate_options(opts, &o);
+    if (st != TL_OK) return st;
+    if (draft_depth < 1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_depth %d is out of range (at least 1)",
+                       draft_depth);
+    o.draft_depth = draft_depth;
+    o.n_draft = n_draft;
+    return tl_generate(model, prompt, n_prompt, &o, out_tokens, out_capacity, result);
 }

@@ -158,12 +158,11 @@ tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *t
     return TL_OK;
 }
 
-tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
-                          int32_t depth, const tl_forward_out *out) {
-    int L = 0;
-    tl_status st = tl_context_resolve_depth(ctx, depth, &L);
-    if (st != TL_OK) return st;
-    st = tl_context_check_tokens(ctx, tokens, n);
+/* Run tokens after the sequence at loop depth L in chunks, producing `out`, and append
+ * them. On failure the sequence keeps its previous length. */
+static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size_t n, int L,
+                             const tl_forward_out *out) {
+    tl_status st = tl_context_check_tokens(ctx, tokens, n);
     if (st != TL_OK) return st;
     size_t start = ctx->n_tokens;
     if (n > (size_t)ctx->max_seq - start)
@@ -187,6 +186,10 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
                 chunk_out.logprobs = out->logprobs + c0;
                 chunk_out.n_targets = out->n_targets - c0;
             }
+            if (out->n_row_tokens > c0) {
+                chunk_out.row_tokens = out->row_tokens + c0;
+                chunk_out.n_row_tokens = out->n_row_tokens - c0;
+            }
         }
         st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
         if (st != TL_OK) {
@@ -195,9 +198,27 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
         }
         memcpy(ctx->tokens + start + c0, tokens + c0, (size_t)rows * sizeof *tokens);
         ctx->n_tokens = start + c0 + (size_t)rows;
-        ctx->depth = L;
     }
     return TL_OK;
+}
+
+tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                          int32_t depth, const tl_forward_out *out) {
+    int L = 0;
+    tl_status st = tl_context_resolve_depth(ctx, depth, &L);
+    if (st != TL_OK) return st;
+    st = eval_chunks(ctx, tokens, n, L, out);
+    if (st == TL_OK && ctx->n_tokens > 0) ctx->depth = L;
+    return st;
+}
+
+tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                int draft_depth, const tl_forward_out *out) {
+    if (ctx->n_tokens == 0 || ctx->depth == 0 || draft_depth < 1 || draft_depth > ctx->depth)
+        return tl_fail(TL_ERR_INTERNAL,
+                       "a draft at depth %d needs a sequence of a deeper depth (length %zu, depth %d)",
+                       draft_depth, ctx->n_tokens, ctx->depth);
+    return eval_chunks(ctx, tokens, n, draft_depth, out);
 }
 
 tl_status tl_context_check_free(const struct tl_context *ctx) {

@@ -62,6 +62,12 @@ tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *t
  * failure the sequence keeps its previous length. */
 tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
                           int32_t depth, const tl_forward_out *out);
+/* Append tokens computed at draft_depth, shallower than (or equal to) the sequence's
+ * depth, for a speculative draft: the prelude and the first draft_depth loop iterations
+ * write what the sequence's depth would, the coda does not, so the caller must truncate
+ * these positions (tl_context_set_length) before the sequence goes on at its depth. */
+tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                int draft_depth, const tl_forward_out *out);
 /* Length counters used by the API calls of the same names. */
 void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
 tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);

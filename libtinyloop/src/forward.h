@@ -19,6 +19,9 @@ typedef struct tl_forward_out {
     const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
     float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
     size_t n_targets;
+    int32_t *row_tokens;       /* host: argmax of row i's logits for rows i < n_row_tokens
+                                  (a speculative verification); or NULL                */
+    size_t n_row_tokens;
     int token_on_device;       /* one row whose token is the last chained argmax (backend.h);
                                   tokens[0] is a placeholder                          */
     int chain_token;           /* argmax of the last row kept on the device (argmax_chained),

@@ -11,7 +11,10 @@
  * turnaround (reading t, recording and launching the next step) overlaps the
  * device's work. A step run ahead of a stop is undone (the context's length is set
  * back; what it wrote past that length is overwritten by later appends), so the
- * context ends as it would without running ahead. */
+ * context ends as it would without running ahead.
+ *
+ * With draft_depth set, tokens come from speculative rounds instead (speculative.c),
+ * several per forward pass at the stream's depth; the context ends as without them. */
 #include "generate.h"
 
 #include <stdlib.h>
@@ -19,6 +22,7 @@
 #include <time.h>
 
 #include "error.h"
+#include "speculative.h"
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -149,7 +153,13 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     g->depth = depth;
     g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f;
     g->backend_samples = !g->greedy && ctx->be->ops->sample != NULL;
-    g->chained = g->greedy && chain_available(ctx);
+    st = tl_speculative_begin(g, o);
+    if (st != TL_OK) {
+        tl_stream_end(g);
+        return st;
+    }
+    /* a speculative round reads its drafts' tokens on the host */
+    g->chained = g->greedy && !g->draft_depth && chain_available(ctx);
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -174,11 +184,13 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     ctx->stream = g;
     g->depth = ctx->depth;
     g->n_prompt = (uint32_t)n_prompt;
+    g->base = ctx->n_tokens;
     return TL_OK;
 }
 
 static void finish(struct tl_stream *g, tl_stop_reason reason) {
     undo_ahead(g);
+    tl_speculative_settle(g, reason);
     g->finished = 1;
     g->stop_reason = reason;
 }
@@ -208,7 +220,9 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     double t0 = now_seconds();
     g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
     tl_status st = TL_OK;
-    if (g->has_pending && !(g->chained && g->queued)) {
+    if (g->draft_depth && (g->has_pending || g->ready_at < g->n_ready)) {
+        st = tl_speculative_next(g, &g->next);
+    } else if (g->has_pending && !(g->chained && g->queued)) {
         const int32_t *pending = &g->generated[g->n_generated - 1];
         tl_forward_out out = next_token_out(g, pending, 1);
         st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
@@ -254,7 +268,7 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
         return TL_OK;
     }
     g->generated[g->n_generated++] = t;
-    g->has_pending = !g->ahead;
+    g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
     *token = t;
     *reason = TL_STOP_NONE;
@@ -281,12 +295,15 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
     r->n_prompt_tokens = g->n_prompt;
     r->prefill_seconds = g->prefill_seconds;
     r->decode_seconds = g->decode_seconds;
+    r->n_drafted = g->n_drafted;
+    r->n_accepted = g->n_accepted;
 }
 
 void tl_stream_end(struct tl_stream *g) {
     if (g->ctx) undo_ahead(g);
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
+    tl_speculative_free(g);
     free(g->logits);
     free(g->generated);
     free(g->stop_tokens);

@@ -1,6 +1,6 @@
 /* generate.h — autoregressive generation on a context: prompt validation, chunked
- * prefill, then one token per step (sample, then feed it back) until a stop
- * condition. tl_stream is the state machine; the callback and buffer forms of the
+ * prefill, then one token per step (sample, then feed it back; or, speculatively,
+ * several verified at once) until a stop condition. tl_stream is the state machine; the callback and buffer forms of the
  * API are loops over it. */
 #ifndef TL_GENERATE_H
 #define TL_GENERATE_H
@@ -31,6 +31,14 @@ struct tl_stream {
     int chained;                   /* greedy steps chained on the device, one step ahead */
     int queued;                    /* chained: argmax results not yet read (0-2) */
     int ahead;                     /* chained: generated[n_generated-1] was fed ahead of need */
+    /* self-speculative decoding (draft_depth > 0, greedy only; docs/api.md) */
+    int32_t draft_depth;           /* loop depth of the drafts                          */
+    int32_t n_draft;               /* tokens drafted per verification at most           */
+    int32_t *spec_fed;             /* [n_draft + 1]: the pending token, then the drafts */
+    int32_t *spec_ready;           /* [n_draft + 1]: verified tokens, returned in order */
+    size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
+    size_t base;                   /* the sequence's length after the prompt            */
+    uint32_t n_drafted, n_accepted;
     int finished;
     tl_stop_reason stop_reason;
     uint32_t n_prompt;

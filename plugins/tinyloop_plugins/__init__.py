@@ -4,11 +4,13 @@ Each built-in is a `tinyloop.plugins.Plugin` and is registered exactly like a
 third-party plugin (docs/plugins.md), except that it is listed here instead of in an
 entry point. The registry calls `builtin_plugins()` once per process.
 
-No mode ships yet: speculative decoding, tree speculation, paged KV and the fp16
-body will each be added as a module of this package and listed in `builtin_plugins`.
+Shipped: `speculative` (self-speculative greedy decoding). Tree speculation, paged KV
+and the fp16 body will each be added as a module of this package and listed in
+`builtin_plugins`.
 """
 
 
 def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
-    return []
+    from .speculative import PLUGIN as speculative
+    return [speculative]

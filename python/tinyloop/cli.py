@@ -107,6 +107,7 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
 
 
 def cmd_generate(args) -> dict:
+    from .model import TokenStream
     from .plugins import strategy_mode
     config = _load_config(args)
     options = config.generate_options()
@@ -121,9 +122,10 @@ def cmd_generate(args) -> dict:
         decoder = tokenizer.incremental_decoder()
         started = time.perf_counter()
         if mode is not None:
-            stream = None
             tokens = mode.plugin.strategy(model, np.asarray(prompt_ids, dtype=np.int32),
                                           dict(options, depth=depth), mode.config)
+            # a strategy that returns the library's stream (speculative) has its result
+            stream = tokens if isinstance(tokens, TokenStream) else None
         else:
             stream = model.stream(prompt_ids, depth=depth, **options)
             tokens = stream
@@ -150,8 +152,13 @@ def cmd_generate(args) -> dict:
                            decode_seconds=r.decode_seconds,
                            prefill_tokens_per_s=r.prefill_tokens_per_s,
                            decode_tokens_per_s=r.decode_tokens_per_s)
+            drafts = ""
+            if r.drafted_tokens:
+                payload.update(drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens)
+                drafts = f", drafts kept {r.accepted_tokens}/{r.drafted_tokens}"
             _note(f"[{len(generated)} tokens, stop: {r.stop_reason}, prefill "
-                  f"{r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s]")
+                  f"{r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s"
+                  f"{drafts}]")
         return payload
 
 

@@ -66,6 +66,14 @@ class GenerateResult:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    #: speculative decoding: draft tokens verified, and how many of them were kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the verified draft tokens that were kept (0 without drafts)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -84,18 +92,21 @@ def _result_from_c(c_result, tokens: list, text: str | None) -> GenerateResult:
                           stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
                           prompt_tokens=int(c_result.n_prompt_tokens),
                           prefill_seconds=float(c_result.prefill_seconds),
-                          decode_seconds=float(c_result.decode_seconds))
+                          decode_seconds=float(c_result.decode_seconds),
+                          drafted_tokens=int(c_result.n_drafted),
+                          accepted_tokens=int(c_result.n_accepted))
 
 
 class _GenerateOptions:
     """A checked tl_generate_options plus the buffers its pointers refer to."""
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
-               "repetition_penalty", "repetition_window", "seed", "eos", "stop")
+               "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
+               "n_draft")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None):
+                 eos=None, stop=None, draft_depth=0, n_draft=0):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -113,6 +124,8 @@ class _GenerateOptions:
                                                minimum=0, maximum=2**31 - 1)
         opts.seed = _args.integer("seed", seed, minimum=0, maximum=2**64 - 1)
         opts.eos_token = self._eos(model, eos)
+        opts.draft_depth = _args.max_int32("draft_depth", draft_depth)
+        opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
         self._keepalive = self._set_stop(model, opts, stop)
         self.c = opts
 
@@ -282,8 +295,10 @@ class _Scoring:
 
         Options: max_tokens, depth, temperature (0 = greedy), top_k, top_p, min_p,
         repetition_penalty, repetition_window, seed, eos (None: the model's, an id, or
-        False: never stop on EOS), stop (strings or token lists). `text` is set when
-        the prompt was a str."""
+        False: never stop on EOS), stop (strings or token lists), draft_depth and
+        n_draft (self-speculative greedy decoding: drafts of n_draft tokens, 0 = 4, at
+        loop depth draft_depth, verified at `depth`; 0 = off). `text` is set when the
+        prompt was a str."""
         model = self._model
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)

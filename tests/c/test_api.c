@@ -6,6 +6,7 @@
  * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
  * Last line: "test_api: N passed, M failed". */
 #include <math.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -424,8 +425,6 @@ static void test_errors(fixture *f, const char *path) {
     }
 
     CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 2, logits), TL_ERR_NOT_IMPLEMENTED);
-    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 3, &o, 1, 4, out, 4, NULL),
-                 TL_ERR_NOT_IMPLEMENTED);
 
     tl_load_options lo;
     tl_load_options_default(&lo);
@@ -445,6 +444,68 @@ static void test_errors(fixture *f, const char *path) {
 }
 
 /* ---- memory and threads ---------------------------------------------------------- */
+
+/* ---- speculative decoding ---------------------------------------------------- */
+
+/* Drafts at every shallower depth give plain greedy decoding's tokens; a draft at the full
+ * depth is always kept; bad speculative options are clear errors. */
+static void test_speculative(fixture *f) {
+    enum { N = 24 };
+    int32_t plain[N], spec[N], out[4];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    if (f->info.n_core == 0) {
+        CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, 1, 4, spec, N, &r),
+                     TL_ERR_UNSUPPORTED);
+        return;
+    }
+    int depth = f->info.default_depth;
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, plain, N, &r));
+    CHECK(r.n_drafted == 0 && r.n_accepted == 0, "plain decoding drafts nothing");
+    for (int draft = 1; draft <= depth; draft++) {
+        for (int n_draft = 1; n_draft <= 5; n_draft += 4) {
+            tl_generate_result_default(&r);
+            memset(spec, 0xff, sizeof spec);
+            CHECK_OK(tl_generate_speculative(f->model, f->tokens, 5, &o, draft, n_draft, spec, N, &r));
+            CHECK(r.n_tokens == N && memcmp(spec, plain, sizeof plain) == 0,
+                  "draft depth %d, %d drafts: %u tokens, not plain greedy's", draft, n_draft,
+                  r.n_tokens);
+            CHECK(r.n_accepted <= r.n_drafted && r.n_drafted > 0, "counters %u of %u", r.n_accepted,
+                  r.n_drafted);
+            if (draft == depth)
+                CHECK(r.n_accepted == r.n_drafted, "full-depth drafts all kept (%u of %u)",
+                      r.n_accepted, r.n_drafted);
+        }
+    }
+
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, 0, 4, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, depth + 1, 4, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, 1, 33, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, 1, -1, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    tl_generate_options sampled = o;
+    sampled.temperature = 0.8f;
+    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &sampled, 1, 4, out, 4, NULL),
+                 TL_ERR_UNSUPPORTED);
+
+    /* a caller built before the speculative fields: its options struct ended with tail
+     * padding where draft_depth now sits (garbage here), and its result struct is shorter */
+    tl_generate_options older = o;
+    older.struct_size = (uint32_t)offsetof(tl_generate_options, n_draft);
+    older.draft_depth = 99;
+    older.n_draft = 99;
+    struct { tl_generate_result r; uint32_t guard; } short_result;
+    memset(&short_result, 0x5a, sizeof short_result);
+    short_result.r.struct_size = (uint32_t)offsetof(tl_generate_result, n_drafted);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &older, spec, N, &short_result.r));
+    CHECK(memcmp(spec, plain, sizeof plain) == 0, "a first-release options struct decodes plainly");
+    CHECK(short_result.r.n_drafted == 0x5a5a5a5au && short_result.guard == 0x5a5a5a5au,
+          "nothing written past a first-release result struct");
+}
 
 static void test_memory_report(fixture *f) {
     tl_memory_report before, during, after;
@@ -544,6 +605,7 @@ static void run_model(const char *path) {
     test_stop_conditions(&f);
     test_stream_and_callback(&f);
     test_errors(&f, path);
+    test_speculative(&f);
     test_memory_report(&f);
     test_two_threads(&f);
     CHECK_OK(tl_free_model(f.model));

@@ -194,6 +194,9 @@ typedef struct tl_generate_options {
     const int32_t *stop_tokens;    /* stop sequences, concatenated                     */
     const uint32_t *stop_lengths;  /* length of each stop sequence                     */
     uint32_t n_stop_sequences;
+    int32_t draft_depth;           /* self-speculative decoding: loop depth of the
+                                      drafts, 1..depth; 0 = off (greedy only)          */
+    int32_t n_draft;               /* tokens drafted per verification, 0..32; 0 = 4    */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
@@ -203,6 +206,8 @@ typedef struct tl_generate_result {
     uint32_t n_prompt_tokens;
     double prefill_seconds;
     double decode_seconds;
+    uint32_t n_drafted;            /* speculative: draft tokens verified               */
+    uint32_t n_accepted;           /* speculative: of them, kept (the greedy tokens)   */
 } tl_generate_result;
 
 /* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
@@ -238,7 +243,8 @@ TL_API tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompt
                                    const size_t *prompt_lengths, size_t n_prompts,
                                    const tl_generate_options *opts, int32_t *const *out_tokens,
                                    size_t out_capacity, tl_generate_result *results);
-/* reserved for a later release; returns TL_ERR_NOT_IMPLEMENTED today */
+/* tl_generate with opts->draft_depth and opts->n_draft set to these (draft_depth >= 1):
+ * greedy tokens drafted at a shallow loop depth and verified at the full one. */
 TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
                                          const tl_generate_options *opts, int32_t draft_depth,
                                          int32_t n_draft, int32_t *out_tokens,

@@ -1,0 +1,28 @@
+/* speculative.h — self-speculative greedy decoding inside a generation stream: draft
+ * tokens one by one at a shallow loop depth, verify them all in one pass at the
+ * stream's depth, keep the longest agreeing prefix plus the verified next token. */
+#ifndef TL_SPECULATIVE_H
+#define TL_SPECULATIVE_H
+
+#include <stdint.h>
+
+#include "generate.h"
+
+#define TL_MAX_DRAFT 32
+#define TL_DEFAULT_DRAFT 4
+
+/* Check o->draft_depth / o->n_draft against the stream (its depth, greedy, model) and
+ * allocate the round buffers; nothing to do when o->draft_depth is 0. */
+tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o);
+/* The next verified token: the oldest one not yet returned, after a draft-and-verify
+ * round when none is left (g->generated's last token is then the one fed first). */
+tl_status tl_speculative_next(struct tl_stream *g, int32_t *token);
+/* Whether the last token returned is not in the context yet (it is fed, first, by the
+ * next round). */
+int tl_speculative_pending(const struct tl_stream *g);
+/* At the end of the stream: drop what a round put in the context past what plain
+ * decoding would hold (the generated tokens but the last, or all of them after EOS). */
+void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason);
+void tl_speculative_free(struct tl_stream *g);
+
+#endif

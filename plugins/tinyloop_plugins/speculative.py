@@ -1,0 +1,35 @@
+"""The `speculative` mode: self-speculative greedy decoding (docs/plugins.md).
+
+Drafts of `n_draft` tokens come from the model itself at the shallow loop depth
+`draft_depth`, sharing the context's cache, and one pass at the generation's depth
+verifies them all; the tokens are those of plain greedy decoding. The library does the
+work (tl_generate_options.draft_depth / n_draft); this mode only switches it on from
+TOML:
+
+    [sampling]
+    temperature = 0
+
+    [modes.speculative]
+    draft_depth = 1
+    n_draft = 4
+"""
+
+from tinyloop.plugins import Option, Plugin
+
+
+def _strategy(model, prompt_ids, generate_options, config):
+    return model.stream(prompt_ids, **generate_options, draft_depth=config["draft_depth"],
+                        n_draft=config["n_draft"])
+
+
+PLUGIN = Plugin(
+    name="speculative",
+    description="greedy drafts at a shallow loop depth, verified at the full depth",
+    options=(
+        Option("draft_depth", int, 1, "loop depth of the drafts (at most the generation's)",
+               minimum=1),
+        Option("n_draft", int, 4, "tokens drafted per verification", minimum=1, maximum=32),
+    ),
+    conflicts=frozenset({"tree_speculative"}),
+    strategy=_strategy,
+)

@@ -1,0 +1,179 @@
+"""Self-speculative greedy decoding (draft_depth / n_draft): the tokens are plain greedy
+decoding's for every architecture option, draft depth and draft length; the context ends
+as plain decoding leaves it; stops, streams and bad options behave.
+
+Why equality is exact here: the drafts only propose, and every returned token is the
+argmax of a pass at the full depth. That pass scores several rows at once where plain
+decoding runs one row per step, so the two could differ only where two logits tie within
+float rounding; these seeded models have no such tie (the test would say so, always)."""
+
+import numpy as np
+import pytest
+
+import tinyloop
+from test_parity import DEVICE, case_config
+from tinyloop import default_model
+from tinyloop.default_model import DEFAULT_MODEL_NAME
+from tinyloop.random_model import make_random_model
+
+# loop options that change what a draft shares with the full pass: warm and noise state
+# init, concat injection, loop norm, no coda, two codas, a sliding window, quantized weights
+CASES = ["base", "init-warm", "init-noise", "injection-concat", "injection-none", "loop_norm",
+         "sliding_window", "core2-no-coda", "coda2", "q4-g32", "huginn-q4", "warm-window-q8"]
+PROMPT = [5, 17, 3, 88, 41, 9]
+GREEDY = dict(temperature=0, eos=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("speculative")
+
+
+def model_file(model_dir, name, **overrides):
+    path = model_dir / f"{name}.tinyloop"
+    if not path.exists():
+        make_random_model(path, **{**case_config(name), **overrides})
+    return path
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_speculative_tokens_are_plain_greedy_tokens(model_dir, name):
+    config = case_config(name)
+    depth = config["max_depth"]
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        plain = model.generate(PROMPT, max_tokens=30, depth=depth, **GREEDY)
+        assert plain.drafted_tokens == 0
+        for draft_depth in range(1, depth + 1):
+            for n_draft in (1, 3, 8):
+                spec = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=draft_depth,
+                                      n_draft=n_draft, **GREEDY)
+                label = f"{name}: draft depth {draft_depth}, {n_draft} drafts"
+                assert spec.tokens == plain.tokens, label
+                assert spec.stop_reason == plain.stop_reason == "max_tokens", label
+                assert 0 <= spec.accepted_tokens <= spec.drafted_tokens, label
+                assert spec.drafted_tokens > 0, label
+                if draft_depth == depth:   # the draft is the full pass itself
+                    assert spec.accepted_tokens == spec.drafted_tokens, label
+
+
+def _next_logits(ctx, token):
+    return ctx.append([int(token)])
+
+
+@pytest.mark.parametrize("stop", ["max_tokens", "stop_sequence", "eos"])
+def test_context_ends_as_plain_decoding_leaves_it(model_dir, stop):
+    """After the generation the context holds what plain decoding's would (the prompt and
+    every generated token but a last one that was never fed), so a continuation is the
+    same."""
+    path = model_file(model_dir, "init-warm")
+    with tinyloop.Model(path, device=DEVICE) as model:
+        depth = case_config("init-warm")["max_depth"]
+        reference = model.generate(PROMPT, max_tokens=20, depth=depth, **GREEDY).tokens
+        options = dict(max_tokens=20, depth=depth, temperature=0)
+        if stop == "stop_sequence":
+            options.update(stop=[reference[7:9]], eos=False)
+        elif stop == "eos":
+            options.update(eos=reference[11])
+        else:
+            options.update(eos=False)
+        ends = []
+        for speculative in (False, True):
+            extra = dict(draft_depth=1, n_draft=6) if speculative else {}
+            with model.context() as ctx:
+                result = ctx.generate(PROMPT, **options, **extra)
+                length = len(ctx)
+                follow = _next_logits(ctx, reference[0])
+            ends.append((result.tokens, result.stop_reason, length, follow))
+        (plain_tokens, plain_stop, plain_len, plain_next), (tokens, reason, length, follow) = ends
+        assert reason == plain_stop == stop
+        assert tokens == plain_tokens
+        assert length == plain_len
+        np.testing.assert_allclose(follow, plain_next, rtol=1e-5, atol=1e-5)
+
+
+def test_context_full(model_dir):
+    """Drafts never run past the context: generation stops at the same token, for the same
+    reason, as plain decoding."""
+    path = model_file(model_dir, "base")
+    with tinyloop.Model(path, device=DEVICE, max_seq_len=20) as model:
+        plain = model.generate(PROMPT, max_tokens=40, **GREEDY)
+        spec = model.generate(PROMPT, max_tokens=40, draft_depth=1, n_draft=8, **GREEDY)
+    assert plain.stop_reason == spec.stop_reason == "context_full"
+    assert spec.tokens == plain.tokens and len(spec.tokens) == 20 - len(PROMPT) + 1
+
+
+def test_stream_yields_the_same_tokens_and_counts(model_dir):
+    path = model_file(model_dir, "huginn-q4")
+    with tinyloop.Model(path, device=DEVICE) as model:
+        plain = model.generate(PROMPT, max_tokens=25, **GREEDY)
+        with model.stream(PROMPT, max_tokens=25, draft_depth=1, n_draft=4, **GREEDY) as stream:
+            tokens = list(stream)
+        assert tokens == plain.tokens
+        result = stream.result
+        assert result.tokens == plain.tokens and result.drafted_tokens > 0
+        assert result.acceptance_rate == result.accepted_tokens / result.drafted_tokens
+
+
+def test_bad_speculative_options(model_dir):
+    looped = model_file(model_dir, "base")
+    dense = model_file(model_dir, "plain-llama")
+    with tinyloop.Model(looped, device=DEVICE) as model:
+        depth = case_config("base")["default_depth"]
+        with pytest.raises(tinyloop.UnsupportedError, match="greedy tokens only"):
+            model.generate(PROMPT, max_tokens=4, temperature=0.8, draft_depth=1)
+        with pytest.raises(tinyloop.UnsupportedError, match="greedy tokens only"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, repetition_penalty=1.2,
+                           draft_depth=1)
+        with pytest.raises(tinyloop.InvalidArgumentError, match="deeper than the generation's"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=depth + 1)
+        with pytest.raises(ValueError, match="n_draft"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1, n_draft=33)
+        with pytest.raises(ValueError, match="draft_depth"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=-1)
+        with pytest.raises(TypeError, match="draft_depth"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1.5)
+        # the model stays usable after each refusal
+        assert len(model.generate(PROMPT, max_tokens=3, **GREEDY).tokens) == 3
+    with tinyloop.Model(dense, device=DEVICE) as model:
+        with pytest.raises(tinyloop.UnsupportedError, match="no loop"):
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1)
+
+
+def test_c_call_takes_its_own_draft_arguments(model_dir):
+    """tl_generate_speculative(draft_depth, n_draft) is tl_generate with those options."""
+    path = model_file(model_dir, "base")
+    with tinyloop.Model(path, device=DEVICE) as model:
+        plain = model.generate(PROMPT, max_tokens=12, **GREEDY)
+        native, ffi = model._native, model._native.ffi
+        opts = ffi.new("tl_generate_options *")
+        native.lib.tl_generate_options_default(opts)
+        opts.temperature, opts.max_tokens, opts.eos_token = 0.0, 12, -2
+        ids = np.asarray(PROMPT, dtype=np.int32)
+        out = np.zeros(12, dtype=np.int32)
+        result = ffi.new("tl_generate_result *")
+        native.lib.tl_generate_result_default(result)
+        native.check(native.lib.tl_generate_speculative(
+            model._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), opts, 2, 3,
+            ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), result))
+        assert out.tolist() == plain.tokens and result.n_drafted > 0
+        status = native.lib.tl_generate_speculative(
+            model._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), opts, 0, 3,
+            ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), result)
+        assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_INVALID_ARGUMENT"
+
+
+@pytest.mark.skipif(not (default_model.MODELS_DIR / f"{DEFAULT_MODEL_NAME}.tinyloop").exists(),
+                    reason="the trained default model is not in this installation")
+def test_shipped_model_speculative_equals_greedy():
+    """The trained model, real text: drafts at depth 1 and 2 give the default depth's
+    greedy tokens, and most drafts are kept."""
+    path = default_model.packaged_model_path()
+    with tinyloop.Model(path, threads=2) as model:
+        prompt = "The state of our union is strong, and"
+        plain = model.generate(prompt, max_tokens=48, **GREEDY)
+        for draft_depth in (1, 2):
+            spec = model.generate(prompt, max_tokens=48, draft_depth=draft_depth, n_draft=3,
+                                  **GREEDY)
+            assert spec.tokens == plain.tokens, f"draft depth {draft_depth}"
+            assert spec.acceptance_rate > 0.3, f"draft depth {draft_depth}: {spec.acceptance_rate}"
+
