@@ -177,3 +177,26 @@ def test_shipped_model_speculative_equals_greedy():
             assert spec.tokens == plain.tokens, f"draft depth {draft_depth}"
             assert spec.acceptance_rate > 0.3, f"draft depth {draft_depth}: {spec.acceptance_rate}"
 
+
+def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
+    """tools/bench/speculative_cpu.py on a tiny model: a report with a row per config, the
+    plain row at speedup 1 (the tool itself fails when a speculative run's tokens differ)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import textmodel
+    path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(path)
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench" / "speculative_cpu.py"
+    out = tmp_path / "report.json"
+    subprocess.run([sys.executable, str(tool), "--model", str(path), "--threads", "1",
+                    "--new-tokens", "8", "--repeat", "1", "--drafts", "1:2,1:4",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    assert [row["config"] for row in report["rows"]] == ["plain", "draft depth 1, 2 drafts",
+                                                         "draft depth 1, 4 drafts"]
+    assert report["rows"][0]["speedup"] == 1.0 and report["rows"][0]["acceptance"] is None
+    assert all(0 <= row["acceptance"] <= 1 for row in report["rows"][1:])
+    assert set(report["step_ms"]) == {"1", str(report["depth"])}

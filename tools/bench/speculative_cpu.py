@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Self-speculative decoding against plain greedy decoding of the same model, in one run.
+
+For each prompt, plain greedy decoding (the peer: the same runtime, one full-depth step
+per token) and speculative decoding with each (draft_depth, n_draft) pair run in
+alternating rounds; the medians of decode tokens/s are reported with the share of drafts
+kept and the tokens per verification pass. Every speculative run is also checked to give
+plain decoding's tokens. Beside them: the time of one decode step at each draft depth
+and at the full depth (a context stepping one token at a time), which bounds what a
+draft can save.
+
+    python tools/bench/speculative_cpu.py --threads 2 --repeat 5 --drafts 1:3,2:3,1:2 --json out.json
+"""
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import tinyloop
+from tinyloop.default_model import default_model_path
+
+PROMPTS = [
+    "The state of our union is strong, and tonight I want to speak about",
+    "In the years after the war, the nation turned its attention to",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The committee reported that the new law would",
+]
+
+
+def step_seconds(model, prompt_ids, depth, steps):
+    """Median seconds of one single-token append at `depth` after the prompt."""
+    times = []
+    steps = min(steps, model.info.max_seq_len - len(prompt_ids))
+    with model.context() as ctx:
+        ctx.append(prompt_ids, depth=depth)
+        token = prompt_ids[-1]
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            ctx.append([token], depth=depth)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help=".tinyloop file (default: the packaged model)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--depth", type=int, default=0, help="generation depth (0: the model's default)")
+    ap.add_argument("--drafts", default="1:3,2:3", help="comma list of DRAFT_DEPTH:N_DRAFT")
+    ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
+    ap.add_argument("--json", help="write the report here")
+    args = ap.parse_args(argv)
+    pairs = [tuple(int(v) for v in item.split(":")) for item in args.drafts.split(",")]
+    path = args.model or str(default_model_path())
+
+    with tinyloop.Model(path, threads=args.threads) as model:
+        depth = args.depth or model.info.default_depth
+        greedy = dict(max_tokens=args.new_tokens, depth=depth, temperature=0, eos=False)
+        prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+        configs = [("plain", {})] + [(f"draft depth {d}, {n} drafts", dict(draft_depth=d, n_draft=n))
+                                      for d, n in pairs]
+        speed = {name: [] for name, _ in configs}
+        kept = {name: [0, 0, 0, 0] for name, _ in configs}  # accepted, drafted, tokens, rounds
+        for _ in range(args.repeat):
+            for ids in prompts:
+                reference = None
+                for name, extra in configs:
+                    r = model.generate(ids, **greedy, **extra)
+                    if reference is None:
+                        reference = r.tokens
+                    elif r.tokens != reference:
+                        raise SystemExit(f"{name}: tokens differ from plain greedy decoding")
+                    speed[name].append(r.decode_tokens_per_s)
+                    k = kept[name]
+                    k[0] += r.accepted_tokens
+                    k[1] += r.drafted_tokens
+                    k[2] += len(r.tokens) - 1          # tokens after the prompt's own
+                    k[3] += len(r.tokens) - 1 - r.accepted_tokens  # full-depth passes
+        steps = {d: step_seconds(model, prompts[0], d, 40) for d in sorted({d for d, _ in pairs} | {depth})}
+
+    rows = []
+    plain = statistics.median(speed["plain"])
+    for name, _ in configs:
+        acc, drafted, tokens, passes = kept[name]
+        tps = statistics.median(speed[name])
+        rows.append(dict(config=name, decode_tokens_per_s=round(tps, 1),
+                         speedup=round(tps / plain, 3),
+                         acceptance=round(acc / drafted, 3) if drafted else None,
+                         tokens_per_full_pass=round(tokens / passes, 2) if passes else None))
+    report = dict(model=path, depth=depth, threads=args.threads, new_tokens=args.new_tokens,
+                  prompts=len(PROMPTS), repeat=args.repeat, machine=platform.processor() or platform.machine(),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  step_ms={str(d): round(s * 1e3, 3) for d, s in steps.items()}, rows=rows)
+    print(f"{'config':<26} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
+    for row in rows:
+        acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+        tpp = "" if row["tokens_per_full_pass"] is None else f"{row['tokens_per_full_pass']:.2f}"
+        print(f"{row['config']:<26} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
+    print("one decode step (ms): " + ", ".join(f"depth {d}: {ms}" for d, ms in report["step_ms"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
