@@ -5,13 +5,17 @@ as plain decoding leaves it; stops, streams and bad options behave.
 Why equality is exact here: the drafts only propose, and every returned token is the
 argmax of a pass at the full depth. That pass scores several rows at once where plain
 decoding runs one row per step, so the two could differ only where two logits tie within
-float rounding; these seeded models have no such tie (the test would say so, always)."""
+float rounding; these seeded models have no such tie (the test would say so, always).
+
+The models have untied output heads: with the head tied to a random embedding, the
+residual stream is close to the input token's embedding and greedy decoding repeats that
+token forever, so every draft would be kept and the rejection path never run."""
 
 import numpy as np
 import pytest
 
 import tinyloop
-from test_parity import DEVICE, case_config
+from test_parity import DEVICE, ON_CPU, case_config
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
 from tinyloop.random_model import make_random_model
@@ -29,18 +33,18 @@ def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("speculative")
 
 
-def model_file(model_dir, name, **overrides):
-    path = model_dir / f"{name}.tinyloop"
+def model_file(model_dir, name, tied=False):
+    path = model_dir / f"{name}{'-tied' if tied else ''}.tinyloop"
     if not path.exists():
-        make_random_model(path, **{**case_config(name), **overrides})
+        make_random_model(path, **{**case_config(name), "tied_embeddings": int(tied)})
     return path
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_speculative_tokens_are_plain_greedy_tokens(model_dir, name):
+@pytest.mark.parametrize("name,tied", [(name, False) for name in CASES] + [("base", True)])
+def test_speculative_tokens_are_plain_greedy_tokens(model_dir, name, tied):
     config = case_config(name)
     depth = config["max_depth"]
-    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+    with tinyloop.Model(model_file(model_dir, name, tied), device=DEVICE) as model:
         plain = model.generate(PROMPT, max_tokens=30, depth=depth, **GREEDY)
         assert plain.drafted_tokens == 0
         for draft_depth in range(1, depth + 1):
@@ -52,41 +56,55 @@ def test_speculative_tokens_are_plain_greedy_tokens(model_dir, name):
                 assert spec.stop_reason == plain.stop_reason == "max_tokens", label
                 assert 0 <= spec.accepted_tokens <= spec.drafted_tokens, label
                 assert spec.drafted_tokens > 0, label
-                if draft_depth == depth:   # the draft is the full pass itself
+                if draft_depth == 1 and not tied:   # the rejection path did run
+                    assert spec.accepted_tokens < spec.drafted_tokens, label
+                if draft_depth == depth and ON_CPU:   # the draft is the full pass itself
                     assert spec.accepted_tokens == spec.drafted_tokens, label
 
 
-def _next_logits(ctx, token):
-    return ctx.append([int(token)])
+def _first_new_token_at(tokens, start):
+    """The first index >= start whose token does not occur before it."""
+    for i in range(start, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    pytest.fail(f"no new token from index {start} on in {tokens}")
 
 
-@pytest.mark.parametrize("stop", ["max_tokens", "stop_sequence", "eos"])
-def test_context_ends_as_plain_decoding_leaves_it(model_dir, stop):
+@pytest.mark.parametrize("name", ["init-warm", "huginn-q4"])
+@pytest.mark.parametrize("stop", ["max_tokens", "stop_sequence", "eos", "stream_closed"])
+def test_context_ends_as_plain_decoding_leaves_it(model_dir, name, stop):
     """After the generation the context holds what plain decoding's would (the prompt and
     every generated token but a last one that was never fed), so a continuation is the
-    same."""
-    path = model_file(model_dir, "init-warm")
+    same; the stop falls inside a round of drafts."""
+    path = model_file(model_dir, name)
+    depth = case_config(name)["max_depth"]
     with tinyloop.Model(path, device=DEVICE) as model:
-        depth = case_config("init-warm")["max_depth"]
         reference = model.generate(PROMPT, max_tokens=20, depth=depth, **GREEDY).tokens
-        options = dict(max_tokens=20, depth=depth, temperature=0)
+        options = dict(max_tokens=20, depth=depth, temperature=0, eos=False)
         if stop == "stop_sequence":
-            options.update(stop=[reference[7:9]], eos=False)
+            at = _first_new_token_at(reference, 4)
+            options.update(stop=[reference[at - 1:at + 1]])
         elif stop == "eos":
-            options.update(eos=reference[11])
-        else:
-            options.update(eos=False)
+            options.update(eos=reference[_first_new_token_at(reference, 5)])
         ends = []
         for speculative in (False, True):
             extra = dict(draft_depth=1, n_draft=6) if speculative else {}
             with model.context() as ctx:
-                result = ctx.generate(PROMPT, **options, **extra)
+                if stop == "stream_closed":   # the consumer stops pulling after 5 tokens
+                    stream = ctx.stream(PROMPT, **options, **extra)
+                    tokens = [next(stream) for _ in range(5)]
+                    stream.close()
+                    reason, drafted = "stream_closed", None
+                else:
+                    result = ctx.generate(PROMPT, **options, **extra)
+                    tokens, reason, drafted = result.tokens, result.stop_reason, result.drafted_tokens
                 length = len(ctx)
-                follow = _next_logits(ctx, reference[0])
-            ends.append((result.tokens, result.stop_reason, length, follow))
-        (plain_tokens, plain_stop, plain_len, plain_next), (tokens, reason, length, follow) = ends
+                follow = ctx.append([int(reference[0])])
+            ends.append((tokens, reason, length, follow, drafted))
+        (plain_tokens, plain_stop, plain_len, plain_next, _), (tokens, reason, length, follow, drafted) = ends
         assert reason == plain_stop == stop
-        assert tokens == plain_tokens
+        assert tokens == plain_tokens and len(tokens) >= 5
+        assert drafted is None or drafted > 0
         assert length == plain_len
         np.testing.assert_allclose(follow, plain_next, rtol=1e-5, atol=1e-5)
 

@@ -301,6 +301,9 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
 
 void tl_stream_end(struct tl_stream *g) {
     if (g->ctx) undo_ahead(g);
+    /* freed before it finished: verified tokens it holds were never returned (only a
+     * stream that started owns the context; a failed begin must not trim the sequence) */
+    if (g->ctx && g->ctx->stream == g && !g->finished) tl_speculative_settle(g, TL_STOP_ABORTED);
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
     tl_speculative_free(g);

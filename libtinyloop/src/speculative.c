@@ -11,7 +11,8 @@
  * greedy token after each of the k + 1 positions. The drafts agree up to the first
  * mismatch j; p and the j agreeing drafts stay in the context, and the verified tokens
  * 1..j plus the one after them are returned, the same tokens as plain greedy decoding
- * (up to ties within the rounding of a many-row pass against one-row steps). */
+ * up to near-ties, which rounding may resolve differently in a many-row pass than in
+ * one-row steps (other kernels on CUDA). */
 #include "speculative.h"
 
 #include <stdlib.h>

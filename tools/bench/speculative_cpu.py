@@ -4,8 +4,8 @@
 For each prompt, plain greedy decoding (the peer: the same runtime, one full-depth step
 per token) and speculative decoding with each (draft_depth, n_draft) pair run in
 alternating rounds; the medians of decode tokens/s are reported with the share of drafts
-kept and the tokens per verification pass. Every speculative run is also checked to give
-plain decoding's tokens. Beside them: the time of one decode step at each draft depth
+kept and the tokens per verification pass (the configs' order rotates from round to
+round). Every run is also checked to give the same tokens as the others. Beside them: the time of one decode step at each draft depth
 and at the full depth (a context stepping one token at a time), which bounds what a
 draft can save.
 
@@ -63,15 +63,18 @@ def main(argv=None) -> int:
                                       for d, n in pairs]
         speed = {name: [] for name, _ in configs}
         kept = {name: [0, 0, 0, 0] for name, _ in configs}  # accepted, drafted, tokens, rounds
-        for _ in range(args.repeat):
+        for round_index in range(args.repeat):
+            # each round starts with another config, so no config always runs first
+            shift = round_index % len(configs)
+            order = configs[shift:] + configs[:shift]
             for ids in prompts:
                 reference = None
-                for name, extra in configs:
+                for name, extra in order:
                     r = model.generate(ids, **greedy, **extra)
                     if reference is None:
                         reference = r.tokens
                     elif r.tokens != reference:
-                        raise SystemExit(f"{name}: tokens differ from plain greedy decoding")
+                        raise SystemExit(f"{name}: tokens differ from the other configs'")
                     speed[name].append(r.decode_tokens_per_s)
                     k = kept[name]
                     k[0] += r.accepted_tokens
