@@ -49,8 +49,10 @@ def _byte_chars() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def make_text_model(path, *, seed: int = 7, add_bos: bool = True) -> None:
-    """Write a random model with the byte-level tokenizer to `path`."""
+def make_text_model(path, *, seed: int = 7, add_bos: bool = True,
+                    chat_template: str | None = None) -> None:
+    """Write a random model with the byte-level tokenizer (and a chat template, when
+    given) to `path`."""
     plain = f"{path}.plain"
     make_random_model(plain, seed=seed, dtype="f32", **DIMS)
     with read_file(plain) as src:
@@ -61,6 +63,8 @@ def make_text_model(path, *, seed: int = 7, add_bos: bool = True) -> None:
         writer.add_metadata("tokenizer.bos_id", BOS)
         writer.add_metadata("tokenizer.eos_id", EOS)
         writer.add_metadata("tokenizer.add_bos", int(add_bos))
+        if chat_template is not None:
+            writer.add_metadata("tokenizer.chat_template", chat_template)
         for entry in src.tensors.values():
             writer.add_raw_tensor(entry.name, entry.dtype, entry.shape, entry.group_size,
                                   bytes(src.raw(entry.name)))

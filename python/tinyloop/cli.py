@@ -318,6 +318,17 @@ def _delegated(name: str):
 _DELEGATED = ("convert", "quantize", "pull")
 
 
+def cmd_serve(args) -> dict:
+    from .server import serve
+    if args.port > 65535:
+        raise CommandError(f"--port {args.port} is out of range (0-65535)")
+    with _open_model(args) as model:
+        name = args.name or Path(model.path).stem
+        serve(model, host=args.host, port=args.port, name=name, parallel=args.parallel,
+              log=lambda line: print(line, file=sys.stderr, flush=True))
+    return {"model": model.path, "name": name}
+
+
 def cmd_unavailable(args) -> dict:
     raise CommandError(f"`tinyloop {args.command}` is not available yet in this release")
 
@@ -421,10 +432,18 @@ def build_parser() -> argparse.ArgumentParser:
         # listed for --help only: main() hands these argument lists over unparsed
         sub.add_parser(name, help=help_text, add_help=False)
 
-    for name in ("chat", "serve"):
-        p = command(name, cmd_unavailable, f"{name} (not available yet)")
-        _add_model_arguments(p)
-        p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    p = command("serve", cmd_serve, "an OpenAI-compatible HTTP server (docs/server.md)")
+    _add_model_arguments(p, "as -m MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=_non_negative, default=8080, help="port (8080; 0 = any free)")
+    p.add_argument("--name", help="model name clients send (default: the file's stem)")
+    p.add_argument("--parallel", type=_positive, default=1,
+                   help="generations at once; others wait (1)")
+    _add_runtime_flags(p)
+
+    p = command("chat", cmd_unavailable, "chat (not available yet)")
+    _add_model_arguments(p)
+    p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 

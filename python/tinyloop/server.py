@@ -1,0 +1,213 @@
+"""`tinyloop serve`: an OpenAI-compatible HTTP server over one loaded model (docs/server.md).
+
+Standard library only (http.server): one thread per connection, at most `parallel`
+generations at once (each in a context of its own, so they run in parallel in C), the
+rest wait their turn. Endpoints: GET /v1/models, GET /health, POST /v1/completions and
+POST /v1/chat/completions, with `stream: true` as server-sent events. A bad request gets
+a 4xx with OpenAI's error body and costs no generation; a client that goes away
+mid-stream stops its generation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from . import server_api
+from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
+from .server_api import RequestError
+from .text_generation import TextGeneration, generate_text
+
+MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S = 30          # a client that sends nothing for this long is dropped
+
+
+class ModelServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, model, *, name: str, parallel: int = 1, log=None):
+        super().__init__(address, _Handler)
+        self.model = model
+        self.name = name
+        self.slots = threading.BoundedSemaphore(parallel)
+        self.template = server_api.chat_template(model)
+        self.created = int(time.time())
+        self.log = log or (lambda line: None)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ModelServer
+    protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S
+
+    # -- plumbing -------------------------------------------------------------------------
+    def log_message(self, fmt, *args):  # one line per request, to the server's log
+        self.server.log(f"{self.address_string()} {fmt % args}")
+
+    def _send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, error: RequestError) -> None:
+        self._send_json(error.status, error.body())
+
+    def _read_body(self):
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            raise RequestError("chunked request bodies are not supported: send Content-Length",
+                               status=411)
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise RequestError("a Content-Length header is required", status=411)
+        try:
+            n = int(length)
+        except ValueError:
+            raise RequestError(f"bad Content-Length {length!r}") from None
+        if n < 0 or n > MAX_BODY_BYTES:
+            self.close_connection = True   # the body is not read: the connection cannot go on
+            raise RequestError(f"the body is {n} bytes; at most {MAX_BODY_BYTES} are accepted",
+                               status=413)
+        raw = self.rfile.read(n)
+        if len(raw) < n:
+            raise _ClientGone()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    # -- routes ---------------------------------------------------------------------------
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [self._model_entry()]})
+        elif path == f"/v1/models/{self.server.name}":
+            self._send_json(200, self._model_entry())
+        elif path == "/health":
+            self._send_json(200, {"status": "ok"})
+        else:
+            self._send_error(RequestError(f"no route GET {path}", status=404, code="not_found"))
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        routes = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat}
+        try:
+            if path not in routes:
+                self.close_connection = True
+                raise RequestError(f"no route POST {path}", status=404, code="not_found")
+            routes[path](self._read_body())
+        except RequestError as e:
+            self._send_error(e)
+        except (_ClientGone, BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _model_entry(self) -> dict:
+        info = self.server.model.info
+        return {"id": self.server.name, "object": "model", "created": self.server.created,
+                "owned_by": "tinyloop", "max_model_len": info.max_seq_len,
+                "default_depth": info.default_depth, "max_depth": info.max_depth}
+
+    def _completions(self, body) -> None:
+        request = server_api.completion_request(body, self.server.model, self.server.name)
+        self._generate(request, "cmpl", server_api.completion_body,
+                       lambda rid, text: server_api.completion_chunk(rid, request.model, text),
+                       lambda rid, finish: server_api.completion_chunk(rid, request.model, "", finish))
+
+    def _chat(self, body) -> None:
+        request = server_api.chat_request(body, self.server.model, self.server.name,
+                                          self.server.template)
+        self._generate(request, "chatcmpl", server_api.chat_body,
+                       lambda rid, text: server_api.chat_chunk(rid, request.model, {"content": text}),
+                       lambda rid, finish: server_api.chat_chunk(rid, request.model, {}, finish),
+                       first=lambda rid: server_api.chat_chunk(rid, request.model,
+                                                               {"role": "assistant", "content": ""}))
+
+    # -- generation -----------------------------------------------------------------------
+    def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, first=None) -> None:
+        rid = server_api.new_id(prefix)
+        record = TextGeneration(prompt_tokens=len(request.prompt_ids))
+        with self.server.slots:
+            pieces = generate_text(self.server.model, request.prompt_ids, request.stops,
+                                   request.options, record)
+            try:
+                if request.stream:
+                    self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
+                else:
+                    text = "".join(pieces)
+                    self._send_json(200, whole_body(rid, request.model, text, record.finish_reason,
+                                                    record.prompt_tokens, record.completion_tokens))
+            except TinyLoopError as e:
+                raise _library_error(e) from None
+            finally:
+                pieces.close()
+
+    def _stream(self, rid, request, pieces, record, piece_chunk, last_chunk, first) -> None:
+        started = False
+
+        def send(payload: dict | str) -> None:
+            nonlocal started
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                started = True
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        # the first piece starts the library's stream: its refusals are still a 4xx
+        head = next(pieces, "")
+        try:
+            if first:
+                send(first(rid))
+            if head:
+                send(piece_chunk(rid, head))
+            for piece in pieces:
+                if piece:
+                    send(piece_chunk(rid, piece))
+        except TinyLoopError as e:   # after the 200: the error goes in the event stream
+            send({"error": _library_error(e).body()["error"]})
+            return
+        send(last_chunk(rid, record.finish_reason))
+        if request.include_usage:
+            send({"id": rid, "object": "usage", "model": request.model, "choices": [],
+                  "usage": server_api.usage(record.prompt_tokens, record.completion_tokens)})
+        send("[DONE]")
+
+
+def _library_error(error: TinyLoopError) -> RequestError:
+    """A library refusal of the request (depth, drafts, context) as a 4xx; others 500."""
+    if isinstance(error, (InvalidArgumentError, UnsupportedError)):
+        return RequestError(str(error))
+    if isinstance(error, ContextFullError):
+        return RequestError(str(error), code="context_length_exceeded")
+    return RequestError(str(error), status=500, kind="server_error")
+
+
+def serve(model, *, host: str, port: int, name: str, parallel: int, log=None) -> None:
+    """Serve until interrupted (Ctrl-C), then close the listening socket."""
+    server = ModelServer((host, port), model, name=name, parallel=parallel, log=log)
+    print(f"tinyloop serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

@@ -1,0 +1,297 @@
+"""OpenAI-style request bodies: checked field by field into generation options, and the
+response bodies built from what a generation produced (docs/server.md).
+
+A bad request raises RequestError, which the server turns into an HTTP 4xx with
+OpenAI's error body naming the field (`param`); nothing is generated for it.
+"""
+
+from __future__ import annotations
+
+import numbers
+import secrets
+import time
+from dataclasses import dataclass, field
+
+# what both endpoints accept; each maps to a check below
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                  "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+                  "user",
+                  # TinyLoop extensions (docs/server.md)
+                  "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+_ROLES = ("system", "user", "assistant")
+_MAX_STOPS = 4
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list
+    options: dict                  # keyword arguments of Model.stream
+    stops: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    model: str = ""
+
+
+# -- field checks ----------------------------------------------------------------------
+def _number(body, name, default, *, lo=None, hi=None, integer=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got "
+                           f"{type(value).__name__}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return int(value) if integer else float(value)
+
+
+def _flag(body, name, default=False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {type(value).__name__}", name)
+    return value
+
+
+def _only(body, name, allowed, what):
+    """A field TinyLoop accepts only at its neutral value (e.g. n = 1)."""
+    value = body.get(name)
+    if value is not None and value not in allowed:
+        raise RequestError(f"{name} = {value!r} is not supported: {what}", name)
+
+
+def _stops(body) -> list:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    if len(stops) > _MAX_STOPS:
+        raise RequestError(f"stop takes at most {_MAX_STOPS} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise RequestError("stop strings must not be empty", "stop")
+    return stops
+
+
+def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens") -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r} (accepted: {', '.join(sorted(allowed))})",
+                           unknown[0])
+    name = body.get("model")
+    if name is not None and name != served_name:
+        raise RequestError(f"model {name!r} is not served here (this server runs {served_name!r})",
+                           "model", status=404, code="model_not_found")
+    _only(body, "n", (1,), "one choice per request")
+    _only(body, "best_of", (1,), "one choice per request")
+    _only(body, "presence_penalty", (0, 0.0), "use repetition_penalty")
+    _only(body, "frequency_penalty", (0, 0.0), "use repetition_penalty")
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user must be a string", "user")
+    info = model.info
+    seed = body.get("seed")
+    options = dict(
+        max_tokens=_number(body, max_tokens_name, None, lo=1, hi=2**31 - 1, integer=True),
+        temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=_number(body, "top_k", 0, lo=0, hi=info.vocab_size, integer=True),
+        min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.01, hi=100.0),
+        seed=(secrets.randbits(63) if seed is None
+              else _number(body, "seed", 0, lo=0, hi=2**63 - 1, integer=True)),
+        depth=_number(body, "depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
+        draft_depth=_number(body, "draft_depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
+        n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
+    )
+    if options["top_p"] == 0.0:
+        raise RequestError("top_p must be > 0", "top_p")
+    return options
+
+
+def _stream_flags(body) -> tuple:
+    stream = _flag(body, "stream")
+    usage = False
+    extra = body.get("stream_options")
+    if extra is not None:
+        if not stream:
+            raise RequestError("stream_options needs stream = true", "stream_options")
+        if not isinstance(extra, dict) or set(extra) - {"include_usage"}:
+            raise RequestError("stream_options accepts only include_usage", "stream_options")
+        usage = _flag(extra, "include_usage")
+    return stream, usage
+
+
+def _fit(options: dict, prompt_ids: list, model, param: str) -> None:
+    """Default max_tokens to what the context holds; a prompt that does not fit is refused."""
+    room = model.info.max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens and the model's context is "
+                           f"{model.info.max_seq_len}: nothing can be generated", param,
+                           code="context_length_exceeded")
+    if options["max_tokens"] is None:
+        options["max_tokens"] = room + 1   # generation stops when the context is full
+
+
+# -- requests ---------------------------------------------------------------------------
+def completion_request(body, model, served_name: str) -> GenerationRequest:
+    options = _common(body, model, served_name, COMPLETION_FIELDS)
+    if options["max_tokens"] is None:
+        options["max_tokens"] = 16            # OpenAI's default for completions
+    _only(body, "echo", (False,), "the prompt is not echoed")
+    _only(body, "logprobs", (0,), "log-probabilities are not returned")
+    _only(body, "suffix", ("",), "no insertion")
+    prompt_ids = _prompt_ids(body.get("prompt"), model)
+    _fit(options, prompt_ids, model, "prompt")
+    stream, usage = _stream_flags(body)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name)
+
+
+def _prompt_ids(prompt, model) -> list:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                    # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        return model.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < model.info.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]} is out of range for vocab size "
+                               f"{model.info.vocab_size}", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise RequestError("one prompt per request (a batch of several is not supported)", "prompt")
+    raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
+
+
+def chat_request(body, model, served_name: str, template) -> GenerationRequest:
+    if isinstance(body, dict) and "max_completion_tokens" in body and "max_tokens" not in body:
+        name = "max_completion_tokens"
+    else:
+        name = "max_tokens"
+    options = _common(body, model, served_name, CHAT_FIELDS, name)
+    _only(body, "logprobs", (False,), "log-probabilities are not returned")
+    _only(body, "top_logprobs", (0,), "log-probabilities are not returned")
+    if template is None:
+        raise RequestError("this model has no chat template (tokenizer.chat_template): use "
+                           "/v1/completions", "messages")
+    messages = _messages(body.get("messages"))
+    text = template(messages)
+    prompt_ids = model.tokenizer.encode(text, add_bos=False)
+    _fit(options, prompt_ids, model, "messages")
+    stream, usage = _stream_flags(body)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name)
+
+
+def _messages(messages) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise RequestError(f"{where} must be an object with role one of {', '.join(_ROLES)}",
+                               where)
+        content = m.get("content")
+        if isinstance(content, list):   # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"{where}.content parts must be text parts", where)
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string", where)
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# -- responses --------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid, model_name, text, finish=None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+
+def chat_chunk(rid, model_name, delta: dict, finish=None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+
+def chat_template(model):
+    """A function rendering messages with the model's chat template, or None without one.
+    Rendered in Jinja's sandbox, as Hugging Face does (needs the jinja2 package)."""
+    source = model.info.metadata.get("tokenizer.chat_template")
+    if not source:
+        return None
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        def missing(messages):
+            raise RequestError("chat needs the jinja2 package on the server "
+                               "(pip install 'tinyloop[serve]')", "messages", status=501,
+                               kind="server_error")
+        return missing
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(source)
+    tok = model.tokenizer
+    bos = tok.decode([tok.bos_id], skip_special_tokens=False) if tok.bos_id >= 0 else ""
+    eos = tok.decode([tok.eos_id], skip_special_tokens=False) if tok.eos_id >= 0 else ""
+
+    def render(messages):
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True,
+                                   bos_token=bos, eos_token=eos)
+        except TemplateError as e:
+            raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
+    return render

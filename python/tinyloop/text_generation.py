@@ -1,0 +1,63 @@
+"""Generation as text pieces with stop strings matched on the text, as OpenAI-style APIs
+define them: the output ends before the first stop string and never contains it, however
+the tokenizer happens to split it. While streaming, text that could still be the start of
+a stop string is held back until the next token decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+# library stop reasons -> OpenAI finish reasons
+FINISH_REASONS = {"eos": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                  "context_full": "length"}
+
+
+@dataclass
+class TextGeneration:
+    """What a finished generation produced (set once iteration has ended)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], options: dict,
+                  record: TextGeneration) -> Iterator[str]:
+    """Yield the new text in pieces; `record` is filled in when the generator ends (also
+    when the consumer closes it early: the library stream is closed then)."""
+    tokenizer = model.tokenizer
+    decoder = tokenizer.incremental_decoder()
+    longest = max((len(s) for s in stops), default=0)
+    text, sent = "", 0
+    stream = model.stream(prompt_ids, **options)
+    try:
+        for token in stream:
+            record.completion_tokens += 1
+            text += decoder.push(token)
+            # a stop string can only end in what this token added (plus its overlap)
+            found = _first_stop(text, stops, max(0, sent - longest))
+            if found is not None:
+                record.finish_reason = "stop"
+                if found > sent:
+                    yield text[sent:found]
+                return
+            safe = len(text) - (longest - 1 if longest else 0)
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        text += decoder.flush()
+        found = _first_stop(text, stops, max(0, sent - longest))
+        end = len(text) if found is None else found
+        if end > sent:
+            yield text[sent:end]
+        reason = stream.result.stop_reason if stream.result else "max_tokens"
+        record.finish_reason = "stop" if found is not None else FINISH_REASONS.get(reason, "stop")
+    finally:
+        stream.close()
+
+
+def _first_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,291 @@
+"""`tinyloop serve`: the OpenAI-compatible endpoints on a tiny model with a real tokenizer.
+Answers equal the Python API's; bad requests get a 4xx naming the field and cost nothing;
+streams, stop strings, parallel requests, a client leaving mid-stream and the CLI."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import textmodel
+import tinyloop
+from tinyloop.server import ModelServer
+
+CHATML = ("{% for message in messages %}{{'<s>' + message['role'] + '\n' + message['content'] "
+          "+ '</s>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    plain, chat = folder / "plain.tinyloop", folder / "chat.tinyloop"
+    textmodel.make_text_model(plain)
+    textmodel.make_text_model(chat, chat_template=CHATML)
+    return plain, chat
+
+
+class Running:
+    """A ModelServer on a free port in a thread, and a small JSON client for it."""
+
+    def __init__(self, path, parallel=1):
+        self.model = tinyloop.Model(path, threads=1)
+        self.server = ModelServer(("127.0.0.1", 0), self.model, name="tiny", parallel=parallel)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def request(self, method, path, body=None, raw=None, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        return response.status, payload
+
+    def post(self, path, body):
+        status, payload = self.request("POST", path, body)
+        return status, json.loads(payload)
+
+    def events(self, path, body):
+        status, payload = self.request("POST", path, body)
+        assert status == 200, payload
+        lines = [line for line in payload.decode().split("\n\n") if line]
+        assert all(line.startswith("data: ") for line in lines)
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(line[6:]) for line in lines[:-1]]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.model.close()
+
+
+@pytest.fixture(scope="module")
+def server(paths):
+    running = Running(paths[0], parallel=2)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def chat_server(paths):
+    running = Running(paths[1])
+    yield running
+    running.close()
+
+
+def test_models_and_health(server):
+    status, body = server.request("GET", "/v1/models")
+    assert status == 200
+    entry = json.loads(body)["data"][0]
+    assert entry["id"] == "tiny" and entry["max_model_len"] == textmodel.MAX_SEQ_LEN
+    assert server.request("GET", "/v1/models/tiny")[0] == 200
+    assert server.request("GET", "/health") == (200, b'{"status": "ok"}')
+    status, body = server.request("GET", "/v2/nothing")
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+
+
+def test_completion_equals_the_python_api(server):
+    expected = server.model.generate("Hello", max_tokens=8, temperature=0)
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello",
+                                                   "max_tokens": 8, **GREEDY})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert choice["text"] == expected.text
+    assert choice["finish_reason"] == {"max_tokens": "length", "eos": "stop"}[expected.stop_reason]
+    assert body["usage"] == {"prompt_tokens": len(server.model.tokenizer.encode("Hello")),
+                             "completion_tokens": len(expected.tokens),
+                             "total_tokens": len(server.model.tokenizer.encode("Hello")) + len(expected.tokens)}
+    # token-id prompts, a batch of one, the per-request loop depth
+    ids = server.model.tokenizer.encode("Hello")
+    for prompt in (ids, [ids], ["Hello"]):
+        assert server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8, **GREEDY})[1][
+            "choices"][0]["text"] == choice["text"]
+    deep = server.model.generate("Hello", max_tokens=8, temperature=0, depth=4)
+    status, body = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 8, "depth": 4,
+                                                   **GREEDY})
+    assert body["choices"][0]["text"] == deep.text
+
+
+def test_stream_equals_the_whole_answer(server):
+    request = {"prompt": "Once upon", "max_tokens": 12, **GREEDY}
+    whole = server.post("/v1/completions", request)[1]["choices"][0]
+    events = server.events("/v1/completions", dict(request, stream=True,
+                                                   stream_options={"include_usage": True}))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == whole["text"]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == whole["finish_reason"]
+    assert events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_stop_strings_end_the_text_before_them(server):
+    # the seeded model's greedy continuation, then a stop string from its middle
+    text = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 20, **GREEDY})[1][
+        "choices"][0]["text"]
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = text.find(stop)
+    status, body = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 20, "stop": [stop],
+                                                   **GREEDY})
+    assert body["choices"][0] == {"index": 0, "text": text[:cut], "finish_reason": "stop",
+                                  "logprobs": None}
+    events = server.events("/v1/completions", {"prompt": "abc", "max_tokens": 20, "stop": stop,
+                                               "stream": True, **GREEDY})
+    assert "".join(e["choices"][0]["text"] for e in events) == text[:cut]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_is_seeded(server):
+    request = {"prompt": "Hi", "max_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": 3}
+    first, second = (server.post("/v1/completions", request)[1]["choices"][0]["text"] for _ in "ab")
+    assert first == second
+
+
+def test_chat(chat_server):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = "<s>system\nBe brief.</s>\n<s>user\nHi</s>\n<s>assistant\n"
+    ids = chat_server.model.tokenizer.encode(rendered, add_bos=False)
+    expected = chat_server.model.generate(ids, max_tokens=6, temperature=0)
+    status, body = chat_server.post("/v1/chat/completions", {"messages": messages,
+                                                             "max_tokens": 6, **GREEDY})
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(ids)
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant",
+                       "content": chat_server.model.tokenizer.decode(expected.tokens)}
+    events = chat_server.events("/v1/chat/completions", {"messages": messages, "max_tokens": 6,
+                                                         "stream": True, **GREEDY})
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == message["content"]
+    # max_completion_tokens is the newer name; content parts are joined
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    status, body = chat_server.post("/v1/chat/completions", {"messages": parts,
+                                                             "max_completion_tokens": 3, **GREEDY})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
+
+
+def test_chat_without_template_is_refused(server):
+    status, body = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and "no chat template" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+    ({"prompt": "x", "temperature": 3}, "temperature", "must be in"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "must be in"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "n": 2}, "n", "not supported"),
+    ({"prompt": "x", "logprobs": 5}, "logprobs", "not supported"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop", "must not be empty"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream = true"),
+    ({"prompt": "x", "depth": 99}, "depth", "must be in"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": [1, 2, 999]}, "prompt", "out of range"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": {"text": "x"}}, "prompt", "must be a non-empty string"),
+    ({"prompt": "x" * 200}, "prompt", "context"),
+    ({"prompt": "x", "temperature": 0.7, "draft_depth": 1}, None, "greedy tokens only"),
+    ({}, "prompt", "must be a non-empty string"),
+])
+def test_bad_completion_requests(server, body, param, words):
+    status, reply = server.post("/v1/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and words in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests(chat_server):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    for messages, words in (([], "non-empty list"), ([{"role": "robot", "content": "x"}], "role"),
+                            ([{"role": "user", "content": 5}], "must be a string"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts")):
+        status, reply = chat_server.post("/v1/chat/completions", {"messages": messages})
+        assert status == 400 and words in reply["error"]["message"], reply
+
+
+def test_bad_http_is_refused_and_the_server_lives_on(server):
+    status, body = server.request("POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, body = server.request("POST", "/v1/completions", raw=b"[1, 2]")
+    assert status == 400 and "JSON object" in json.loads(body)["error"]["message"]
+    status, body = server.request("POST", "/v1/completions", raw=b"\xff\xfe")
+    assert status == 400
+    assert server.post("/v1/completions", {"model": "other", "prompt": "x"})[0] == 404
+    # no Content-Length; a body over the limit (refused before it is read)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b" 411 " in s.recv(4096).split(b"\r\n")[0]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+        assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
+    assert server.request("POST", "/v1/nothing", {"prompt": "x"})[0] == 404
+    assert server.post("/v1/completions", {"prompt": "fine", "max_tokens": 2})[0] == 200
+
+
+def test_parallel_requests_give_the_sequential_answers(server):
+    prompts = ["alpha", "beta", "gamma", "delta"]
+    expected = {p: server.post("/v1/completions", {"prompt": p, "max_tokens": 10, **GREEDY})[1]
+                ["choices"][0]["text"] for p in prompts}
+    got = {}
+
+    def one(p):
+        got[p] = "".join(e["choices"][0]["text"] for e in server.events(
+            "/v1/completions", {"prompt": p, "max_tokens": 10, "stream": True, **GREEDY}))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == expected
+
+
+def test_client_leaving_mid_stream(server):
+    body = json.dumps({"prompt": "x", "max_tokens": 80, "stream": True, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+    # the server drops that generation and answers the next request
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+
+
+def test_cli_serve(paths):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port", "0",
+                             "--threads", "1", "--name", "tiny"], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "tinyloop serve: tiny at http://127.0.0.1:" in line, line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 3}),
+                     headers={"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, proc.stderr.read()
+    taken = subprocess.run([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port",
+                            "99999"], capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1 and "out of range" in taken.stderr
