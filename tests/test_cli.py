@@ -151,10 +151,49 @@ def test_missing_model_names_the_pull_command(tmp_path):
         assert words in last_json(proc)["error"]
 
 
-def test_chat_is_not_available_yet(model_path):
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<s>' + m['role'] + '\n' + m['content'] + '</s>\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+
+
+def test_chat_keeps_the_conversation(tmp_path):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    path = tmp_path / "chat.tinyloop"
+    textmodel.make_text_model(path, chat_template=CHAT_TEMPLATE)
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", "chat", str(path), "--system", "Be kind.",
+                           "--max-tokens", "5", "--temperature", "0", "--threads", "1", "--json"],
+                          input="Hi\n\nHow are you?\n/exit\nnever read\n", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = last_json(proc)
+    assert report["turns"] == 2
+    roles = [m["role"] for m in report["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in report["messages"] if m["role"] == "user"] == ["Hi", "How are you?"]
+    # each reply is printed on its own line before the JSON line
+    replies = [m["content"] for m in report["messages"] if m["role"] == "assistant"]
+    assert all(replies) and proc.stdout.startswith(replies[0] + "\n" + replies[1] + "\n")
+
+
+def test_chat_drops_old_turns_to_fit_the_context(tmp_path):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    path = tmp_path / "chat.tinyloop"
+    textmodel.make_text_model(path, chat_template=CHAT_TEMPLATE)
+    lines = "".join(f"message {i} " + "x" * 20 + "\n" for i in range(4)) + "y" * 200 + "\n"
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", "chat", str(path), "--max-tokens", "3",
+                           "--temperature", "0", "--threads", "1", "--json"], input=lines,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "oldest messages to fit the context" in proc.stderr
+    assert "does not fit the context" in proc.stderr      # the 200-character message
+    report = last_json(proc)
+    assert report["turns"] == 4
+    assert report["messages"][-2]["content"].startswith("message 3")
+
+
+def test_chat_without_template_is_a_clear_error(model_path):
     proc = run("chat", model_path, "--json", check=False)
     assert proc.returncode == 1
-    assert "not available yet" in last_json(proc)["error"]
+    assert "no chat template" in last_json(proc)["error"]
 
 
 def test_usage_errors_exit_2(model_path):

@@ -106,15 +106,21 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repetition_penalty", "seed")
 
 
-def cmd_generate(args) -> dict:
-    from .model import TokenStream
-    from .plugins import strategy_mode
-    config = _load_config(args)
+def _sampling(args, config) -> tuple:
+    """(generation options, depth): the config's, overridden by the command-line flags."""
     options = config.generate_options()
     for flag in _SAMPLING_FLAGS:
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
     depth = args.depth if args.depth is not None else config.model.depth
+    return options, depth
+
+
+def cmd_generate(args) -> dict:
+    from .model import TokenStream
+    from .plugins import strategy_mode
+    config = _load_config(args)
+    options, depth = _sampling(args, config)
     with _open_model(args, config) as model:
         tokenizer = model.tokenizer
         prompt_ids = tokenizer.encode(args.prompt)
@@ -329,8 +335,71 @@ def cmd_serve(args) -> dict:
     return {"model": model.path, "name": name}
 
 
-def cmd_unavailable(args) -> dict:
-    raise CommandError(f"`tinyloop {args.command}` is not available yet in this release")
+# -- chat --------------------------------------------------------------------------------
+def cmd_chat(args) -> dict:
+    from .chat_template import load_chat_template
+    from .text_generation import TextGeneration, generate_text
+    config = _load_config(args)
+    options, depth = _sampling(args, config)
+    with _open_model(args, config) as model:
+        render = load_chat_template(model)
+        if render is None:
+            raise CommandError(f"{model.path} has no chat template (tokenizer.chat_template): "
+                               "use `tinyloop generate`")
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        interactive = sys.stdin.isatty()
+        turns = 0
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            text = line.rstrip("\n")
+            if not line or text.strip() in ("/exit", "/quit"):
+                break
+            if not text.strip():
+                continue
+            messages.append({"role": "user", "content": text})
+            ids = _fit_chat(model, render, messages)
+            if ids is None:
+                continue
+            record = TextGeneration(prompt_tokens=len(ids))
+            reply = []
+            for piece in generate_text(model, ids, [], dict(options, depth=depth), record):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+            turns += 1
+        return {"model": model.path, "turns": turns, "messages": messages}
+
+
+def _fit_chat(model, render, messages: list):
+    """The prompt ids of the conversation, its oldest turns dropped until a reply has
+    room in the context; None, with the new message dropped and the history kept, when
+    that message does not fit even alone."""
+    limit = model.info.max_seq_len
+
+    def prompt_ids(conversation):
+        return model.tokenizer.encode(render(conversation), add_bos=False)
+
+    kept = 1 if messages[0]["role"] == "system" else 0   # the system message stays
+    alone = len(prompt_ids(messages[:kept] + messages[-1:]))
+    if alone >= limit:
+        messages.pop()
+        _note(f"[the message does not fit the context of {limit} tokens ({alone}): not sent]")
+        return None
+    dropped = 0
+    ids = prompt_ids(messages)
+    while len(ids) >= limit:
+        messages.pop(kept)
+        dropped += 1
+        ids = prompt_ids(messages)
+    if dropped:
+        _note(f"[dropped the {dropped} oldest messages to fit the context of {limit}]")
+    return ids
+
 
 
 # -- parser ------------------------------------------------------------------------------
@@ -346,6 +415,17 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=_positive)
+    p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-k", type=_non_negative)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=_non_negative)
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -394,14 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("generate", cmd_generate, "generate text, streamed as it comes")
     _add_model_arguments(p, "as -m MODEL; a single positional argument is the PROMPT")
     p.add_argument("prompt", metavar="PROMPT")
-    p.add_argument("--max-tokens", type=_positive)
-    p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
-    p.add_argument("--temperature", type=float, help="0 = greedy")
-    p.add_argument("--top-k", type=_non_negative)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=_non_negative)
+    _add_sampling_flags(p)
+    _add_runtime_flags(p)
+
+    p = command("chat", cmd_chat, "chat on stdin/stdout through the model's chat template "
+                                  "(/exit or end of input stops)")
+    _add_model_arguments(p, "as -m MODEL")
+    p.add_argument("--system", help="a system message that starts the conversation")
+    _add_sampling_flags(p)
     _add_runtime_flags(p)
 
     p = command("score", cmd_score, "perplexity of a text file")
@@ -441,9 +521,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generations at once; others wait (1)")
     _add_runtime_flags(p)
 
-    p = command("chat", cmd_unavailable, "chat (not available yet)")
-    _add_model_arguments(p)
-    p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 

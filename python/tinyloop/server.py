@@ -17,6 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import server_api
+from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
 from .server_api import RequestError
 from .text_generation import TextGeneration, generate_text
@@ -33,7 +34,7 @@ class ModelServer(ThreadingHTTPServer):
         self.model = model
         self.name = name
         self.slots = threading.BoundedSemaphore(parallel)
-        self.template = server_api.chat_template(model)
+        self.template = load_chat_template(model)
         self.created = int(time.time())
         self.log = log or (lambda line: None)
 

@@ -12,6 +12,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from .chat_template import ChatTemplateError, ChatTemplateUnavailable
+
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                   "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -197,7 +199,12 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use "
                            "/v1/completions", "messages")
     messages = _messages(body.get("messages"))
-    text = template(messages)
+    try:
+        text = template(messages)
+    except ChatTemplateUnavailable as e:
+        raise RequestError(str(e), "messages", status=501, kind="server_error") from None
+    except ChatTemplateError as e:
+        raise RequestError(str(e), "messages") from None
     prompt_ids = model.tokenizer.encode(text, add_bos=False)
     _fit(options, prompt_ids, model, "messages")
     stream, usage = _stream_flags(body)
@@ -260,38 +267,3 @@ def chat_chunk(rid, model_name, delta: dict, finish=None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model_name,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-
-
-def chat_template(model):
-    """A function rendering messages with the model's chat template, or None without one.
-    Rendered in Jinja's sandbox, as Hugging Face does (needs the jinja2 package)."""
-    source = model.info.metadata.get("tokenizer.chat_template")
-    if not source:
-        return None
-    try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        def missing(messages):
-            raise RequestError("chat needs the jinja2 package on the server "
-                               "(pip install 'tinyloop[serve]')", "messages", status=501,
-                               kind="server_error")
-        return missing
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    compiled = env.from_string(source)
-    tok = model.tokenizer
-    bos = tok.decode([tok.bos_id], skip_special_tokens=False) if tok.bos_id >= 0 else ""
-    eos = tok.decode([tok.eos_id], skip_special_tokens=False) if tok.eos_id >= 0 else ""
-
-    def render(messages):
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=True,
-                                   bos_token=bos, eos_token=eos)
-        except TemplateError as e:
-            raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
-    return render
