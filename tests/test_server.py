@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -63,8 +64,9 @@ class Running:
         return [json.loads(line[6:]) for line in lines[:-1]]
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        if not self.server.stopping.is_set():
+            self.server.shutdown()
+            self.server.server_close()
         self.model.close()
 
 
@@ -289,3 +291,104 @@ def test_cli_serve(paths):
     taken = subprocess.run([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port",
                             "99999"], capture_output=True, text=True, timeout=60)
     assert taken.returncode == 1 and "out of range" in taken.stderr
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b'{"prompt": "x", "temperature": NaN}', "finite"),
+    (b'{"prompt": "x", "top_p": Infinity}', "finite"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "not valid JSON"),
+    (b'{"prompt": "a\\ud800b"}', "not valid text"),
+])
+def test_odd_json_gets_an_answer(server, raw, words):
+    status, body = server.request("POST", "/v1/completions", raw=raw)
+    assert status == 400 and words in json.loads(body)["error"]["message"]
+
+
+def test_chat_max_tokens_given_twice(chat_server):
+    status, body = chat_server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": -5})
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens"
+
+
+def test_prompt_filling_the_context_still_gives_one_token(server):
+    ids = [65] * textmodel.MAX_SEQ_LEN
+    status, body = server.post("/v1/completions", {"prompt": ids, "max_tokens": 5, **GREEDY})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("headers", [b"Content-Length: abc\r\n", b"Content-Length: -4\r\n",
+                                     b"Transfer-Encoding: chunked\r\n"])
+def test_unread_body_ends_the_connection(server, headers):
+    """The body after a refused header is never run as the next request."""
+    smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n" + smuggled)
+        received = b""
+        while chunk := s.recv(4096):
+            received += chunk
+    assert received.startswith((b"HTTP/1.1 400", b"HTTP/1.1 411")) and received.count(b"HTTP/1.1") == 1
+
+
+def test_seeds_choose_the_sample(server):
+    texts = {server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 12, "temperature": 1.0,
+                                             "seed": seed})[1]["choices"][0]["text"] for seed in range(4)}
+    assert len(texts) > 1
+
+
+@pytest.fixture
+def default_model_server():
+    from tinyloop import default_model
+    if not (default_model.MODELS_DIR / f"{default_model.DEFAULT_MODEL_NAME}.tinyloop").exists():
+        pytest.skip("the trained default model is not in this installation (its long generations "
+                    "are what these tests cancel)")
+    running = Running(default_model.packaged_model_path(), parallel=1)
+    yield running
+    running.close()
+
+
+def test_a_client_leaving_frees_its_slot(default_model_server):
+    """A long plain (not streamed) generation whose client hangs up stops: the next request,
+    waiting for the only slot, is answered soon after."""
+    server = default_model_server
+    body = json.dumps({"prompt": "The", "max_tokens": 1900, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+    started = time.monotonic()
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    assert time.monotonic() - started < 5
+
+
+def test_closing_the_server_during_a_stream(default_model_server):
+    """server_close() ends the running generation and waits for it, so the model can be
+    closed right after (a stream still inside the library would crash the process)."""
+    server = default_model_server
+    got = []
+
+    def reader():
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "The", "max_tokens": 1900, "stream": True, "temperature": 0}))
+        response = conn.getresponse()
+        try:
+            while line := response.readline():
+                got.append(line)
+        except (http.client.IncompleteRead, ConnectionError):
+            pass
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while len(got) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(got) >= 6
+    started = time.monotonic()
+    server.server.shutdown()
+    server.server.server_close()
+    assert time.monotonic() - started < 5
+    server.model.close()
+    thread.join(30)
+    assert not any(b"[DONE]" in line for line in got)   # it was cut, not finished

@@ -11,6 +11,8 @@ mid-stream stops its generation.
 from __future__ import annotations
 
 import json
+import select
+import socket
 import sys
 import threading
 import time
@@ -20,7 +22,7 @@ from . import server_api
 from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
 from .server_api import RequestError
-from .text_generation import TextGeneration, generate_text
+from .text_generation import GenerationCancelled, TextGeneration, generate_text
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S = 30          # a client that sends nothing for this long is dropped
@@ -33,7 +35,9 @@ class ModelServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.model = model
         self.name = name
+        self.parallel = parallel
         self.slots = threading.BoundedSemaphore(parallel)
+        self.stopping = threading.Event()
         self.template = load_chat_template(model)
         self.created = int(time.time())
         self.log = log or (lambda line: None)
@@ -42,6 +46,17 @@ class ModelServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
+
+    def server_close(self) -> None:
+        """Stop listening, end the running generations at their next token and wait for
+        them, so that the model may be closed afterwards (handler threads are daemons:
+        nothing else waits for them)."""
+        self.stopping.set()
+        super().server_close()
+        for _ in range(self.parallel):
+            self.slots.acquire()
+        for _ in range(self.parallel):
+            self.slots.release()
 
 
 class _ClientGone(Exception):
@@ -69,27 +84,36 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(error.status, error.body())
 
     def _read_body(self):
+        # an error before the body is read ends the connection: what follows is unread
+        self.close_connection = True
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             raise RequestError("chunked request bodies are not supported: send Content-Length",
                                status=411)
         length = self.headers.get("Content-Length")
         if length is None:
             raise RequestError("a Content-Length header is required", status=411)
-        try:
-            n = int(length)
-        except ValueError:
-            raise RequestError(f"bad Content-Length {length!r}") from None
-        if n < 0 or n > MAX_BODY_BYTES:
-            self.close_connection = True   # the body is not read: the connection cannot go on
+        if not length.strip().isdigit():
+            raise RequestError(f"bad Content-Length {length!r}")
+        n = int(length)
+        if n > MAX_BODY_BYTES:
             raise RequestError(f"the body is {n} bytes; at most {MAX_BODY_BYTES} are accepted",
                                status=413)
         raw = self.rfile.read(n)
         if len(raw) < n:
             raise _ClientGone()
+        self.close_connection = False
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:   # bad JSON or UTF-8, huge ints, deep nesting
             raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end (checked between tokens, without blocking)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     # -- routes ---------------------------------------------------------------------------
     def do_GET(self):
@@ -113,8 +137,12 @@ class _Handler(BaseHTTPRequestHandler):
             routes[path](self._read_body())
         except RequestError as e:
             self._send_error(e)
-        except (_ClientGone, BrokenPipeError, ConnectionResetError):
+        except (_ClientGone, GenerationCancelled, BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        except Exception as e:   # a bug: answer it rather than drop the connection
+            self.server.log(f"internal error on POST {path}: {e!r}")
+            self.close_connection = True
+            self._send_error(RequestError(f"internal error: {e!r}", status=500, kind="server_error"))
 
     def _model_entry(self) -> dict:
         info = self.server.model.info
@@ -141,9 +169,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, first=None) -> None:
         rid = server_api.new_id(prefix)
         record = TextGeneration(prompt_tokens=len(request.prompt_ids))
-        with self.server.slots:
-            pieces = generate_text(self.server.model, request.prompt_ids, request.stops,
-                                   request.options, record)
+        server = self.server
+        with server.slots:
+            if server.stopping.is_set():
+                raise RequestError("the server is shutting down", status=503, kind="server_error")
+            pieces = generate_text(server.model, request.prompt_ids, request.stops,
+                                   request.options, record,
+                                   cancelled=lambda: server.stopping.is_set() or self._client_gone())
             try:
                 if request.stream:
                     self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
@@ -188,8 +220,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         send(last_chunk(rid, record.finish_reason))
         if request.include_usage:
-            send({"id": rid, "object": "usage", "model": request.model, "choices": [],
-                  "usage": server_api.usage(record.prompt_tokens, record.completion_tokens)})
+            send(dict(last_chunk(rid, None), choices=[],
+                      usage=server_api.usage(record.prompt_tokens, record.completion_tokens)))
         send("[DONE]")
 
 

@@ -7,6 +7,7 @@ OpenAI's error body naming the field (`param`); nothing is generated for it.
 
 from __future__ import annotations
 
+import math
 import numbers
 import secrets
 import time
@@ -56,6 +57,8 @@ def _number(body, name, default, *, lo=None, hi=None, integer=False):
     if isinstance(value, bool) or not isinstance(value, kind):
         raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got "
                            f"{type(value).__name__}", name)
+    if not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name)
     return int(value) if integer else float(value)
@@ -146,7 +149,7 @@ def _stream_flags(body) -> tuple:
 def _fit(options: dict, prompt_ids: list, model, param: str) -> None:
     """Default max_tokens to what the context holds; a prompt that does not fit is refused."""
     room = model.info.max_seq_len - len(prompt_ids)
-    if room < 1:
+    if room < 0:   # a prompt that fills the context still gives one token
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens and the model's context is "
                            f"{model.info.max_seq_len}: nothing can be generated", param,
                            code="context_length_exceeded")
@@ -174,7 +177,7 @@ def _prompt_ids(prompt, model) -> list:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt is empty", "prompt")
-        return model.tokenizer.encode(prompt)
+        return _encode(model, prompt, "prompt", add_bos=None)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
         bad = [t for t in prompt if not 0 <= t < model.info.vocab_size]
@@ -187,11 +190,20 @@ def _prompt_ids(prompt, model) -> list:
     raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
 
 
+def _encode(model, text: str, param: str, add_bos) -> list:
+    try:
+        return model.tokenizer.encode(text, add_bos=add_bos)
+    except (TypeError, ValueError) as e:   # e.g. a lone surrogate escaped in the JSON
+        raise RequestError(f"{param} is not valid text: {e}", param) from None
+
+
 def chat_request(body, model, served_name: str, template) -> GenerationRequest:
-    if isinstance(body, dict) and "max_completion_tokens" in body and "max_tokens" not in body:
+    name = "max_tokens"
+    if isinstance(body, dict) and "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            raise RequestError("give max_tokens or max_completion_tokens, not both",
+                               "max_completion_tokens")
         name = "max_completion_tokens"
-    else:
-        name = "max_tokens"
     options = _common(body, model, served_name, CHAT_FIELDS, name)
     _only(body, "logprobs", (False,), "log-probabilities are not returned")
     _only(body, "top_logprobs", (0,), "log-probabilities are not returned")
@@ -205,7 +217,7 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
         raise RequestError(str(e), "messages", status=501, kind="server_error") from None
     except ChatTemplateError as e:
         raise RequestError(str(e), "messages") from None
-    prompt_ids = model.tokenizer.encode(text, add_bos=False)
+    prompt_ids = _encode(model, text, "messages", add_bos=False)
     _fit(options, prompt_ids, model, "messages")
     stream, usage = _stream_flags(body)
     return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name)

@@ -23,10 +23,16 @@ class TextGeneration:
     finish_reason: str | None = None
 
 
+class GenerationCancelled(Exception):
+    """`cancelled()` said to stop between two tokens."""
+
+
 def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], options: dict,
-                  record: TextGeneration) -> Iterator[str]:
+                  record: TextGeneration, cancelled=None) -> Iterator[str]:
     """Yield the new text in pieces; `record` is filled in when the generator ends (also
-    when the consumer closes it early: the library stream is closed then)."""
+    when the consumer closes it early: the library stream is closed then). `cancelled`,
+    when given, is asked after every token; True ends the generation with
+    GenerationCancelled."""
     tokenizer = model.tokenizer
     decoder = tokenizer.incremental_decoder()
     longest = max((len(s) for s in stops), default=0)
@@ -34,6 +40,8 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
     stream = model.stream(prompt_ids, **options)
     try:
         for token in stream:
+            if cancelled is not None and cancelled():
+                raise GenerationCancelled()
             record.completion_tokens += 1
             text += decoder.push(token)
             # a stop string can only end in what this token added (plus its overlap)
