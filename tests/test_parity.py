@@ -327,3 +327,25 @@ def test_chunked_prefill_equals_one_shot(files, name, chunk):
         assert_close(chunked.score_last_token(tokens, depth=depth),
                      one_shot.score_last_token(tokens, depth=depth).astype(np.float64),
                      same, f"{name} chunk {chunk} last logits")
+
+
+@pytest.mark.parametrize("name", ["base", "init-warm", "huginn-q4", "coda2"])
+def test_logit_lens_is_every_depths_last_logits(files, name):
+    """tl_score_logit_lens: row d-1 is score_last_token at depth d, and the oracle's."""
+    config = case_config(name)
+    tokens = case_tokens(config)
+    with tinyloop.Model(files.path(name), device=DEVICE) as model:
+        lens = model.score_logit_lens(tokens)
+        assert lens.shape == (config["max_depth"], config["vocab_size"])
+        for depth in range(1, config["max_depth"] + 1):
+            assert_close(lens[depth - 1], model.score_last_token(tokens, depth=depth).astype(np.float64),
+                         SAME, f"{name} lens at depth {depth}")
+            assert_close(lens[depth - 1], files.reference(name).logits(tokens, depth)[-1],
+                         TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE,
+                         f"{name} lens at depth {depth} vs reference")
+        assert model.score_logit_lens(tokens, max_depth=2).shape == (2, config["vocab_size"])
+        with pytest.raises(tinyloop.InvalidArgumentError, match="max_depth"):
+            model.score_logit_lens(tokens, max_depth=config["max_depth"] + 1)
+    with tinyloop.Model(files.path("plain-llama"), device=DEVICE) as dense:
+        with pytest.raises(tinyloop.UnsupportedError, match="no loop"):
+            dense.score_logit_lens(tokens[:3], max_depth=1)

@@ -523,6 +523,19 @@ class Model(_Scoring, _OwnsHandle):
         logprobs = self.score_windows(tokens, depth, ctx)
         return float(np.exp(-np.mean(logprobs, dtype=np.float64)))
 
+    def score_logit_lens(self, tokens, max_depth: int = 0) -> np.ndarray:
+        """Logits (float32, [max_depth, vocab]) of the position after the last token at
+        every loop depth 1..max_depth (0 = the model's max_depth): row d-1 is depth d."""
+        ids = _args.token_array(tokens, self.info.vocab_size)
+        max_depth = _args.integer("max_depth", max_depth, minimum=0, maximum=2**31 - 1)
+        max_depth = max_depth or self.info.max_depth
+        native, ffi = self._native, self._native.ffi
+        out = np.empty((max(max_depth, 1), self.info.vocab_size), dtype=np.float32)
+        native.check(native.lib.tl_score_logit_lens(
+            self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), ffi.NULL, max_depth,
+            ffi.from_buffer("float[]", out, require_writable=True)))
+        return out
+
     def context(self, max_seq_len: int = 0, max_depth: int = 0) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use."""
         return Context(self, max_seq_len=max_seq_len, max_depth=max_depth)

@@ -424,7 +424,28 @@ static void test_errors(fixture *f, const char *path) {
         tl_context_free(ctx);
     }
 
-    CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 2, logits), TL_ERR_NOT_IMPLEMENTED);
+    /* the logit lens: depth d's row is score_last_token at depth d */
+    if (f->info.n_core > 0) {
+        float *lens = malloc(2 * (size_t)V * sizeof *lens);
+        tl_score_options so;
+        tl_score_options_default(&so);
+        CHECK_OK(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 2, lens));
+        for (int d = 1; d <= 2; d++) {
+            so.depth = d;
+            CHECK_OK(tl_score_last_token(f->model, f->tokens, 3, &so, logits));
+            CHECK(max_abs_diff(lens + (size_t)(d - 1) * V, logits, (size_t)V) == 0.0f,
+                  "lens row %d equals score_last_token", d);
+        }
+        CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, f->info.max_depth + 1, lens),
+                     TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 0, lens),
+                     TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 2, NULL),
+                     TL_ERR_INVALID_ARGUMENT);
+        free(lens);
+    } else {
+        CHECK_STATUS(tl_score_logit_lens(f->model, f->tokens, 3, NULL, 1, logits), TL_ERR_UNSUPPORTED);
+    }
 
     tl_load_options lo;
     tl_load_options_default(&lo);

@@ -173,7 +173,8 @@ TL_API tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, siz
 TL_API tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens,
                                              size_t n_tokens, const tl_score_options *opts,
                                              float *logits);
-/* reserved: per-depth logits of the last position, out[(depth-1) * vocab + v]. */
+/* Logits of the position after the last token at every depth 1..max_depth (the
+ * logit lens of a looped model): out[(depth-1) * vocab + v]; opts->depth is unused. */
 TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
