@@ -329,12 +329,15 @@ def test_chunked_prefill_equals_one_shot(files, name, chunk):
                      same, f"{name} chunk {chunk} last logits")
 
 
-@pytest.mark.parametrize("name", ["base", "init-warm", "huginn-q4", "coda2"])
-def test_logit_lens_is_every_depths_last_logits(files, name):
-    """tl_score_logit_lens: row d-1 is score_last_token at depth d, and the oracle's."""
+@pytest.mark.parametrize("name", ["base", "init-warm", "init-noise", "huginn-q4", "coda2",
+                                  "loop_norm", "injection-none", "sliding_window"])
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_logit_lens_is_every_depths_last_logits(files, name, chunk):
+    """tl_score_logit_lens: row d-1 is score_last_token at depth d, and the oracle's; the
+    shared pass (one chunk) and the pass per depth (warm init, or several chunks)."""
     config = case_config(name)
     tokens = case_tokens(config)
-    with tinyloop.Model(files.path(name), device=DEVICE) as model:
+    with tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=chunk) as model:
         lens = model.score_logit_lens(tokens)
         assert lens.shape == (config["max_depth"], config["vocab_size"])
         for depth in range(1, config["max_depth"] + 1):

@@ -456,8 +456,6 @@ tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, size_t n_t
     return st;
 }
 
-/* One pass per depth: the coda of every position must see the depth's own states, so
- * only the prelude and the first iterations could be shared, which is not done yet. */
 tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
                               const tl_score_options *opts, int32_t max_depth,
                               float *logits_per_depth) {
@@ -473,16 +471,10 @@ tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_t
     if (max_depth < 1 || max_depth > model->hp.max_depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d]", max_depth,
                        model->hp.max_depth);
-    size_t vocab = (size_t)model->hp.vocab;
     pthread_mutex_lock(&model->default_ctx_lock);
     tl_context *ctx = NULL;
     st = default_context(model, &ctx);
-    for (int32_t depth = 1; depth <= max_depth && st == TL_OK; depth++) {
-        tl_context_set_length(ctx, 0);
-        o.depth = depth;
-        st = tl_context_score_last_token(ctx, tokens, n_tokens, &o,
-                                         logits_per_depth + (size_t)(depth - 1) * vocab);
-    }
+    if (st == TL_OK) st = tl_context_logit_lens(ctx, tokens, n_tokens, max_depth, logits_per_depth);
     pthread_mutex_unlock(&model->default_ctx_lock);
     return st;
 }

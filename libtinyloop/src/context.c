@@ -221,6 +221,36 @@ tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, s
     return eval_chunks(ctx, tokens, n, draft_depth, out);
 }
 
+tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                int max_depth, float *logits_per_depth) {
+    const tl_hparams *hp = &ctx->model->hp;
+    tl_status st = tl_context_check_tokens(ctx, tokens, n);
+    if (st != TL_OK) return st;
+    if (n > (size_t)ctx->max_seq)
+        return tl_fail(TL_ERR_CONTEXT_FULL, "%zu tokens exceed max_seq_len %d", n, ctx->max_seq);
+    if (max_depth < 1 || max_depth > ctx->max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d]", max_depth,
+                       ctx->max_depth);
+    tl_context_set_length(ctx, 0);
+    if (n <= (size_t)ctx->chunk_rows && hp->state_init != TL_INIT_WARM) {
+        tl_buf *saved = NULL;
+        st = ctx->be->ops->buf_alloc(ctx->be, n * (size_t)hp->d, &saved);
+        if (st == TL_OK) st = tl_forward_lens(ctx, tokens, (int)n, max_depth, tl_act_at(saved, 0),
+                                              logits_per_depth);
+        if (saved) ctx->be->ops->buf_free(saved);
+        return st;
+    }
+    /* a warm state init carries each depth's final states from position to position, and
+     * a sequence over several chunks would mix depths in the coda's cache: a pass each */
+    for (int depth = 1; depth <= max_depth && st == TL_OK; depth++) {
+        tl_forward_out out = { .last_logits = logits_per_depth + (size_t)(depth - 1) * hp->vocab };
+        tl_context_set_length(ctx, 0);
+        st = tl_context_eval(ctx, tokens, n, depth, &out);
+    }
+    tl_context_set_length(ctx, 0);
+    return st;
+}
+
 tl_status tl_context_check_free(const struct tl_context *ctx) {
     if (!ctx->stream) return TL_OK;
     return tl_fail(TL_ERR_INVALID_ARGUMENT,

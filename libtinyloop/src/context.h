@@ -68,6 +68,12 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
  * these positions (tl_context_set_length) before the sequence goes on at its depth. */
 tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int draft_depth, const tl_forward_out *out);
+/* The last position's logits of `tokens` (a fresh sequence) at every depth 1..max_depth,
+ * out[(depth-1) * vocab ..]; the prelude and the loop iterations are shared between
+ * depths when the tokens fit one chunk and the state init is not warm. The context is
+ * empty afterwards. */
+tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                int max_depth, float *logits_per_depth);
 /* Length counters used by the API calls of the same names. */
 void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
 tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);

@@ -161,14 +161,18 @@ static void inject(const fwd *F, tl_act s, tl_act e, int n) {
     }
 }
 
-/* The shared core, `depth` times, on state rows s[0..n) with sources e[0..n). */
+/* Loop iteration `it` (1-based) of the shared core on state rows s[0..n) with sources
+ * e[0..n); its K/V go to the iteration's own slots. */
+static void core_iteration(const fwd *F, tl_act s, tl_act e, int n, int pos0, int it) {
+    inject(F, s, e, n);
+    for (int c = 0; c < F->hp->n_core; c++)
+        block(F, &F->m->core[c], tl_kv_slot_core(F->hp, it, c), s, n, pos0);
+    if (F->hp->loop_norm) F->ops->norm(F->ex, &F->m->loop_norm, &F->norm, s, n, F->d, s);
+}
+
+/* The shared core, `depth` times. */
 static void core_loop(const fwd *F, tl_act s, tl_act e, int n, int pos0, int depth) {
-    for (int it = 1; it <= depth; it++) {
-        inject(F, s, e, n);
-        for (int c = 0; c < F->hp->n_core; c++)
-            block(F, &F->m->core[c], tl_kv_slot_core(F->hp, it, c), s, n, pos0);
-        if (F->hp->loop_norm) F->ops->norm(F->ex, &F->m->loop_norm, &F->norm, s, n, F->d, s);
-    }
+    for (int it = 1; it <= depth; it++) core_iteration(F, s, e, n, pos0, it);
 }
 
 /* s = init(e) for rows whose init does not depend on other positions. h holds e. */
@@ -250,8 +254,7 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     }
 }
 
-tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                           int depth, const tl_forward_out *out) {
+static fwd fwd_for(struct tl_context *ctx) {
     const struct tl_model *m = ctx->model;
     const tl_hparams *hp = &m->hp;
     fwd F = {
@@ -262,6 +265,36 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
         .rope = { hp->rope_dims, hp->rope_style == TL_ROPE_INTERLEAVED ? 1 : 0, hp->rope_theta },
         .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale, hp->sliding_window },
     };
+    return F;
+}
+
+tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
+                          tl_act saved, float *logits_per_depth) {
+    fwd F = fwd_for(ctx);
+    const tl_hparams *hp = F.hp;
+    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
+    F.ops->embed(F.ex, &F.m->embed, tokens, n, hp->embed_scale, h);
+    for (int b = 0; b < hp->n_pre; b++) block(&F, &F.m->pre[b], tl_kv_slot_pre(hp, b), h, n, 0);
+    if (hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, e, F.d, h, F.d, n, F.d);
+    init_state(&F, h, n, 0);
+    for (int it = 1; it <= max_depth; it++) {
+        core_iteration(&F, h, e, n, 0, it);
+        /* the coda works on a copy of the state, which the next iteration continues */
+        F.ops->copy_rows(F.ex, saved, F.d, h, F.d, n, F.d);
+        for (int b = 0; b < hp->n_post; b++)
+            block(&F, &F.m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, 0);
+        tl_forward_out out = { .last_logits = logits_per_depth + (size_t)(it - 1) * hp->vocab };
+        outputs(&F, n, 0, &out);
+        F.ops->copy_rows(F.ex, h, F.d, saved, F.d, n, F.d);
+    }
+    return F.ops->status(F.ex);
+}
+
+tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                           int depth, const tl_forward_out *out) {
+    fwd F = fwd_for(ctx);
+    const struct tl_model *m = F.m;
+    const tl_hparams *hp = F.hp;
     tl_act h = buf0(ctx->h);
     /* a decode step's layers may be recorded once and replayed (backend.h) */
     int step = n == 1 && F.ops->step_begin && F.ops->step_end;

@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "tinyloop/tinyloop.h"
 
 struct tl_context;
@@ -33,5 +34,13 @@ typedef struct tl_forward_out {
  * Writes K/V of those positions; does not change the context's length. */
 tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                            int depth, const tl_forward_out *out);
+
+/* The logit lens of a fresh sequence in one chunk (n <= the context's chunk rows, a
+ * state init other than warm): prelude once, then after each loop iteration 1..max_depth
+ * the coda and head on a copy of the state (kept in `saved`, n x d floats), so that
+ * logits_per_depth[(it-1) * vocab ..] are the last position's logits at depth it. Writes
+ * K/V at positions [0, n); does not change the context's length. */
+tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
+                          tl_act saved, float *logits_per_depth);
 
 #endif
