@@ -329,24 +329,34 @@ def test_chunked_prefill_equals_one_shot(files, name, chunk):
                      same, f"{name} chunk {chunk} last logits")
 
 
-@pytest.mark.parametrize("name", ["base", "init-warm", "init-noise", "huginn-q4", "coda2",
-                                  "loop_norm", "injection-none", "sliding_window"])
+@pytest.mark.parametrize("name", ["base", "init-warm", "init-noise", "init-zeros", "huginn-q4",
+                                  "coda2", "core-only", "core2-no-coda", "loop_norm",
+                                  "injection-none", "injection-concat", "sandwich_branch",
+                                  "sliding_window"])
 @pytest.mark.parametrize("chunk", [0, 5])
 def test_logit_lens_is_every_depths_last_logits(files, name, chunk):
-    """tl_score_logit_lens: row d-1 is score_last_token at depth d, and the oracle's; the
-    shared pass (one chunk) and the pass per depth (warm init, or several chunks)."""
+    """tl_score_logit_lens: row d-1 is score_last_token at depth d (bit for bit on the CPU)
+    and the oracle's; the shared pass (one chunk: 12 tokens, or exactly 5 of them with
+    chunk 5) and the pass per depth (warm init, or several chunks); one token, also right
+    after a greedy generation (which leaves a chained token on a GPU)."""
     config = case_config(name)
     tokens = case_tokens(config)
+    same = (0.0, 0.0) if ON_CPU else SAME
     with tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=chunk) as model:
-        lens = model.score_logit_lens(tokens)
-        assert lens.shape == (config["max_depth"], config["vocab_size"])
-        for depth in range(1, config["max_depth"] + 1):
-            assert_close(lens[depth - 1], model.score_last_token(tokens, depth=depth).astype(np.float64),
-                         SAME, f"{name} lens at depth {depth}")
-            assert_close(lens[depth - 1], files.reference(name).logits(tokens, depth)[-1],
-                         TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE,
-                         f"{name} lens at depth {depth} vs reference")
-        assert model.score_logit_lens(tokens, max_depth=2).shape == (2, config["vocab_size"])
+        for ids in (tokens, tokens[:5], tokens[:1]):
+            lens = model.score_logit_lens(ids)
+            assert lens.shape == (config["max_depth"], config["vocab_size"])
+            for depth in range(1, config["max_depth"] + 1):
+                assert_close(lens[depth - 1], model.score_last_token(ids, depth=depth).astype(np.float64),
+                             same, f"{name} lens of {len(ids)} at depth {depth}")
+                assert_close(lens[depth - 1], files.reference(name).logits(ids, depth)[-1],
+                             TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE,
+                             f"{name} lens of {len(ids)} at depth {depth} vs reference")
+        assert np.array_equal(model.score_logit_lens(tokens, max_depth=2), model.score_logit_lens(tokens)[:2])
+        model.generate(tokens[:4], max_tokens=3, temperature=0)
+        after = model.score_logit_lens(tokens[7:8])
+        assert_close(after[0], model.score_last_token(tokens[7:8], depth=1).astype(np.float64), same,
+                     f"{name} one-token lens after a generation")
         with pytest.raises(tinyloop.InvalidArgumentError, match="max_depth"):
             model.score_logit_lens(tokens, max_depth=config["max_depth"] + 1)
     with tinyloop.Model(files.path("plain-llama"), device=DEVICE) as dense:

@@ -550,6 +550,9 @@ void cuda_step_begin(tl_exec *ex, int pos) {
 
 void cuda_step_end(tl_exec *ex) {
     if (!bind(ex)) step_end(ex);
+    // the chained token was this step's: a one-row pass outside a step (the logit lens)
+    // embeds the token it is given
+    ex->step.device_token = 0;
 }
 
 void cuda_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets, float *out) {
