@@ -465,12 +465,6 @@ tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_t
     tl_status st = read_score_options(opts, &o);
     if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
     if (st != TL_OK) return st;
-    if (model->hp.n_core == 0)
-        return tl_fail(TL_ERR_UNSUPPORTED, "the logit lens is per loop depth, and this model has "
-                                           "no loop (n_core = 0)");
-    if (max_depth < 1 || max_depth > model->hp.max_depth)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d]", max_depth,
-                       model->hp.max_depth);
     pthread_mutex_lock(&model->default_ctx_lock);
     tl_context *ctx = NULL;
     st = default_context(model, &ctx);

@@ -224,6 +224,9 @@ tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, s
 tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int max_depth, float *logits_per_depth) {
     const tl_hparams *hp = &ctx->model->hp;
+    if (hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "the logit lens is per loop depth, and this model has "
+                                           "no loop (n_core = 0)");
     if (n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the logit lens needs at least 1 token");
     tl_status st = tl_context_check_tokens(ctx, tokens, n);
     if (st != TL_OK) return st;

@@ -191,14 +191,19 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
     }
 }
 
+/* e = h, the prelude's output, for the injection (only it reads e); the state s = e
+ * needs no copy since h holds e already. */
+static void keep_injection_source(const fwd *F, int n) {
+    if (F->hp->injection != TL_INJECT_NONE)
+        F->ops->copy_rows(F->ex, buf0(F->ctx->e), F->d, buf0(F->ctx->h), F->d, n, F->d);
+}
+
 /* From e (in h and e) to the final loop state in h. A warm start needs the previous
  * position's final state, so positions then run through the loop one by one; each
  * position's state is kept (ctx->warm) so truncation and forks stay exact. */
 static void run_loop(const fwd *F, int n, int pos0, int depth) {
     tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
-    /* e is read only by the injection; s = e needs no copy since h holds e already */
-    if (depth > 0 && F->hp->injection != TL_INJECT_NONE)
-        F->ops->copy_rows(F->ex, e, F->d, h, F->d, n, F->d);
+    if (depth > 0) keep_injection_source(F, n);
     if (F->hp->state_init != TL_INIT_WARM) {
         init_state(F, h, n, pos0);
         core_loop(F, h, e, n, pos0, depth);
@@ -254,6 +259,20 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     }
 }
 
+/* Embed tokens into h and run the prelude blocks on them. */
+static void embed_and_prelude(const fwd *F, const int32_t *tokens, int n, int pos0) {
+    tl_act h = buf0(F->ctx->h);
+    F->ops->embed(F->ex, &F->m->embed, tokens, n, F->hp->embed_scale, h);
+    for (int b = 0; b < F->hp->n_pre; b++) block(F, &F->m->pre[b], tl_kv_slot_pre(F->hp, b), h, n, pos0);
+}
+
+/* The coda blocks on the final loop state in h. */
+static void coda(const fwd *F, int n, int pos0) {
+    tl_act h = buf0(F->ctx->h);
+    for (int b = 0; b < F->hp->n_post; b++)
+        block(F, &F->m->post[b], tl_kv_slot_post(F->hp, F->ctx->max_depth, b), h, n, pos0);
+}
+
 static fwd fwd_for(struct tl_context *ctx) {
     const struct tl_model *m = ctx->model;
     const tl_hparams *hp = &m->hp;
@@ -271,19 +290,16 @@ static fwd fwd_for(struct tl_context *ctx) {
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth) {
     fwd F = fwd_for(ctx);
-    const tl_hparams *hp = F.hp;
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);
-    F.ops->embed(F.ex, &F.m->embed, tokens, n, hp->embed_scale, h);
-    for (int b = 0; b < hp->n_pre; b++) block(&F, &F.m->pre[b], tl_kv_slot_pre(hp, b), h, n, 0);
-    if (hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, e, F.d, h, F.d, n, F.d);
+    embed_and_prelude(&F, tokens, n, 0);
+    keep_injection_source(&F, n);
     init_state(&F, h, n, 0);
     for (int it = 1; it <= max_depth; it++) {
         core_iteration(&F, h, e, n, 0, it);
         /* the coda works on a copy of the state, which the next iteration continues */
         F.ops->copy_rows(F.ex, saved, F.d, h, F.d, n, F.d);
-        for (int b = 0; b < hp->n_post; b++)
-            block(&F, &F.m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, 0);
-        tl_forward_out out = { .last_logits = logits_per_depth + (size_t)(it - 1) * hp->vocab };
+        coda(&F, n, 0);
+        tl_forward_out out = { .last_logits = logits_per_depth + (size_t)(it - 1) * F.hp->vocab };
         outputs(&F, n, 0, &out);
         F.ops->copy_rows(F.ex, h, F.d, saved, F.d, n, F.d);
     }
@@ -293,19 +309,14 @@ tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, 
 tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                            int depth, const tl_forward_out *out) {
     fwd F = fwd_for(ctx);
-    const struct tl_model *m = F.m;
-    const tl_hparams *hp = F.hp;
-    tl_act h = buf0(ctx->h);
     /* a decode step's layers may be recorded once and replayed (backend.h) */
     int step = n == 1 && F.ops->step_begin && F.ops->step_end;
 
     if (step) F.ops->step_begin(F.ex, pos0);
     if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
-    F.ops->embed(F.ex, &m->embed, tokens, n, hp->embed_scale, h);
-    for (int b = 0; b < hp->n_pre; b++) block(&F, &m->pre[b], tl_kv_slot_pre(hp, b), h, n, pos0);
-    run_loop(&F, n, pos0, hp->n_core > 0 ? depth : 0);
-    for (int b = 0; b < hp->n_post; b++)
-        block(&F, &m->post[b], tl_kv_slot_post(hp, ctx->max_depth, b), h, n, pos0);
+    embed_and_prelude(&F, tokens, n, pos0);
+    run_loop(&F, n, pos0, F.hp->n_core > 0 ? depth : 0);
+    coda(&F, n, pos0);
     /* A chained token is the step's last op: head and argmax are recorded with it. Other
      * outputs come back to the host, which ends a recording, so they follow the step. */
     int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
