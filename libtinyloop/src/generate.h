@@ -1,7 +1,7 @@
 /* generate.h — autoregressive generation on a context: prompt validation, chunked
  * prefill, then one token per step (sample, then feed it back; or, speculatively,
- * several verified at once) until a stop condition. tl_stream is the state machine; the callback and buffer forms of the
- * API are loops over it. */
+ * several verified at once) until a stop condition. tl_stream is the state machine;
+ * the callback and buffer forms of the API are loops over it. */
 #ifndef TL_GENERATE_H
 #define TL_GENERATE_H
 

@@ -401,7 +401,6 @@ def _fit_chat(model, render, messages: list):
     return ids
 
 
-
 # -- parser ------------------------------------------------------------------------------
 def _positive(text: str) -> int:
     value = int(text)
