@@ -254,28 +254,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def _envelope(rid, model_name, obj: str, choice: dict) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+            "choices": [dict(index=0, **choice, logprobs=None)]}
 
 
 def completion_chunk(rid, model_name, text, finish=None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+    return _envelope(rid, model_name, "text_completion", {"text": text, "finish_reason": finish})
 
 
 def chat_chunk(rid, model_name, delta: dict, finish=None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    return _envelope(rid, model_name, "chat.completion.chunk",
+                     {"delta": delta, "finish_reason": finish})
+
+
+def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+    return dict(completion_chunk(rid, model_name, text, finish),
+                usage=usage(prompt_tokens, completion_tokens))
+
+
+def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+    message = {"role": "assistant", "content": text}
+    return dict(_envelope(rid, model_name, "chat.completion",
+                          {"message": message, "finish_reason": finish}),
+                usage=usage(prompt_tokens, completion_tokens))
