@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: the train
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train"))
 
 from bench_generate import main as bench_main  # noqa: E402
-from generate_text import check_cache, main as generate_main, sample_next, sample_records  # noqa: E402
+from generate_text import (StopOnSigterm, Stopped, check_cache, main as generate_main,  # noqa: E402
+                           sample_next, sample_records)
 from layers import Dims  # noqa: E402
 from teacher import Teacher  # noqa: E402
 from train import load_synthetic, mix_synthetic  # noqa: E402
@@ -87,6 +88,40 @@ def test_mixed_batches_hold_whole_records(tmp_path):
         assert mx[r].tolist() == list(range(1000 + start, 1000 + start + seq))
         assert my[r].tolist() == list(range(1001 + start, 1001 + start + seq))
     assert torch.all(mx[(mx[:, 0] < 1000)] == 0)
+
+
+def test_followed_records_grow_with_the_files_and_skip_a_partial_record(tmp_path):
+    seq, width = 6, 7
+    a, b = tmp_path / "a.u16", tmp_path / "b.u16"
+    (np.arange(2 * width, dtype=np.uint16) + 1000).tofile(a)
+    b.write_bytes(b"")  # the second sampler has written nothing yet
+    records = load_synthetic(f"{a},{b}", seq, follow=True)
+    assert records.shape == (2, width)
+    with open(b, "ab") as f:  # a whole record and half of the next, as a sampler mid-write
+        (np.arange(width + 3, dtype=np.uint16) + 5000).tofile(f)
+    assert len(records) == 2 and records.refresh() == 3
+    got = records.rows(np.array([2, 0, 1, 2]))
+    assert got.dtype == np.int64 and got.shape == (4, width)
+    assert got[0].tolist() == list(range(5000, 5000 + width)) == got[3].tolist()
+    assert got[1].tolist() == list(range(1000, 1000 + width))
+    assert got[2].tolist() == list(range(1000 + width, 1000 + 2 * width))
+
+
+def test_following_still_needs_a_whole_record(tmp_path):
+    np.arange(5, dtype=np.uint16).tofile(tmp_path / "short.u16")
+    with pytest.raises(SystemExit, match="no whole record"):
+        load_synthetic(str(tmp_path / "short.u16"), 6, follow=True)
+
+
+def test_sigterm_waits_for_a_batch_being_appended():
+    stopper = StopOnSigterm()
+    with pytest.raises(Stopped):
+        with stopper.deferred():
+            stopper()  # inside: noted, not raised until the block is done
+            appended = True
+    assert appended and stopper.requested
+    with pytest.raises(Stopped):
+        StopOnSigterm()()  # outside: at once
 
 
 def test_ragged_record_file_is_refused(tmp_path):

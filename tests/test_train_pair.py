@@ -30,3 +30,10 @@ def test_named_arguments(pair):
     for bad in ("no-equals", "1x=--lr 1", "=--lr 1"):
         with pytest.raises(SystemExit, match="NAME=ARGS"):
             pair.named([bad], "--variant")
+
+
+@pytest.mark.parametrize("gpus", ["1", "0,x", "-1,2"])
+def test_every_variant_needs_a_gpu_index(pair, tmp_path, gpus):
+    with pytest.raises(SystemExit, match="one GPU index per variant"):
+        pair.main(["--teacher", "T.gguf", "--root", str(tmp_path / "r"), "--copy-to", str(tmp_path / "o"),
+                   "--run-minutes", "1", "--variant", "a=", "--variant", "b=", f"--gpus={gpus}"])

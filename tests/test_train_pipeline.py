@@ -14,7 +14,10 @@ FAKE_PYTHON = """#!/bin/sh
 echo "GPU=$CUDA_VISIBLE_DEVICES $*" >> "$CALLS"
 case "$*" in
   -c*) echo "${FAKE_GPUS:-2}" ;;
-  *generate_text.py*) [ "$CUDA_VISIBLE_DEVICES" = "${FAIL_GPU:-none}" ] && exit 1; exit 0 ;;
+  *generate_text.py*)
+    [ "$CUDA_VISIBLE_DEVICES" = "${FAIL_GPU:-none}" ] && exit 1
+    [ "$CUDA_VISIBLE_DEVICES" = "${SLOW_GPU:-none}" ] && exec sleep 60  # a sampler that runs on
+    exit 0 ;;
   *pair.py*) exit "${PAIR_STATUS:-0}" ;;
 esac
 """
@@ -54,7 +57,7 @@ def test_samples_on_every_gpu_then_trains(tmp_path):
         assert f"--out {work}/synthetic/synthetic-{g}.u16 --minutes 0.5 --seed {40 + g} --attention matmul" in call
         assert call.endswith("--batch 8 --free-share 0.2 --source-weights sotu=3,brown=*")  # no glob expansion
         assert str(work / "code" / "tools" / "train") in call  # runs from the copy
-    assert calls[-1].endswith("pair.py --teacher T.gguf --root R --variant a=--lr 1e-4")
+    assert calls[-1].endswith("pair.py --teacher T.gguf --root R --variant a=--lr 1e-4 --gpus 0,1")
     assert not list((work / "code" / "python").rglob("*.tinyloop"))
 
 
@@ -82,6 +85,28 @@ def test_existing_records_are_not_appended_to(tmp_path):
     proc, done, calls = run(tmp_path, work=work)
     assert done == "93" and calls == []
     assert "already holds records" in proc.stdout
+
+
+def test_gpu_0_keeps_sampling_while_the_others_train(tmp_path):
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "2.5", "SLOW_GPU": "0"})
+    assert proc.returncode == 0 and done == "0", proc.stdout + proc.stderr
+    generate = sorted(c for c in calls if "generate_text.py" in c)
+    assert "--minutes 3 " in generate[0] and "--minutes 0.5 " in generate[1]
+    assert calls[-1].endswith("--variant a=--lr 1e-4 --gpus 1")
+    assert "stopped the sampler on GPU 0, still running" in proc.stdout  # not left behind
+
+
+def test_keeping_a_sampler_needs_a_gpu_to_train_on(tmp_path):
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "2", "FAKE_GPUS": "1"})
+    assert done == "94" and not any("generate_text.py" in c for c in calls)
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "soon"}, work=tmp_path / "w2")
+    assert done == "94" and "needs a number of minutes" in proc.stdout
+
+
+def test_failed_sampling_stops_the_kept_sampler_too(tmp_path):
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "2", "SLOW_GPU": "0", "FAIL_GPU": "1"})
+    assert done == "92" and "stopped the sampler on GPU 0" in proc.stdout
+    assert not any("pair.py" in c for c in calls)
 
 
 def test_usage(tmp_path):

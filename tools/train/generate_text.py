@@ -21,8 +21,10 @@ teacher's full-sequence logits on training text and stops when they differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -145,6 +147,33 @@ def check_cache(teacher: Teacher, tokens: torch.Tensor, prompt: int, attention: 
     return ((cached - ref).abs().max() / ref.abs().max()).item()
 
 
+class Stopped(Exception):
+    """SIGTERM arrived: keep the records written so far and report them."""
+
+
+class StopOnSigterm:
+    """SIGTERM handler: stops sampling at once, except inside deferred(), which finishes first
+    (a batch is appended and counted whole, or not at all)."""
+
+    def __init__(self):
+        self.requested, self.deferring = False, False
+
+    def __call__(self, signum=None, frame=None):
+        self.requested = True
+        if not self.deferring:
+            raise Stopped
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.requested:
+            raise Stopped
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", required=True, help="teacher GGUF")
@@ -209,26 +238,34 @@ def main(argv=None) -> int:
             return 1
 
     made, sampled, batches, start = 0, 0, 0, time.time()
-    while True:
-        if args.records > 0 and have + made >= args.records:
-            break
-        if args.minutes > 0 and time.time() - start > args.minutes * 60:
-            break
-        free = torch.rand((), generator=gen).item() < args.free_share
-        if free:
-            prompts = torch.full((args.batch, 1), sep, dtype=torch.long, device=device)
-        else:
-            prompts, _ = sample_batch(tokens, args.batch, args.prompt_tokens, gen, device, sources)
-        records = sample_records(teacher, prompts, args.length, args.temperature, dev_gen,
-                                 args.attention, args.sampler)
-        with open(out, "ab") as f:
-            records.to("cpu", torch.int64).numpy().astype(np.uint16).tofile(f)
-        made += records.shape[0]
-        sampled += records.shape[0] * (args.length - prompts.shape[1])
-        batches += 1
-        rate = sampled / (time.time() - start)
-        print(f"[generate] batch {batches} ({'free' if free else 'prompted'}): {have + made} records, "
-              f"{rate:.0f} sampled tokens/s", flush=True)
+    stopper = StopOnSigterm()
+    signal.signal(signal.SIGTERM, stopper)  # sample_and_train.sh stops a sampler it kept on
+    try:
+        while True:
+            if args.records > 0 and have + made >= args.records:
+                break
+            if args.minutes > 0 and time.time() - start > args.minutes * 60:
+                break
+            free = torch.rand((), generator=gen).item() < args.free_share
+            if free:
+                prompts = torch.full((args.batch, 1), sep, dtype=torch.long, device=device)
+            else:
+                prompts, _ = sample_batch(tokens, args.batch, args.prompt_tokens, gen, device, sources)
+            records = sample_records(teacher, prompts, args.length, args.temperature, dev_gen,
+                                     args.attention, args.sampler)
+            data = records.to("cpu", torch.int64).numpy().astype(np.uint16)
+            with stopper.deferred():
+                with open(out, "ab") as f:
+                    data.tofile(f)
+                made += records.shape[0]
+                sampled += records.shape[0] * (args.length - prompts.shape[1])
+                batches += 1
+            rate = sampled / (time.time() - start)
+            print(f"[generate] batch {batches} ({'free' if free else 'prompted'}): {have + made} records, "
+                  f"{rate:.0f} sampled tokens/s", flush=True)
+    except Stopped:
+        info["stopped"] = "SIGTERM"
+        print("[generate] stopped by SIGTERM: a batch still being sampled is dropped", flush=True)
     info.update(records=have + made, records_this_run=made, sampled_tokens_this_run=sampled,
                 seconds=round(time.time() - t0, 1), setup_s=round(start - t0, 1))
     Path(str(out) + ".json").write_text(json.dumps(info, indent=1) + "\n")

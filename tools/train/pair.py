@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--run-minutes", type=float, required=True, help="train.py --run-minutes")
     ap.add_argument("--common", default="", help="train.py arguments of every variant")
     ap.add_argument("--variant", action="append", default=[], help="NAME=ARGS (train.py), one per GPU")
+    ap.add_argument("--gpus", default="", help="comma-separated GPU indices, one per variant in order "
+                                               "(default 0, 1, ...)")
     ap.add_argument("--export-common", default="", help="export.py arguments of every variant")
     ap.add_argument("--export", action="append", default=[], help="NAME=ARGS (export.py)")
     ap.add_argument("--tokenizer-from", default="", help="export.py --teacher-tinyloop")
@@ -65,16 +67,19 @@ def main(argv=None) -> int:
     variants, exports = named(args.variant, "--variant"), named(args.export, "--export")
     if not variants:
         raise SystemExit("give at least one --variant")
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [str(i) for i in range(len(variants))]
+    if len(gpus) < len(variants) or not all(g.isdigit() for g in gpus):
+        raise SystemExit(f"--gpus {args.gpus!r}: one GPU index per variant ({len(variants)})")
     root, dest = Path(args.root), Path(args.copy_to)
     dest.mkdir(parents=True, exist_ok=True)
 
     procs = {}
-    for gpu, (name, extra) in enumerate(variants.items()):
+    for gpu, (name, extra) in zip(gpus, variants.items()):
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(HERE / "train.py"), "--teacher", args.teacher, "--out", str(out),
                "--run-minutes", str(args.run_minutes), *shlex.split(args.common), *shlex.split(extra)]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
         log = open(out / "train.log", "a")
         print(f"[pair] {name} on GPU {gpu}: {shlex.join(cmd)}", flush=True)
         procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)

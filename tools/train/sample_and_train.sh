@@ -12,14 +12,18 @@
 # WORK/attention.txt when bench_generate.py wrote one); those files must not exist yet (a
 # rerun with the same seeds would append copies of the same records). Then pair.py runs with
 # PAIR_ARGS, which name those files in its --common "--synthetic ...". WORK/done gets the exit
-# status (pair.py's, or 90-93 when a step before it failed); WORK/pipeline.log has every
+# status (pair.py's, or 90-94 when a step before it failed); WORK/pipeline.log has every
 # step's output.
+#
+# KEEP_SAMPLING_MINUTES=M (environment, default 0): GPU 0 goes on sampling for M minutes more
+# while pair.py trains on the other GPUs (--gpus 1,2,...); give train.py --synthetic-follow so
+# the training reads the records appended meanwhile. The sampler is stopped when pair.py ends.
 
 main() {
     set -u -f  # -f: GENERATE_ARGS is split into arguments, never expanded as file patterns
     WORK=$1 TEACHER=$2 DATA=$3 SAMPLE_MINUTES=$4 GENERATE_ARGS=$5
     shift 5
-    local seed=${SEED:-0} here code gpus attention=sdpa g status
+    local seed=${SEED:-0} keep=${KEEP_SAMPLING_MINUTES:-0} here code gpus attention=sdpa g status minutes
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     code=$WORK/code
     mkdir -p "$code/tools" "$WORK/synthetic"
@@ -36,26 +40,58 @@ main() {
     [ -s "$WORK/attention.txt" ] && attention=$(cat "$WORK/attention.txt")
     gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")  # 1: the CPU
     [[ $gpus =~ ^[0-9]+$ ]] || { echo "[pipeline] cannot count the GPUs: $gpus"; return 91; }
+    local first=0 train_gpus=()  # first: the first GPU whose sampler ends before training
+    if [ "$keep" != 0 ]; then
+        [[ $keep =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "$gpus" -gt 1 ] || {
+            echo "[pipeline] KEEP_SAMPLING_MINUTES=$keep needs a number of minutes and a second GPU to train on"
+            return 94
+        }
+        first=1
+    fi
     echo "[pipeline] $(date -u +%T) sampling $SAMPLE_MINUTES min on $gpus GPU(s), attention $attention"
     local pids=()
     for ((g = 0; g < gpus; g++)); do
+        minutes=$SAMPLE_MINUTES
+        [ $g -lt $first ] && minutes=$(awk "BEGIN { print $SAMPLE_MINUTES + $keep }")
         # shellcheck disable=SC2086  # GENERATE_ARGS is a list of arguments
         CUDA_VISIBLE_DEVICES=$g python3 "$code/tools/train/generate_text.py" --teacher "$TEACHER" \
-            --data "$DATA" --out "$WORK/synthetic/synthetic-$g.u16" --minutes "$SAMPLE_MINUTES" \
+            --data "$DATA" --out "$WORK/synthetic/synthetic-$g.u16" --minutes "$minutes" \
             --seed $((seed + g)) --attention "$attention" $GENERATE_ARGS >"$WORK/generate-$g.log" 2>&1 &
         pids+=($!)
+        [ $g -ge $first ] && train_gpus+=("$g")
     done
     local failed=0
-    for g in "${!pids[@]}"; do
+    for ((g = first; g < gpus; g++)); do
         wait "${pids[$g]}" || { echo "[pipeline] sampling on GPU $g failed"; failed=1; }
         tail -n 2 "$WORK/generate-$g.log"
     done
-    [ $failed = 0 ] || return 92
-    echo "[pipeline] $(date -u +%T) training"
-    python3 "$code/tools/train/pair.py" --teacher "$TEACHER" "$@"
+    if [ $failed != 0 ]; then
+        stop_samplers "${pids[@]:0:first}"
+        return 92
+    fi
+    local gpu_list
+    gpu_list=$(IFS=,; echo "${train_gpus[*]}")
+    echo "[pipeline] $(date -u +%T) training on GPU(s) $gpu_list"
+    python3 "$code/tools/train/pair.py" --teacher "$TEACHER" "$@" --gpus "$gpu_list"
     status=$?
     echo "[pipeline] $(date -u +%T) pair.py exited $status"
+    stop_samplers "${pids[@]:0:first}"
     return $status
+}
+
+stop_samplers() {  # PIDS of GPU 0, 1, ...: samplers nothing reads from any more
+    local g=0 pid i
+    for pid in "$@"; do
+        if kill -0 "$pid" 2>/dev/null; then
+            kill "$pid" 2>/dev/null
+            echo "[pipeline] stopped the sampler on GPU $g, still running"
+            for ((i = 0; i < 60 && $(kill -0 "$pid" 2>/dev/null && echo 1 || echo 0); i++)); do sleep 1; done
+            kill -9 "$pid" 2>/dev/null  # it had a minute to finish appending a batch
+        fi
+        wait "$pid" 2>/dev/null
+        tail -n 2 "$WORK/generate-$g.log"
+        g=$((g + 1))
+    done
 }
 
 finish() {  # WORK/done appears whole, whatever ended the job

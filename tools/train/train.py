@@ -11,7 +11,8 @@ run's returned weights (fresh optimizer and schedule); --qat-start turns on
 quantization-aware training (qat.py: the q4 grid of export.py, straight-through gradients)
 for the last part of the schedule; --compile runs blocks and loss through torch.compile
 (2.2x the eager speed on an H200); --resample varies the windows with teacher-sampled
-tokens; --synthetic mixes in whole teacher-sampled continuations (generate_text.py).
+tokens; --synthetic mixes in whole teacher-sampled continuations (generate_text.py), with
+--synthetic-follow also those a sampler appends while training runs.
 Seeded and resumable: --out holds
 latest.pt (weights, optimizer, sampler state, elapsed time), log.jsonl, and at the end
 weights/ (fp16 shards of the trained tensors, each < 15 MiB, + student.json) and
@@ -115,6 +116,10 @@ def parse_args(argv=None):
                          "continuations of training prompts, --seq + 1 tokens each)")
     ap.add_argument("--synthetic-share", type=float, default=0.0,
                     help="expected share of each batch's windows drawn from --synthetic")
+    ap.add_argument("--synthetic-follow", type=float, default=0.0, metavar="SECONDS",
+                    help="the --synthetic files are still being written (sample_and_train.sh "
+                         "KEEP_SAMPLING_MINUTES): map the records appended every SECONDS (0: off; "
+                         "a resumed run then sees other records than an unbroken one)")
     ap.add_argument("--hidden-weight", type=float, default=1.0,
                     help="weight of the loop-state alignment loss (0: off): after iteration i "
                          "the state's direction should match the teacher's residual i/max_depth "
@@ -139,6 +144,8 @@ def parse_args(argv=None):
         ap.error("--resample must be in [0, 1)")
     if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
         ap.error("--synthetic and --synthetic-share in (0, 1] go together")
+    if args.synthetic_follow < 0 or (args.synthetic_follow > 0 and not args.synthetic):
+        ap.error("--synthetic-follow needs --synthetic and a period >= 0")
     return args
 
 
@@ -262,28 +269,62 @@ def sample_batch(tokens: np.ndarray, batch: int, seq: int, gen: torch.Generator,
     return x[:, :-1], x[:, 1:]
 
 
-def load_synthetic(spec: str, seq: int) -> np.ndarray:
-    """Records [N, seq + 1] of generate_text.py's files, in the order given."""
-    parts = []
-    for name in filter(None, spec.split(",")):
-        path = Path(name)
-        if not path.is_file():
-            raise SystemExit(f"--synthetic {name}: no such file (generate_text.py --out writes it)")
-        size = path.stat().st_size  # np.memmap cannot map an empty file: check before
-        if size == 0 or size % (2 * (seq + 1)):
-            raise SystemExit(f"--synthetic {name}: {size // 2} tokens is not a whole number of "
-                             f"records of --seq + 1 = {seq + 1} tokens (generate_text.py --length)")
-        parts.append(np.asarray(load_tokens(path)).reshape(-1, seq + 1))
-    return np.concatenate(parts)
+class SyntheticRecords:
+    """Records [N, seq + 1] of generate_text.py's files, in the order given, mapped (never read
+    whole). With follow=True the files may still be growing (a sampler appends to them while
+    training runs): refresh() maps the records appended since, and a record still being
+    written waits for the next refresh."""
+
+    def __init__(self, spec: str, seq: int, follow: bool = False):
+        self.paths, self.width, self.follow = [Path(n) for n in filter(None, spec.split(","))], seq + 1, follow
+        for path in self.paths:
+            if not path.is_file():
+                raise SystemExit(f"--synthetic {path}: no such file (generate_text.py --out writes it)")
+        if not self.refresh():
+            raise SystemExit(f"--synthetic {spec}: no whole record of --seq + 1 = {self.width} tokens yet")
+
+    def refresh(self) -> int:
+        """Maps every whole record the files hold now; returns how many there are."""
+        self.parts, ends = [], []
+        for path in self.paths:
+            size = path.stat().st_size  # np.memmap cannot map an empty file: check before
+            if not self.follow and (size == 0 or size % (2 * self.width)):
+                raise SystemExit(f"--synthetic {path}: {size // 2} tokens is not a whole number of "
+                                 f"records of --seq + 1 = {self.width} tokens (generate_text.py --length)")
+            n = size // (2 * self.width)
+            self.parts.append(np.memmap(path, dtype=np.uint16, mode="r", shape=(n, self.width)) if n else None)
+            ends.append((ends[-1] if ends else 0) + n)
+        self.ends = np.array(ends, dtype=np.int64)
+        return len(self)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.width
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Records at global positions `index` (in [0, len)), as int64 [len(index), seq + 1]."""
+        files = np.searchsorted(self.ends, index, side="right")
+        out = np.empty((len(index), self.width), dtype=np.int64)
+        for f in np.unique(files):
+            here = files == f
+            out[here] = self.parts[f][index[here] - (self.ends[f - 1] if f else 0)]
+        return out
 
 
-def mix_synthetic(x, y, records: np.ndarray, share: float, gen: torch.Generator):
+def load_synthetic(spec: str, seq: int, follow: bool = False) -> SyntheticRecords:
+    return SyntheticRecords(spec, seq, follow)
+
+
+def mix_synthetic(x, y, records: SyntheticRecords, share: float, gen: torch.Generator):
     """x, y with about `share` of the rows replaced by random synthetic records."""
     pick = (torch.rand(x.shape[0], generator=gen) < share).nonzero().flatten()
     if pick.numel() == 0:
         return x, y
     rows = torch.randint(0, len(records), (pick.numel(),), generator=gen).numpy()
-    window = torch.from_numpy(records[rows].astype(np.int64)).to(x.device)
+    window = torch.from_numpy(records.rows(rows)).to(x.device)
     pick = pick.to(x.device)
     x, y = x.clone(), y.clone()
     x[pick], y[pick] = window[:, :-1], window[:, 1:]
@@ -466,7 +507,7 @@ def main(argv=None) -> None:
     data = Path(args.data)
     train_tokens = load_tokens(data / "train.u16")
     sources = source_ranges(data, len(train_tokens), args.source_weights) if args.source_weights else None
-    synthetic = load_synthetic(args.synthetic, args.seq) if args.synthetic else None
+    synthetic = load_synthetic(args.synthetic, args.seq, args.synthetic_follow > 0) if args.synthetic else None
     probs = depth_probs(args.max_depth, args.depth_power)
     val_windows = fixed_windows(load_tokens(data / "val.u16"), args.eval_windows, args.seq)
 
@@ -567,6 +608,7 @@ def main(argv=None) -> None:
     loss_fn = compile_step(teacher, student) if args.compile else distill_loss
     run_start = time.time()
     last_save, last_tick = time.time(), time.time()
+    last_follow = time.time()
     student.train()
     while progress() < 1.0:
         qat_switch()
@@ -576,6 +618,9 @@ def main(argv=None) -> None:
         depth = 1 + int(torch.multinomial(probs, 1, generator=gen))
         x, y = sample_batch(train_tokens, args.batch, args.seq, gen, device, sources)
         if synthetic is not None:
+            if args.synthetic_follow > 0 and time.time() - last_follow > args.synthetic_follow:
+                log("synthetic", step=step, records=synthetic.refresh())
+                last_follow = time.time()
             x, y = mix_synthetic(x, y, synthetic, args.synthetic_share, gen)
         if args.resample > 0:
             window = resample_tokens(teacher, torch.cat((x, y[:, -1:]), dim=1), args.resample,
