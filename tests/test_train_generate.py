@@ -18,7 +18,7 @@ from generate_text import (StopOnSigterm, Stopped, check_cache, main as generate
                            sample_next, sample_records)
 from layers import Dims  # noqa: E402
 from teacher import Teacher  # noqa: E402
-from train import load_synthetic, mix_synthetic  # noqa: E402
+from train import SyntheticRecords, mix_synthetic  # noqa: E402
 
 
 def tiny_teacher(seed: int) -> Teacher:
@@ -75,7 +75,7 @@ def test_mixed_batches_hold_whole_records(tmp_path):
     seq = 6
     records = np.arange(5 * (seq + 1), dtype=np.uint16) + 1000
     records.tofile(tmp_path / "s.u16")
-    loaded = load_synthetic(f"{tmp_path / 's.u16'}", seq)
+    loaded = SyntheticRecords(f"{tmp_path / 's.u16'}", seq)
     assert loaded.shape == (5, seq + 1)
     x = torch.zeros((64, seq), dtype=torch.long)
     y = torch.zeros((64, seq), dtype=torch.long)
@@ -95,7 +95,7 @@ def test_followed_records_grow_with_the_files_and_skip_a_partial_record(tmp_path
     a, b = tmp_path / "a.u16", tmp_path / "b.u16"
     (np.arange(2 * width, dtype=np.uint16) + 1000).tofile(a)
     b.write_bytes(b"")  # the second sampler has written nothing yet
-    records = load_synthetic(f"{a},{b}", seq, follow=True)
+    records = SyntheticRecords(f"{a},{b}", seq, follow=True)
     assert records.shape == (2, width)
     with open(b, "ab") as f:  # a whole record and half of the next, as a sampler mid-write
         (np.arange(width + 3, dtype=np.uint16) + 5000).tofile(f)
@@ -110,7 +110,7 @@ def test_followed_records_grow_with_the_files_and_skip_a_partial_record(tmp_path
 def test_following_still_needs_a_whole_record(tmp_path):
     np.arange(5, dtype=np.uint16).tofile(tmp_path / "short.u16")
     with pytest.raises(SystemExit, match="no whole record"):
-        load_synthetic(str(tmp_path / "short.u16"), 6, follow=True)
+        SyntheticRecords(str(tmp_path / "short.u16"), 6, follow=True)
 
 
 def test_sigterm_waits_for_a_batch_being_appended():
@@ -127,15 +127,15 @@ def test_sigterm_waits_for_a_batch_being_appended():
 def test_ragged_record_file_is_refused(tmp_path):
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "bad.u16")
     with pytest.raises(SystemExit, match="whole number of records"):
-        load_synthetic(str(tmp_path / "bad.u16"), 6)
+        SyntheticRecords(str(tmp_path / "bad.u16"), 6)
 
 
 def test_missing_or_empty_record_file_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
-        load_synthetic(str(tmp_path / "absent.u16"), 6)
+        SyntheticRecords(str(tmp_path / "absent.u16"), 6)
     (tmp_path / "empty.u16").write_bytes(b"")
     with pytest.raises(SystemExit, match="whole number of records"):
-        load_synthetic(str(tmp_path / "empty.u16"), 6)
+        SyntheticRecords(str(tmp_path / "empty.u16"), 6)
 
 
 def test_generation_refuses_to_append_to_misaligned_records(tmp_path, capsys):

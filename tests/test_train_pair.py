@@ -1,6 +1,8 @@
 """tools/train/pair.py: models come back from the GPU machine in pieces below its 16 MiB
 per-file limit that join to the same bytes; variant arguments are parsed strictly."""
 
+from pathlib import Path
+
 import pytest
 
 from tool_module import load_tool
@@ -37,3 +39,21 @@ def test_every_variant_needs_a_gpu_index(pair, tmp_path, gpus):
     with pytest.raises(SystemExit, match="one GPU index per variant"):
         pair.main(["--teacher", "T.gguf", "--root", str(tmp_path / "r"), "--copy-to", str(tmp_path / "o"),
                    "--run-minutes", "1", "--variant", "a=", "--variant", "b=", f"--gpus={gpus}"])
+
+
+def test_each_variant_trains_on_its_gpu(pair, tmp_path, monkeypatch):
+    launched = []
+
+    class FakeRun:  # a train.py that exits at once without results: nothing to export
+        def __init__(self, cmd, env, stdout, stderr):
+            launched.append((cmd[cmd.index("--out") + 1], env["CUDA_VISIBLE_DEVICES"]))
+            (Path(cmd[cmd.index("--out") + 1]) / "train.log").write_text("")
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(pair.subprocess, "Popen", FakeRun)
+    status = pair.main(["--teacher", "T.gguf", "--root", str(tmp_path / "r"), "--copy-to", str(tmp_path / "o"),
+                        "--run-minutes", "1", "--variant", "a=", "--variant", "b=", "--gpus", "1,3"])
+    assert status == 1  # neither run left results
+    assert launched == [(str(tmp_path / "r" / "a"), "1"), (str(tmp_path / "r" / "b"), "3")]

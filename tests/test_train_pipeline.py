@@ -25,7 +25,7 @@ esac
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 
 
-def run(tmp_path, env_extra=None, work=None):
+def run(tmp_path, env_extra=None, work=None, pair_args=()):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python3"
@@ -38,7 +38,7 @@ def run(tmp_path, env_extra=None, work=None):
     (tmp_path / "sotu=3,brown=x").write_text("")  # what the glob in the arguments would match
     proc = subprocess.run(["bash", str(SCRIPT), str(work), "T.gguf", "DATA", "0.5",
                            "--batch 8 --free-share 0.2 --source-weights sotu=3,brown=*",
-                           "--root", "R", "--variant", "a=--lr 1e-4"],
+                           "--root", "R", "--variant", "a=--lr 1e-4", *pair_args],
                           env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     lines = calls.read_text().splitlines() if calls.exists() else []
     return proc, (work / "done").read_text().strip() if (work / "done").exists() else None, lines
@@ -93,7 +93,19 @@ def test_gpu_0_keeps_sampling_while_the_others_train(tmp_path):
     generate = sorted(c for c in calls if "generate_text.py" in c)
     assert "--minutes 3 " in generate[0] and "--minutes 0.5 " in generate[1]
     assert calls[-1].endswith("--variant a=--lr 1e-4 --gpus 1")
-    assert "stopped the sampler on GPU 0, still running" in proc.stdout  # not left behind
+    assert "stopped the sampler on GPU 0, which was still running" in proc.stdout  # not left behind
+    assert "the sampler on GPU 0 exited 143" in proc.stdout  # the stand-in's sleep does not catch SIGTERM
+
+
+def test_no_minutes_kept_means_every_gpu_trains(tmp_path):
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "0.0"})
+    assert done == "0" and calls[-1].endswith("--gpus 0,1")
+
+
+def test_keeping_a_sampler_needs_a_gpu_per_variant(tmp_path):
+    proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "2"}, pair_args=["--variant", "b="])
+    assert done == "94" and "1 GPU(s) left for 2 variant(s)" in proc.stdout
+    assert not any("generate_text.py" in c for c in calls)  # refused before any sampling
 
 
 def test_keeping_a_sampler_needs_a_gpu_to_train_on(tmp_path):

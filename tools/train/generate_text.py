@@ -265,7 +265,9 @@ def main(argv=None) -> int:
                   f"{rate:.0f} sampled tokens/s", flush=True)
     except Stopped:
         info["stopped"] = "SIGTERM"
-        print("[generate] stopped by SIGTERM: a batch still being sampled is dropped", flush=True)
+        print(f"[generate] stopped by SIGTERM after {batches} whole batches", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process
     info.update(records=have + made, records_this_run=made, sampled_tokens_this_run=sampled,
                 seconds=round(time.time() - t0, 1), setup_s=round(start - t0, 1))
     Path(str(out) + ".json").write_text(json.dumps(info, indent=1) + "\n")

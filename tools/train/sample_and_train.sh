@@ -41,12 +41,18 @@ main() {
     gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")  # 1: the CPU
     [[ $gpus =~ ^[0-9]+$ ]] || { echo "[pipeline] cannot count the GPUs: $gpus"; return 91; }
     local first=0 train_gpus=()  # first: the first GPU whose sampler ends before training
-    if [ "$keep" != 0 ]; then
-        [[ $keep =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "$gpus" -gt 1 ] || {
-            echo "[pipeline] KEEP_SAMPLING_MINUTES=$keep needs a number of minutes and a second GPU to train on"
-            return 94
-        }
+    if [[ ! $keep =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
+        echo "[pipeline] KEEP_SAMPLING_MINUTES=$keep needs a number of minutes"
+        return 94
+    fi
+    if awk "BEGIN { exit !($keep > 0) }"; then
         first=1
+        local variants
+        variants=$(count_variants "$@")
+        if [ $((gpus - first)) -lt "$variants" ]; then
+            echo "[pipeline] KEEP_SAMPLING_MINUTES keeps GPU 0 sampling: $((gpus - first)) GPU(s) left for $variants variant(s)"
+            return 94
+        fi
     fi
     echo "[pipeline] $(date -u +%T) sampling $SAMPLE_MINUTES min on $gpus GPU(s), attention $attention"
     local pids=()
@@ -79,16 +85,28 @@ main() {
     return $status
 }
 
+count_variants() {  # how many --variant arguments pair.py gets
+    local n=0 arg
+    for arg in "$@"; do
+        case $arg in --variant | --variant=*) n=$((n + 1)) ;; esac
+    done
+    echo $n
+}
+
+running() { [ -n "$(jobs -rp | grep -x "$1")" ]; }  # a child of this shell, not yet reaped
+
 stop_samplers() {  # PIDS of GPU 0, 1, ...: samplers nothing reads from any more
-    local g=0 pid i
+    local g=0 pid i rc
     for pid in "$@"; do
-        if kill -0 "$pid" 2>/dev/null; then
+        if running "$pid"; then
             kill "$pid" 2>/dev/null
-            echo "[pipeline] stopped the sampler on GPU $g, still running"
-            for ((i = 0; i < 60 && $(kill -0 "$pid" 2>/dev/null && echo 1 || echo 0); i++)); do sleep 1; done
-            kill -9 "$pid" 2>/dev/null  # it had a minute to finish appending a batch
+            for ((i = 0; i < 60; i++)); do running "$pid" || break; sleep 1; done
+            running "$pid" && kill -9 "$pid" 2>/dev/null  # it had a minute to finish its batch
+            echo "[pipeline] stopped the sampler on GPU $g, which was still running"
         fi
         wait "$pid" 2>/dev/null
+        rc=$?
+        [ $rc = 0 ] || echo "[pipeline] the sampler on GPU $g exited $rc"
         tail -n 2 "$WORK/generate-$g.log"
         g=$((g + 1))
     done

@@ -314,10 +314,6 @@ class SyntheticRecords:
         return out
 
 
-def load_synthetic(spec: str, seq: int, follow: bool = False) -> SyntheticRecords:
-    return SyntheticRecords(spec, seq, follow)
-
-
 def mix_synthetic(x, y, records: SyntheticRecords, share: float, gen: torch.Generator):
     """x, y with about `share` of the rows replaced by random synthetic records."""
     pick = (torch.rand(x.shape[0], generator=gen) < share).nonzero().flatten()
@@ -507,7 +503,7 @@ def main(argv=None) -> None:
     data = Path(args.data)
     train_tokens = load_tokens(data / "train.u16")
     sources = source_ranges(data, len(train_tokens), args.source_weights) if args.source_weights else None
-    synthetic = load_synthetic(args.synthetic, args.seq, args.synthetic_follow > 0) if args.synthetic else None
+    synthetic = SyntheticRecords(args.synthetic, args.seq, args.synthetic_follow > 0) if args.synthetic else None
     probs = depth_probs(args.max_depth, args.depth_power)
     val_windows = fixed_windows(load_tokens(data / "val.u16"), args.eval_windows, args.seq)
 
