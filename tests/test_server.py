@@ -150,6 +150,12 @@ def test_sampling_is_seeded(server):
     request = {"prompt": "Hi", "max_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": 3}
     first, second = (server.post("/v1/completions", request)[1]["choices"][0]["text"] for _ in "ab")
     assert first == second
+    # the same with drafts (speculative sampling: the library's own tests check the
+    # distribution; here the request is taken and seeded)
+    request.update(draft_depth=1, n_draft=3)
+    replies = [server.post("/v1/completions", request) for _ in "ab"]
+    assert [status for status, _ in replies] == [200, 200], replies
+    assert replies[0][1]["choices"][0]["text"] == replies[1][1]["choices"][0]["text"]
 
 
 def test_chat(chat_server):
@@ -200,7 +206,7 @@ def test_chat_without_template_is_refused(server):
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ({"prompt": {"text": "x"}}, "prompt", "must be a non-empty string"),
     ({"prompt": "x" * 200}, "prompt", "context"),
-    ({"prompt": "x", "temperature": 0.7, "draft_depth": 1}, None, "greedy tokens only"),
+    ({"prompt": "x", "depth": 1, "draft_depth": 2}, None, "deeper than the generation's depth"),
     ({}, "prompt", "must be a non-empty string"),
 ])
 def test_bad_completion_requests(server, body, param, words):

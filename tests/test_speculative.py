@@ -1,6 +1,8 @@
-"""Self-speculative greedy decoding (draft_depth / n_draft): the tokens are plain greedy
+"""Self-speculative decoding (draft_depth / n_draft). Greedy: the tokens are plain greedy
 decoding's for every architecture option, draft depth and draft length; the context ends
-as plain decoding leaves it; stops, streams and bad options behave.
+as plain decoding leaves it; stops, streams and bad options behave. Sampling: with a
+penalty at temperature 0 the tokens are plain decoding's; at temperature > 0 they follow
+plain sampling's distribution (a test of counts against the exact distribution).
 
 Why equality is exact here: the drafts only propose, and every returned token is the
 argmax of a pass at the full depth. That pass scores several rows at once where plain
@@ -137,11 +139,6 @@ def test_bad_speculative_options(model_dir):
     dense = model_file(model_dir, "plain-llama")
     with tinyloop.Model(looped, device=DEVICE) as model:
         depth = case_config("base")["default_depth"]
-        with pytest.raises(tinyloop.UnsupportedError, match="greedy tokens only"):
-            model.generate(PROMPT, max_tokens=4, temperature=0.8, draft_depth=1)
-        with pytest.raises(tinyloop.UnsupportedError, match="greedy tokens only"):
-            model.generate(PROMPT, max_tokens=4, temperature=0, repetition_penalty=1.2,
-                           draft_depth=1)
         with pytest.raises(tinyloop.InvalidArgumentError, match="deeper than the generation's"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=depth + 1)
         with pytest.raises(ValueError, match="n_draft"):
@@ -155,6 +152,110 @@ def test_bad_speculative_options(model_dir):
     with tinyloop.Model(dense, device=DEVICE) as model:
         with pytest.raises(tinyloop.UnsupportedError, match="no loop"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1)
+
+
+SAMPLED_CASES = ["base", "init-warm", "injection-concat", "sliding_window", "coda2", "huginn-q4"]
+
+
+@pytest.mark.parametrize("name", SAMPLED_CASES)
+def test_penalized_greedy_drafts_give_plain_tokens(model_dir, name):
+    """Temperature 0 with a repetition penalty goes through speculative sampling with
+    distributions that are all on one token: acceptance and the residual must then give
+    exactly plain decoding's tokens, the penalty's history included."""
+    depth = case_config(name)["max_depth"]
+    options = dict(temperature=0, repetition_penalty=1.5, repetition_window=8, eos=False)
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        plain = model.generate(PROMPT, max_tokens=30, depth=depth, **options)
+        for draft_depth in (1, depth - 1):
+            for n_draft in (1, 4):
+                spec = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=draft_depth,
+                                      n_draft=n_draft, **options)
+                label = f"{name}: draft depth {draft_depth}, {n_draft} drafts"
+                assert spec.tokens == plain.tokens, label
+                assert 0 <= spec.accepted_tokens <= spec.drafted_tokens and spec.drafted_tokens > 0, label
+                if draft_depth == 1:
+                    assert spec.accepted_tokens < spec.drafted_tokens, label   # refusals ran
+
+
+def _softmax(logits, temperature):
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _chi_square(counts, probs):
+    """Pearson's statistic of counts against probs, the cells of expected count < 5 merged
+    into one, with its degrees of freedom."""
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def _next_token_marginal(model, context_probs, depth, temperature):
+    """The distribution of the token after one more sampled token: sum over t of
+    context_probs[t] times the exact next-token distribution after PROMPT + prefix + [t],
+    where context_probs is a list of (prefix + [t], probability)."""
+    out = 0.0
+    for context, prob in context_probs:
+        if prob > 1e-6:
+            out = out + prob * _softmax(model.score_last_token(PROMPT + context, depth=depth), temperature)
+    return out
+
+
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft):
+    """Speculative sampling returns tokens distributed as plain sampling's. The first
+    generated token comes from the prefill; the second is the first round's (a kept draft
+    or a draw from the residual) and the third its second draft or the next round's (four
+    tokens, so that a round may draft two: a round drafts no more than can be returned). Their
+    counts over many seeds must fit the exact distributions at the full depth (the second
+    token's marginal over the first; the third's after the most frequent first token),
+    which the draft depth's are far from (so drafts kept without the test would fail)."""
+    name = "base"
+    config = case_config(name)
+    depth, vocab = config["max_depth"], config["vocab_size"]
+    temperature, n_runs = 0.8, 8000
+    options = dict(max_tokens=4, depth=depth, temperature=temperature, top_k=0, top_p=1.0,
+                   min_p=0.0, eos=False)
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        runs = np.array([model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, **options).tokens
+                         for seed in range(n_runs)])
+        first = _softmax(model.score_last_token(PROMPT, depth=depth), temperature)
+        t1 = int(np.bincount(runs[:, 0]).argmax())
+        after_t1 = _softmax(model.score_last_token(PROMPT + [t1], depth=depth), temperature)
+        checks = [  # (what, samples, exact distribution, the same at the draft depth)
+            ("token 2", runs[:, 1],
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, temperature),
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, temperature)),
+            (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, temperature),
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, temperature)),
+        ]
+        for what, samples, full, draft in checks:
+            seen = np.bincount(samples, minlength=vocab)
+            stat, dof = _chi_square(seen, full)
+            limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
+            label = f"{what}: {seen.sum()} samples"
+            assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
+            assert _chi_square(seen, draft)[0] > 3 * limit, f"{label}: drafts and full depth too alike"
+
+
+def test_sampled_speculation_is_seeded(model_dir):
+    options = dict(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02,
+                   repetition_penalty=1.2, eos=False, draft_depth=1, n_draft=3)
+    with tinyloop.Model(model_file(model_dir, "huginn-q4"), device=DEVICE) as model:
+        a = model.generate(PROMPT, seed=7, **options)
+        b = model.generate(PROMPT, seed=7, **options)
+        c = model.generate(PROMPT, seed=8, **options)
+        assert a.tokens == b.tokens and a.tokens != c.tokens
+        assert a.drafted_tokens > 0 and 0 <= a.accepted_tokens <= a.drafted_tokens
+        with model.stream(PROMPT, seed=7, **options) as stream:
+            assert list(stream) == a.tokens
 
 
 def test_c_call_takes_its_own_draft_arguments(model_dir):
@@ -209,12 +310,15 @@ def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
     textmodel.make_text_model(path)
     tool = Path(__file__).resolve().parent.parent / "tools" / "bench" / "speculative_cpu.py"
     out = tmp_path / "report.json"
-    subprocess.run([sys.executable, str(tool), "--model", str(path), "--threads", "1",
-                    "--new-tokens", "8", "--repeat", "1", "--drafts", "1:2,1:4",
-                    "--json", str(out)], check=True, timeout=300, capture_output=True)
-    report = json.loads(out.read_text())
-    assert [row["config"] for row in report["rows"]] == ["plain", "draft depth 1, 2 drafts",
-                                                         "draft depth 1, 4 drafts"]
-    assert report["rows"][0]["speedup"] == 1.0 and report["rows"][0]["acceptance"] is None
-    assert all(0 <= row["acceptance"] <= 1 for row in report["rows"][1:])
-    assert set(report["step_ms"]) == {"1", str(report["depth"])}
+    for temperature in (0.0, 0.8):
+        subprocess.run([sys.executable, str(tool), "--model", str(path), "--threads", "1",
+                        "--new-tokens", "8", "--repeat", "1", "--drafts", "1:2,1:4",
+                        "--temperature", str(temperature), "--json", str(out)],
+                       check=True, timeout=300, capture_output=True)
+        report = json.loads(out.read_text())
+        assert report["temperature"] == temperature
+        assert [row["config"] for row in report["rows"]] == ["plain", "draft depth 1, 2 drafts",
+                                                             "draft depth 1, 4 drafts"]
+        assert report["rows"][0]["speedup"] == 1.0 and report["rows"][0]["acceptance"] is None
+        assert all(0 <= row["acceptance"] <= 1 for row in report["rows"][1:])
+        assert set(report["step_ms"]) == {"1", str(report["depth"])}

@@ -190,6 +190,10 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
                 chunk_out.row_tokens = out->row_tokens + c0;
                 chunk_out.n_row_tokens = out->n_row_tokens - c0;
             }
+            if (out->n_row_logits > c0) {
+                chunk_out.row_logits = out->row_logits + c0 * (size_t)ctx->model->hp.vocab;
+                chunk_out.n_row_logits = out->n_row_logits - c0;
+            }
         }
         st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
         if (st != TL_OK) {

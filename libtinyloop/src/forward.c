@@ -243,7 +243,9 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     }
     int n_score = (int)(out->n_targets < (size_t)n ? out->n_targets : (size_t)n);
     int n_argmax = (int)(out->n_row_tokens < (size_t)n ? out->n_row_tokens : (size_t)n);
+    int n_logit_rows = (int)(out->n_row_logits < (size_t)n ? out->n_row_logits : (size_t)n);
     int n_rows = n_score > n_argmax ? n_score : n_argmax;
+    if (n_logit_rows > n_rows) n_rows = n_logit_rows;
     if (n_rows <= 0) return;
     F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_rows, F->d, xn);
     /* logit_rows at a time, so scoring never holds n x V floats */
@@ -252,6 +254,9 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         F->ops->matmul(F->ex, &m->output, tl_act_add(xn, (size_t)r0 * F->d), F->d, rows, logits, V);
         for (int r = r0; r < r0 + rows && r < n_argmax; r++)
             out->row_tokens[r] = F->ops->argmax(F->ex, tl_act_add(logits, (size_t)(r - r0) * V), V);
+        for (int r = r0; r < r0 + rows && r < n_logit_rows; r++)
+            F->ops->download(F->ex, out->row_logits + (size_t)r * V, tl_act_add(logits, (size_t)(r - r0) * V),
+                             (size_t)V);
         if (r0 < n_score) {
             int scored = n_score - r0 < rows ? n_score - r0 : rows;
             F->ops->logprobs(F->ex, logits, scored, V, out->targets + r0, out->logprobs + r0);

@@ -23,6 +23,9 @@ typedef struct tl_forward_out {
     int32_t *row_tokens;       /* host: argmax of row i's logits for rows i < n_row_tokens
                                   (a speculative verification); or NULL                */
     size_t n_row_tokens;
+    float *row_logits;         /* host: row i's vocab logits at row_logits[i * vocab] for rows
+                                  i < n_row_logits (a sampled speculative verification)  */
+    size_t n_row_logits;
     int token_on_device;       /* one row whose token is the last chained argmax (backend.h);
                                   tokens[0] is a placeholder                          */
     int chain_token;           /* argmax of the last row kept on the device (argmax_chained),

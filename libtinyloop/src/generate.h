@@ -31,11 +31,14 @@ struct tl_stream {
     int chained;                   /* greedy steps chained on the device, one step ahead */
     int queued;                    /* chained: argmax results not yet read (0-2) */
     int ahead;                     /* chained: generated[n_generated-1] was fed ahead of need */
-    /* self-speculative decoding (draft_depth > 0, greedy only; docs/api.md) */
+    /* self-speculative decoding (draft_depth > 0; docs/api.md) */
     int32_t draft_depth;           /* loop depth of the drafts                          */
     int32_t n_draft;               /* tokens drafted per verification at most           */
     int32_t *spec_fed;             /* [n_draft + 1]: the pending token, then the drafts */
     int32_t *spec_ready;           /* [n_draft + 1]: verified tokens, returned in order */
+    double *spec_q;                /* sampling: [n_draft][vocab] the drafts' distributions */
+    double *spec_p;                /* sampling: [vocab] a verification row's distribution */
+    float *spec_rows;              /* sampling: [n_draft + 1][vocab] verification logits   */
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
     size_t base;                   /* the sequence's length after the prompt            */
     uint32_t n_drafted, n_accepted;

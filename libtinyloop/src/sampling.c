@@ -213,7 +213,14 @@ static uint64_t select_threshold(const tl_sample_candidate *cand, int n, uint64_
     return prefix;
 }
 
-int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step) {
+/* The candidates a prepared step draws from, after the penalty (applied to logits in
+ * place), top-k, min-p and top-p: cand[0..n) in id order with their weights, of which
+ * those of key >= *lower are kept, *total their weight. Returns the argmax after the
+ * penalty; n = 0 when the step is greedy or nothing has weight, and the token is it. */
+static int32_t kept_candidates(float *logits, int vocab, const tl_sample_step *step, int *n_out,
+                               uint64_t *lower_out, uint64_t *total_out) {
+    *n_out = 0;
+    *lower_out = *total_out = 0;
     for (int32_t i = 0; i < step->n_penalized; i++) {
         int32_t t = step->penalized[i];
         if (t >= 0 && t < vocab) logits[t] = tl_sample_penalize(logits[t], step->repetition_penalty);
@@ -255,16 +262,54 @@ int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step) {
     uint64_t lower = 0;   /* kept: candidates of key >= lower */
     if (step->top_p < 1.0f)
         lower = select_threshold(cand, n, tl_sample_top_p_need(total, step->top_p), &total);
+    *n_out = n;
+    *lower_out = lower;
+    *total_out = total;
+    return best;
+}
 
+int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step) {
+    int n;
+    uint64_t lower, total;
+    int32_t best = kept_candidates(logits, vocab, step, &n, &lower, &total);
+    const tl_sample_candidate *cand = step->host_scratch;
     /* the draw walks the kept candidates in id order */
-    uint64_t r = tl_sample_draw(step->random, total), acc = 0;
+    uint64_t r = n ? tl_sample_draw(step->random, total) : 0, acc = 0;
     for (int i = 0; i < n; i++) {
         if (cand[i].key < lower) continue;
         acc += cand[i].weight;
         if (r < acc) return tl_sample_key_id(cand[i].key);
     }
-    return best;   /* not reached: r < total */
+    return best;   /* greedy, nothing with weight; else not reached: r < total */
 }
+
+void tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, double *probs) {
+    int n;
+    uint64_t lower, total;
+    int32_t best = kept_candidates(logits, vocab, step, &n, &lower, &total);
+    const tl_sample_candidate *cand = step->host_scratch;
+    memset(probs, 0, (size_t)vocab * sizeof *probs);
+    if (n == 0) {
+        probs[best] = 1.0;
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        if (cand[i].key >= lower) probs[tl_sample_key_id(cand[i].key)] = (double)cand[i].weight / (double)total;
+}
+
+int32_t tl_sample_from(const double *weights, int vocab, double total, uint64_t random) {
+    double r = (double)(random >> 11) * 0x1p-53 * total, acc = 0.0;
+    int32_t last = -1;
+    for (int i = 0; i < vocab; i++) {
+        if (!(weights[i] > 0.0)) continue;
+        acc += weights[i];
+        last = i;
+        if (r < acc) return i;
+    }
+    return last;   /* r rounded up to the sum: the last token with weight */
+}
+
+uint64_t tl_sampler_random(tl_sampler *s) { return rng_next(s->rng); }
 
 int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history, size_t n_history) {
     tl_sample_step step;

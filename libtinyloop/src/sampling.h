@@ -42,6 +42,19 @@ void tl_sampler_begin_step(tl_sampler *s, const int32_t *past, size_t n_past, co
  * by the penalty), with the step's host_scratch. */
 int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step);
 
+/* The distribution a prepared step draws from (after the penalty, applied to logits in
+ * place): probs[v] = the weight of token v over the kept total, 0 outside; a greedy step
+ * (or one where nothing has weight) puts all of it on its argmax. Speculative sampling
+ * compares the draft's and the full depth's distributions with it. */
+void tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, double *probs);
+
+/* A token drawn in proportion to weights[0..vocab) (>= 0, summing to total > 0), walking
+ * the ids in order with the 53-bit uniform of `random`; -1 when no weight is positive. */
+int32_t tl_sample_from(const double *weights, int vocab, double total, uint64_t random);
+
+/* The generator's next output (a draw outside the steps: speculative acceptance). */
+uint64_t tl_sampler_random(tl_sampler *s);
+
 /* Both at once: the next token after `history`. */
 int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history, size_t n_history);
 

@@ -1,18 +1,28 @@
-/* speculative.c — self-speculative greedy decoding (docs/api.md, "Speculative decoding").
+/* speculative.c — self-speculative decoding (docs/api.md, "Speculative decoding").
  *
  * A round starts with the context holding every generated token but the last one, p.
- * Drafts: p, then each draft token, is appended at the draft depth and its argmax is the
- * next draft token (k of them). The draft shares the context's cache: the prelude and
- * the first draft_depth loop iterations of a position are the same at any depth (every
- * iteration has its own K/V slot), so only the coda's rows are the draft's own; they
- * attend to the coda rows the full depth wrote for earlier positions. Verification:
- * the drafts' positions are dropped and p with the k drafts is evaluated at the
- * stream's depth in one pass, which overwrites every row the drafts wrote and gives the
- * greedy token after each of the k + 1 positions. The drafts agree up to the first
- * mismatch j; p and the j agreeing drafts stay in the context, and the verified tokens
- * 1..j plus the one after them are returned, the same tokens as plain greedy decoding
- * up to near-ties, which rounding may resolve differently in a many-row pass than in
- * one-row steps (other kernels on CUDA). */
+ * Drafts: p, then each draft token, is appended at the draft depth and the next draft
+ * token is picked from its logits (k of them). The draft shares the context's cache: the
+ * prelude and the first draft_depth loop iterations of a position are the same at any
+ * depth (every iteration has its own K/V slot), so only the coda's rows are the draft's
+ * own; they attend to the coda rows the full depth wrote for earlier positions.
+ * Verification: the drafts' positions are dropped and p with the k drafts is evaluated
+ * at the stream's depth in one pass, which overwrites every row the drafts wrote. The
+ * first j drafts are kept; p and those j stay in the context, and the j drafts plus one
+ * more token are returned.
+ *
+ * Greedy: a draft is its argmax, kept while it equals the full pass's argmax at the same
+ * position, and the token after the kept ones is that argmax: plain greedy decoding's
+ * tokens, up to near-ties, which rounding may resolve differently in a many-row pass than
+ * in one-row steps (other kernels on CUDA).
+ *
+ * Sampling (speculative sampling): draft i is drawn from the draft depth's distribution
+ * q_i (the generation's penalty, top-k, temperature, min-p and top-p applied to the
+ * draft's logits) and kept with probability min(1, p_i(x) / q_i(x)), p_i the full depth's
+ * distribution at the same position; the first draft refused is replaced by a draw from
+ * max(0, p_i - q_i), normalised, and when all are kept one more token is drawn from p_k.
+ * Every returned token is then distributed as plain sampling's (not the same tokens for
+ * a seed: the draws differ). */
 #include "speculative.h"
 
 #include <stdlib.h>
@@ -29,11 +39,6 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
         return tl_fail(TL_ERR_UNSUPPORTED,
                        "speculative decoding drafts at a shallower loop depth, and this model has "
                        "no loop (n_core = 0)");
-    if (!g->greedy)
-        return tl_fail(TL_ERR_UNSUPPORTED,
-                       "speculative decoding verifies greedy tokens only: set temperature 0 and "
-                       "repetition_penalty 1 (got temperature %g, repetition_penalty %g)",
-                       (double)o->temperature, (double)o->repetition_penalty);
     if (o->draft_depth > g->depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "draft_depth %d is deeper than the generation's depth %d", o->draft_depth,
@@ -45,20 +50,42 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     g->n_draft = o->n_draft ? o->n_draft : TL_DEFAULT_DRAFT;
     g->spec_fed = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_fed);
     g->spec_ready = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_ready);
+    if (!g->greedy) {   /* the distributions of a round: drafts, verification rows */
+        size_t V = (size_t)ctx->model->hp.vocab, k = (size_t)g->n_draft;
+        g->spec_q = malloc(k * V * sizeof *g->spec_q);
+        g->spec_p = malloc(V * sizeof *g->spec_p);
+        g->spec_rows = malloc((k + 1) * V * sizeof *g->spec_rows);
+        if (!g->spec_q || !g->spec_p || !g->spec_rows)
+            return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative sampling buffers "
+                                                 "(%zu drafts x %zu tokens)", k, V);
+    }
     if (!g->spec_fed || !g->spec_ready)
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative decoding buffers");
     return TL_OK;
 }
 
-static tl_status round_of_drafts(struct tl_stream *g) {
-    struct tl_context *ctx = g->ctx;
-    size_t n = ctx->n_tokens;   /* where the pending token goes */
-    /* at most as many drafts as tokens may still follow the one the round returns
-     * anyway, and as positions are left after the pending token */
+/* Drafts this round: at most as many as tokens may still follow the one the round
+ * returns anyway, and as positions are left after the pending token (at position n). */
+static size_t drafts_this_round(const struct tl_stream *g, size_t n) {
     size_t k = (size_t)g->n_draft;
     size_t still = g->max_tokens - g->n_generated;   /* >= 1: else the stream has stopped */
     if (k > still - 1) k = still - 1;
-    if (k > (size_t)ctx->max_seq - n - 1) k = (size_t)ctx->max_seq - n - 1;
+    if (k > (size_t)g->ctx->max_seq - n - 1) k = (size_t)g->ctx->max_seq - n - 1;
+    return k;
+}
+
+/* The round's outcome: p and the j kept drafts stay in the context; n_ready tokens wait. */
+static void end_round(struct tl_stream *g, size_t n, size_t k, size_t j) {
+    tl_context_set_length(g->ctx, n + 1 + j);
+    g->n_ready = j + 1;
+    g->ready_at = 0;
+    g->n_drafted += (uint32_t)k;
+    g->n_accepted += (uint32_t)j;
+}
+
+static tl_status round_of_drafts(struct tl_stream *g) {
+    struct tl_context *ctx = g->ctx;
+    size_t n = ctx->n_tokens, k = drafts_this_round(g, n);
     int32_t *fed = g->spec_fed, *verified = g->spec_ready;
     fed[0] = g->generated[g->n_generated - 1];
     tl_status st = TL_OK;
@@ -73,17 +100,69 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     if (st != TL_OK) return st;
     size_t j = 0;
     while (j < k && fed[j + 1] == verified[j]) j++;
-    tl_context_set_length(ctx, n + 1 + j);
-    g->n_ready = j + 1;
-    g->ready_at = 0;
-    g->n_drafted += (uint32_t)k;
-    g->n_accepted += (uint32_t)j;
+    end_round(g, n, k, j);
+    return TL_OK;
+}
+
+/* A number in [0, 1) from the stream's generator. */
+static double uniform(struct tl_stream *g) {
+    return (double)(tl_sampler_random(&g->sampler) >> 11) * 0x1p-53;
+}
+
+static tl_status round_of_samples(struct tl_stream *g) {
+    struct tl_context *ctx = g->ctx;
+    const size_t V = (size_t)ctx->model->hp.vocab;
+    size_t n = ctx->n_tokens, k = drafts_this_round(g, n);
+    int32_t *fed = g->spec_fed, *ready = g->spec_ready;
+    fed[0] = g->generated[g->n_generated - 1];
+    tl_sample_step step;
+    tl_status st = TL_OK;
+    /* the penalty's history of the position after fed[i]: the sequence, then fed[0..i] */
+    for (size_t i = 0; i < k && st == TL_OK; i++) {
+        tl_forward_out out = { .last_logits = g->logits };
+        st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
+        if (st != TL_OK) break;
+        double *q = g->spec_q + i * V;
+        tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, i + 1, &step);
+        tl_sample_distribution(g->logits, (int)V, &step, q);
+        fed[i + 1] = tl_sample_from(q, (int)V, 1.0, step.random);
+    }
+    tl_context_set_length(ctx, n);
+    if (st != TL_OK) return st;
+    tl_forward_out out = { .row_logits = g->spec_rows, .n_row_logits = k + 1 };
+    st = tl_context_eval(ctx, fed, k + 1, g->depth, &out);
+    if (st != TL_OK) return st;
+    double *p = g->spec_p;
+    size_t j = 0;
+    for (;; j++) {
+        tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, j + 1, &step);
+        tl_sample_distribution(g->spec_rows + j * V, (int)V, &step, p);
+        if (j == k) {   /* every draft kept: one more token from the full depth */
+            ready[j] = tl_sample_from(p, (int)V, 1.0, step.random);
+            break;
+        }
+        const double *q = g->spec_q + j * V;
+        int32_t x = fed[j + 1];
+        if (uniform(g) * q[x] < p[x]) {   /* kept with probability min(1, p(x) / q(x)) */
+            ready[j] = x;
+            continue;
+        }
+        double total = 0.0;   /* refused: draw from what p has beyond q */
+        for (size_t v = 0; v < V; v++) {
+            p[v] = p[v] > q[v] ? p[v] - q[v] : 0.0;
+            total += p[v];
+        }
+        int32_t t = total > 0.0 ? tl_sample_from(p, (int)V, total, step.random) : -1;
+        ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
+        break;
+    }
+    end_round(g, n, k, j);
     return TL_OK;
 }
 
 tl_status tl_speculative_next(struct tl_stream *g, int32_t *token) {
     if (g->ready_at == g->n_ready) {
-        tl_status st = round_of_drafts(g);
+        tl_status st = g->greedy ? round_of_drafts(g) : round_of_samples(g);
         if (st != TL_OK) return st;
     }
     *token = g->spec_ready[g->ready_at++];
@@ -105,6 +184,11 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
 void tl_speculative_free(struct tl_stream *g) {
     free(g->spec_fed);
     free(g->spec_ready);
+    free(g->spec_q);
+    free(g->spec_p);
+    free(g->spec_rows);
     g->spec_fed = NULL;
     g->spec_ready = NULL;
+    g->spec_q = g->spec_p = NULL;
+    g->spec_rows = NULL;
 }

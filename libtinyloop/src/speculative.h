@@ -1,6 +1,7 @@
-/* speculative.h — self-speculative greedy decoding inside a generation stream: draft
- * tokens one by one at a shallow loop depth, verify them all in one pass at the
- * stream's depth, keep the longest agreeing prefix plus the verified next token. */
+/* speculative.h — self-speculative decoding inside a generation stream: draft tokens
+ * one by one at a shallow loop depth, verify them all in one pass at the stream's depth,
+ * keep the drafts the verification accepts plus one token of its own (greedy: the
+ * longest agreeing prefix; sampling: speculative sampling's acceptance). */
 #ifndef TL_SPECULATIVE_H
 #define TL_SPECULATIVE_H
 
@@ -11,7 +12,7 @@
 #define TL_MAX_DRAFT 32
 #define TL_DEFAULT_DRAFT 4
 
-/* Check o->draft_depth / o->n_draft against the stream (its depth, greedy, model) and
+/* Check o->draft_depth / o->n_draft against the stream (its depth, model) and
  * allocate the round buffers; nothing to do when o->draft_depth is 0. */
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o);
 /* The next verified token: the oldest one not yet returned, after a draft-and-verify

@@ -4,7 +4,7 @@ Each built-in is a `tinyloop.plugins.Plugin` and is registered exactly like a
 third-party plugin (docs/plugins.md), except that it is listed here instead of in an
 entry point. The registry calls `builtin_plugins()` once per process.
 
-Shipped: `speculative` (self-speculative greedy decoding). Tree speculation, paged KV
+Shipped: `speculative` (self-speculative decoding). Tree speculation, paged KV
 and the fp16 body will each be added as a module of this package and listed in
 `builtin_plugins`.
 """

@@ -1,13 +1,11 @@
-"""The `speculative` mode: self-speculative greedy decoding (docs/plugins.md).
+"""The `speculative` mode: self-speculative decoding (docs/plugins.md).
 
 Drafts of `n_draft` tokens come from the model itself at the shallow loop depth
 `draft_depth`, sharing the context's cache, and one pass at the generation's depth
-verifies them all; the tokens are those of plain greedy decoding. The library does the
-work (tl_generate_options.draft_depth / n_draft); this mode only switches it on from
-TOML:
-
-    [sampling]
-    temperature = 0
+verifies them all: greedy, the tokens are those of plain greedy decoding; sampling
+(temperature > 0 or a penalty), they follow plain sampling's distribution (speculative
+sampling). The library does the work (tl_generate_options.draft_depth / n_draft); this
+mode only switches it on from TOML:
 
     [modes.speculative]
     draft_depth = 1
@@ -24,7 +22,7 @@ def _strategy(model, prompt_ids, generate_options, config):
 
 PLUGIN = Plugin(
     name="speculative",
-    description="greedy drafts at a shallow loop depth, verified at the full depth",
+    description="drafts at a shallow loop depth, verified at the full depth",
     options=(
         Option("draft_depth", int, 1, "loop depth of the drafts (at most the generation's)",
                minimum=1),

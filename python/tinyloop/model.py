@@ -296,9 +296,9 @@ class _Scoring:
         Options: max_tokens, depth, temperature (0 = greedy), top_k, top_p, min_p,
         repetition_penalty, repetition_window, seed, eos (None: the model's, an id, or
         False: never stop on EOS), stop (strings or token lists), draft_depth and
-        n_draft (self-speculative greedy decoding: drafts of n_draft tokens, 0 = 4, at
-        loop depth draft_depth, verified at `depth`; 0 = off). `text` is set when the
-        prompt was a str."""
+        n_draft (self-speculative decoding: drafts of n_draft tokens, 0 = 4, at loop
+        depth draft_depth, verified at `depth`; 0 = off; greedy or sampled). `text` is
+        set when the prompt was a str."""
         model = self._model
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)

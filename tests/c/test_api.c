@@ -508,10 +508,24 @@ static void test_speculative(fixture *f) {
                  TL_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &o, 1, -1, out, 4, NULL),
                  TL_ERR_INVALID_ARGUMENT);
+    /* sampling: seeded, whole, in range (the distribution is tested from Python); at
+     * temperature 0 with a penalty, plain decoding's tokens */
     tl_generate_options sampled = o;
     sampled.temperature = 0.8f;
-    CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &sampled, 1, 4, out, 4, NULL),
-                 TL_ERR_UNSUPPORTED);
+    sampled.seed = 5;
+    int32_t again[N];
+    CHECK_OK(tl_generate_speculative(f->model, f->tokens, 5, &sampled, 1, 3, spec, N, &r));
+    CHECK_OK(tl_generate_speculative(f->model, f->tokens, 5, &sampled, 1, 3, again, N, NULL));
+    CHECK(r.n_tokens == N && memcmp(spec, again, sizeof spec) == 0, "sampled drafts are seeded");
+    for (int i = 0; i < N; i++)
+        CHECK(spec[i] >= 0 && spec[i] < f->info.vocab_size, "sampled token %d out of range", spec[i]);
+    CHECK(r.n_accepted <= r.n_drafted && r.n_drafted > 0, "sampled counters %u of %u", r.n_accepted,
+          r.n_drafted);
+    sampled.temperature = 0.0f;
+    sampled.repetition_penalty = 1.3f;
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &sampled, plain, N, NULL));
+    CHECK_OK(tl_generate_speculative(f->model, f->tokens, 5, &sampled, 1, 3, spec, N, NULL));
+    CHECK(memcmp(spec, plain, sizeof plain) == 0, "penalized greedy drafts give plain tokens");
 
     /* a caller built before the speculative fields: its options struct ended with tail
      * padding where draft_depth now sits (garbage here), and its result struct is shorter */
@@ -522,6 +536,7 @@ static void test_speculative(fixture *f) {
     struct { tl_generate_result r; uint32_t guard; } short_result;
     memset(&short_result, 0x5a, sizeof short_result);
     short_result.r.struct_size = (uint32_t)offsetof(tl_generate_result, n_drafted);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, plain, N, NULL));
     CHECK_OK(tl_generate(f->model, f->tokens, 5, &older, spec, N, &short_result.r));
     CHECK(memcmp(spec, plain, sizeof plain) == 0, "a first-release options struct decodes plainly");
     CHECK(short_result.r.n_drafted == 0x5a5a5a5au && short_result.guard == 0x5a5a5a5au,

@@ -196,7 +196,7 @@ typedef struct tl_generate_options {
     const uint32_t *stop_lengths;  /* length of each stop sequence                     */
     uint32_t n_stop_sequences;
     int32_t draft_depth;           /* self-speculative decoding: loop depth of the
-                                      drafts, 1..depth; 0 = off (greedy only)          */
+                                      drafts, 1..depth; 0 = off                        */
     int32_t n_draft;               /* tokens drafted per verification, 0..32; 0 = 4    */
 } tl_generate_options;
 
@@ -208,7 +208,7 @@ typedef struct tl_generate_result {
     double prefill_seconds;
     double decode_seconds;
     uint32_t n_drafted;            /* speculative: draft tokens verified               */
-    uint32_t n_accepted;           /* speculative: of them, kept (the greedy tokens)   */
+    uint32_t n_accepted;           /* speculative: of them, kept                       */
 } tl_generate_result;
 
 /* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
@@ -245,7 +245,8 @@ TL_API tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompt
                                    const tl_generate_options *opts, int32_t *const *out_tokens,
                                    size_t out_capacity, tl_generate_result *results);
 /* tl_generate with opts->draft_depth and opts->n_draft set to these (draft_depth >= 1):
- * greedy tokens drafted at a shallow loop depth and verified at the full one. */
+ * tokens drafted at a shallow loop depth and verified at the full one (greedy: plain
+ * greedy decoding's tokens; sampling: plain sampling's distribution). */
 TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
                                          const tl_generate_options *opts, int32_t draft_depth,
                                          int32_t n_draft, int32_t *out_tokens,
