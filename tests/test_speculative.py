@@ -177,12 +177,6 @@ def test_penalized_greedy_drafts_give_plain_tokens(model_dir, name):
                     assert spec.accepted_tokens < spec.drafted_tokens, label   # refusals ran
 
 
-def _softmax(logits, temperature):
-    x = np.asarray(logits, dtype=np.float64) / temperature
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
 def _chi_square(counts, probs):
     """Pearson's statistic of counts against probs, the cells of expected count < 5 merged
     into one, with its degrees of freedom."""
@@ -196,19 +190,50 @@ def _chi_square(counts, probs):
     return stat, int(keep.sum()) - 1
 
 
-def _next_token_marginal(model, context_probs, depth, temperature):
+def _next_token_marginal(model, context_probs, depth, sampling):
     """The distribution of the token after one more sampled token: sum over t of
     context_probs[t] times the exact next-token distribution after PROMPT + prefix + [t],
     where context_probs is a list of (prefix + [t], probability)."""
     out = 0.0
     for context, prob in context_probs:
         if prob > 1e-6:
-            out = out + prob * _softmax(model.score_last_token(PROMPT + context, depth=depth), temperature)
+            logits = model.score_last_token(PROMPT + context, depth=depth)
+            out = out + prob * _processed(logits, PROMPT + context, sampling)
     return out
 
 
+def _processed(logits, history, options):
+    """The distribution TinyLoop's sampler draws from (docs/sampling.md), in float64: the
+    repetition penalty over the window of history, then top-k, temperature, min-p (relative
+    to the best token) and top-p (the smallest set of the best tokens holding that mass)."""
+    x = np.asarray(logits, dtype=np.float64).copy()
+    penalty, window = options.get("repetition_penalty", 1.0), options.get("repetition_window", 0)
+    for t in set(history[-window:] if window else history):
+        x[t] = x[t] / penalty if x[t] > 0 else x[t] * penalty
+    order = np.argsort(-x, kind="stable")
+    if 0 < options.get("top_k", 0) < len(x):
+        order = order[:options["top_k"]]
+    w = np.exp((x[order] - x[order[0]]) / options["temperature"])
+    keep = w >= options.get("min_p", 0.0)
+    order, w = order[keep], w[keep]
+    if options.get("top_p", 1.0) < 1.0:
+        kept = int(np.searchsorted(np.cumsum(w), options["top_p"] * w.sum())) + 1
+        order, w = order[:kept], w[:kept]
+    out = np.zeros(len(x))
+    out[order] = w / w.sum()
+    return out
+
+
+SAMPLING = {
+    "plain": dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),
+    "truncated, penalized": dict(temperature=1.0, top_k=24, top_p=0.9, min_p=0.02,
+                                 repetition_penalty=1.4, repetition_window=0),
+}
+
+
 @pytest.mark.parametrize("n_draft", [1, 3])
-def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft):
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling):
     """Speculative sampling returns tokens distributed as plain sampling's. The first
     generated token comes from the prefill; the second is the first round's (a kept draft
     or a draw from the residual) and the third its second draft or the next round's (four
@@ -219,22 +244,21 @@ def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft):
     name = "base"
     config = case_config(name)
     depth, vocab = config["max_depth"], config["vocab_size"]
-    temperature, n_runs = 0.8, 8000
-    options = dict(max_tokens=4, depth=depth, temperature=temperature, top_k=0, top_p=1.0,
-                   min_p=0.0, eos=False)
+    options, n_runs = SAMPLING[sampling], 8000
     with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
-        runs = np.array([model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, **options).tokens
+        runs = np.array([model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, max_tokens=4,
+                                        depth=depth, eos=False, **options).tokens
                          for seed in range(n_runs)])
-        first = _softmax(model.score_last_token(PROMPT, depth=depth), temperature)
+        first = _processed(model.score_last_token(PROMPT, depth=depth), PROMPT, options)
         t1 = int(np.bincount(runs[:, 0]).argmax())
-        after_t1 = _softmax(model.score_last_token(PROMPT + [t1], depth=depth), temperature)
+        after_t1 = _processed(model.score_last_token(PROMPT + [t1], depth=depth), PROMPT + [t1], options)
         checks = [  # (what, samples, exact distribution, the same at the draft depth)
             ("token 2", runs[:, 1],
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, temperature),
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, temperature)),
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, options),
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, options)),
             (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, temperature),
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, temperature)),
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, options),
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, options)),
         ]
         for what, samples, full, draft in checks:
             seen = np.bincount(samples, minlength=vocab)
@@ -243,6 +267,31 @@ def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft):
             label = f"{what}: {seen.sum()} samples"
             assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
             assert _chi_square(seen, draft)[0] > 3 * limit, f"{label}: drafts and full depth too alike"
+
+
+@pytest.mark.parametrize("stop", ["max_tokens", "stream_closed"])
+def test_sampled_drafts_leave_the_context_as_plain_decoding(model_dir, stop):
+    """After a sampled run with drafts the context holds the prompt and every returned
+    token but the last (never fed): a continuation scores as after appending those."""
+    name = "huginn-q4"
+    depth = case_config(name)["max_depth"]
+    options = dict(max_tokens=20, depth=depth, temperature=0.9, eos=False, seed=3, draft_depth=1,
+                   n_draft=6)
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        with model.context() as ctx:
+            if stop == "stream_closed":
+                stream = ctx.stream(PROMPT, **options)
+                tokens = [next(stream) for _ in range(5)]
+                stream.close()
+            else:
+                tokens = ctx.generate(PROMPT, **options).tokens
+            length = len(ctx)
+            follow = ctx.append([7])
+        with model.context() as fresh:
+            fresh.append(PROMPT + tokens[:-1], depth=depth)
+            expected = fresh.append([7])
+        assert length == len(PROMPT) + len(tokens) - 1
+        np.testing.assert_allclose(follow, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sampled_speculation_is_seeded(model_dir):

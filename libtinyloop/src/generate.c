@@ -220,8 +220,10 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     double t0 = now_seconds();
     g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
     tl_status st = TL_OK;
+    int verified = 0;   /* a speculative round's token: already drawn, never sampled again */
     if (g->draft_depth && (g->has_pending || g->ready_at < g->n_ready)) {
         st = tl_speculative_next(g, &g->next);
+        verified = 1;
     } else if (g->has_pending && !(g->chained && g->queued)) {
         const int32_t *pending = &g->generated[g->n_generated - 1];
         tl_forward_out out = next_token_out(g, pending, 1);
@@ -253,7 +255,7 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
             g->prefill_seconds += now - t0;
             t0 = now;
         }
-    } else if (st == TL_OK && !g->greedy && !g->backend_samples) {
+    } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
     }
     g->decode_seconds += now_seconds() - t0;
