@@ -272,11 +272,19 @@ def test_client_leaving_mid_stream(server):
     assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
 
 
-def test_cli_serve(paths):
+def _default_sigint():
+    # A shell running the tests in the background (`cmd &`) leaves SIGINT ignored, and an
+    # ignored SIGINT is inherited: Python then never turns Ctrl-C into KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_cli_serve(paths, stop):
+    """The server starts, answers, and stops cleanly on Ctrl-C or SIGTERM."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port", "0",
                              "--threads", "1", "--name", "tiny"], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
     try:
         line = proc.stderr.readline()
         assert "tinyloop serve: tiny at http://127.0.0.1:" in line, line
@@ -287,12 +295,12 @@ def test_cli_serve(paths):
         assert conn.getresponse().status == 200
         conn.close()
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail(f"the server outlived Ctrl-C by 60 s; its stderr:\n{proc.communicate()[1][-4000:]}")
+            pytest.fail(f"the server outlived {stop.name} by 60 s; its stderr:\n{proc.communicate()[1][-4000:]}")
     assert proc.returncode == 0, proc.stderr.read()
     taken = subprocess.run([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port",
                             "99999"], capture_output=True, text=True, timeout=60)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import socket
 import sys
 import threading
@@ -234,13 +235,22 @@ def _library_error(error: TinyLoopError) -> RequestError:
     return RequestError(str(error), status=500, kind="server_error")
 
 
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
 def serve(model, *, host: str, port: int, name: str, parallel: int, log=None) -> None:
-    """Serve until interrupted (Ctrl-C), then close the listening socket."""
+    """Serve until interrupted (Ctrl-C or SIGTERM, as service managers stop a process), then
+    close the listening socket and let running generations end."""
     server = ModelServer((host, port), model, name=name, parallel=parallel, log=log)
+    in_main = threading.current_thread() is threading.main_thread()  # signals go there only
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if in_main else None
     print(f"tinyloop serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         server.server_close()
