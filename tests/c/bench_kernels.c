@@ -1,7 +1,10 @@
 /* bench_kernels.c — matmul throughput on the SmolLM2-135M shapes (q4 group 32 layers,
  * q8 group 32 tied head) against the machine's streaming read bandwidth.
  *
- *   bench_kernels [reps] [decode|prefill]   (TINYLOOP_CPU=generic times the portable path)
+ *   bench_kernels [reps] [decode|prefill|rows]   (TINYLOOP_CPU=generic times the portable path)
+ *
+ * rows: n = 1..8 input rows (a speculative verification's sizes) on the q4 shapes and a
+ * q4 head, weights read from DRAM as in decode.
  *
  * Prints, per shape, n (input rows) and thread count: median time per call, GB/s of
  * weight bytes read and GFLOP/s (2 * rows * cols * n); then a whole decode step
@@ -135,16 +138,16 @@ static double parallel_for_overhead_us(tl_threadpool *pool) {
 
 static void bench_shape(const char *name, tl_dtype dtype, int64_t rows, int64_t cols, int n,
                         tl_threadpool *pool, int reps) {
-    /* copies of the weight (up to ~96 MB) so decode calls mostly read from DRAM */
+    /* copies of the weight (up to ~96 MB) so decode-sized calls mostly read from DRAM */
     size_t one = (size_t)tl_dtype_nbytes(dtype, rows, cols, 32);
-    int copies = n == 1 ? (int)(((size_t)96 << 20) / one) + 1 : 1;
+    int copies = n <= 8 ? (int)(((size_t)96 << 20) / one) + 1 : 1;
     if (copies > 64) copies = 64;
     tl_tensor *w = malloc((size_t)copies * sizeof *w);
     for (int c = 0; c < copies; c++) w[c] = make_weight(dtype, rows, cols);
     float *x = xaligned((size_t)n * cols * sizeof(float)), *y = xaligned((size_t)n * rows * sizeof(float));
     for (int64_t j = 0; j < n * cols; j++) x[j] = (float)((j * 7919) % 201 - 100) / 100.0f;
     void *scratch = xaligned(tl_cpu_matmul_scratch_bytes(&w[0], n) + 64);
-    int calls = n == 1 ? copies * 4 : 3;
+    int calls = n <= 8 ? copies * 4 : 3;
     double *times = malloc((size_t)reps * sizeof *times);
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
@@ -220,6 +223,16 @@ int main(int argc, char **argv) {
         printf("streaming read bandwidth, %d thread(s): %.2f GB/s\n", p + 1, read_bandwidth(pools[p], 5));
 
     printf("parallel_for round trip, 2 threads: %.2f us\n", parallel_for_overhead_us(pools[1]));
+
+    if (strcmp(only, "rows") == 0) {
+        for (int n = 1; n <= 8; n++) {
+            bench_shape("gate/up", TL_DTYPE_Q4, FFN, D, n, pools[1], reps);
+            bench_shape("head-q4", TL_DTYPE_Q4, VOCAB, D, n, pools[1], reps);
+        }
+        tl_threadpool_destroy(pools[0]);
+        tl_threadpool_destroy(pools[1]);
+        return 0;
+    }
 
     static const struct {
         const char *name;
