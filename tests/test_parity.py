@@ -227,6 +227,48 @@ def test_scores_and_last_logits_match_reference(files, name):
                                      model.score_last_token(tokens, depth=depth), name)
 
 
+UNCERTAINTY_CASES = ["base", "init-warm", "injection-concat", "coda2", "q4-g32", "huginn-q4",
+                     "plain-llama"]
+
+
+@pytest.mark.parametrize("name", UNCERTAINTY_CASES)
+def test_uncertainty_is_the_entropy_of_each_prediction(files, name):
+    """score_with_uncertainty: score's log-probs (the same pass, bit for bit) and the
+    entropy of each position's softmax, against the oracle's logits; on a model and on a
+    context, in one prefill chunk and several."""
+    config = case_config(name)
+    tokens = case_tokens(config)
+    tolerance = TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE
+    with tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=7) as model:
+        for depth in case_depths(config):
+            logits = files.reference(name).logits(tokens, depth)[:-1]
+            logp = log_softmax(logits)
+            expected = -(np.exp(logp) * logp).sum(axis=-1)
+            logprobs, entropies = model.score_with_uncertainty(tokens, depth=depth)
+            assert np.array_equal(logprobs, model.score(tokens, depth=depth)), f"{name} depth {depth}"
+            assert_close(entropies, expected, tolerance, f"{name} depth {depth} entropies")
+            with model.context() as ctx:
+                in_context = ctx.score_with_uncertainty(tokens, depth=depth)
+            assert np.array_equal(in_context[1], entropies), f"{name} depth {depth}: context"
+
+
+def test_uncertainty_arguments(files):
+    with tinyloop.Model(files.path("base"), device=DEVICE) as model:
+        with pytest.raises(ValueError):
+            model.score_with_uncertainty([3])
+        native, ffi = model._native, model._native.ffi
+        ids = np.asarray([1, 2, 3], dtype=np.int32)
+        out = np.zeros(2, dtype=np.float32)
+        status = native.lib.tl_score_with_uncertainty(
+            model._require_open(), ffi.from_buffer("int32_t[]", ids), 3, ffi.NULL,
+            ffi.from_buffer("float[]", out, require_writable=True), ffi.NULL)
+        assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_INVALID_ARGUMENT"
+        assert b"entropies" in ffi.string(native.lib.tl_last_error())
+        logprobs, entropies = model.score_with_uncertainty([1, 2, 3])
+        assert entropies.shape == (2,) and np.all(entropies >= 0)
+        assert np.all(entropies <= np.log(case_config("base")["vocab_size"]) + 1e-4)
+
+
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
 def test_default_cpu_path_is_avx2_where_supported(files):
     with tinyloop.Model(files.path("base"), device="cpu") as model:

@@ -408,8 +408,10 @@ static tl_status read_score_options(const tl_score_options *opts, tl_score_optio
     return read_struct(o, sizeof *o, opts, sizeof *o, "tl_score_options");
 }
 
-tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
-                           const tl_score_options *opts, float *logprobs) {
+/* tl_context_score, and the entropy of each prediction when `uncertainty` is set. */
+static tl_status score_on_context(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                  const tl_score_options *opts, float *logprobs, int uncertainty,
+                                  float *entropies) {
     NEED(ctx, "ctx");
     tl_score_options o;
     tl_status st = tl_context_check_free(ctx);
@@ -417,8 +419,29 @@ tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_toke
     if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
     if (st != TL_OK) return st;
     if (n_tokens > 1 && !logprobs) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs must not be NULL");
+    if (n_tokens > 1 && uncertainty && !entropies)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "entropies must not be NULL");
     tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1 };
-    return tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+    if (uncertainty) {
+        out.entropies = entropies;
+        out.entropy_row = malloc((size_t)ctx->model->hp.vocab * sizeof *out.entropy_row);
+        if (!out.entropy_row)
+            return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", ctx->model->hp.vocab);
+    }
+    st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+    free(out.entropy_row);
+    return st;
+}
+
+tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                           const tl_score_options *opts, float *logprobs) {
+    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, 0, NULL);
+}
+
+tl_status tl_context_score_with_uncertainty(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                            const tl_score_options *opts, float *logprobs,
+                                            float *entropies) {
+    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, 1, entropies);
 }
 
 tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
@@ -441,6 +464,17 @@ tl_status tl_score(tl_model *model, const int32_t *tokens, size_t n_tokens,
     tl_context *ctx = NULL;
     tl_status st = default_context(model, &ctx);
     if (st == TL_OK) st = tl_context_score(ctx, tokens, n_tokens, opts, logprobs);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_score_with_uncertainty(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                    const tl_score_options *opts, float *logprobs, float *entropies) {
+    NEED(model, "model");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK) st = tl_context_score_with_uncertainty(ctx, tokens, n_tokens, opts, logprobs, entropies);
     pthread_mutex_unlock(&model->default_ctx_lock);
     return st;
 }

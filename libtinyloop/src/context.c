@@ -185,6 +185,10 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
                 chunk_out.targets = out->targets + c0;
                 chunk_out.logprobs = out->logprobs + c0;
                 chunk_out.n_targets = out->n_targets - c0;
+                if (out->entropies) {
+                    chunk_out.entropies = out->entropies + c0;
+                    chunk_out.entropy_row = out->entropy_row;
+                }
             }
             if (out->n_row_tokens > c0) {
                 chunk_out.row_tokens = out->row_tokens + c0;

@@ -4,6 +4,8 @@
  * caller needs. */
 #include "forward.h"
 
+#include <math.h>
+
 #include "backend.h"
 #include "context.h"
 #include "kv_cache.h"
@@ -221,6 +223,21 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
     }
 }
 
+/* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with
+ * e_i = exp(x_i - max) and S their sum. */
+static float softmax_entropy(const float *x, int n) {
+    float max = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > max) max = x[i];
+    double sum = 0.0, weighted = 0.0;
+    for (int i = 0; i < n; i++) {
+        double d = (double)x[i] - (double)max, e = exp(d);
+        sum += e;
+        weighted += e * d;
+    }
+    return (float)(log(sum) - weighted / sum);
+}
+
 /* Final norm and head for the rows the caller asked for; h holds the coda output (rows
  * at positions pos0 ..). */
 static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
@@ -260,6 +277,10 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         if (r0 < n_score) {
             int scored = n_score - r0 < rows ? n_score - r0 : rows;
             F->ops->logprobs(F->ex, logits, scored, V, out->targets + r0, out->logprobs + r0);
+            for (int r = r0; out->entropies && r < r0 + scored; r++) {
+                F->ops->download(F->ex, out->entropy_row, tl_act_add(logits, (size_t)(r - r0) * V), (size_t)V);
+                out->entropies[r] = softmax_entropy(out->entropy_row, V);
+            }
         }
     }
 }

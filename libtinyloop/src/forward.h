@@ -20,6 +20,9 @@ typedef struct tl_forward_out {
     const int32_t *targets;    /* scoring: row i's logprob is of token targets[i]   */
     float *logprobs;           /* host: logprobs[i] for rows i < n_targets           */
     size_t n_targets;
+    float *entropies;          /* host: entropy (nats) of row i's softmax for rows i <
+                                  n_targets; or NULL                                  */
+    float *entropy_row;        /* host, vocab floats: where a row is read for it      */
     int32_t *row_tokens;       /* host: argmax of row i's logits for rows i < n_row_tokens
                                   (a speculative verification); or NULL                */
     size_t n_row_tokens;

@@ -260,19 +260,27 @@ class _Scoring:
 
     def score(self, tokens, depth: int = 0) -> np.ndarray:
         """log p(tokens[i+1] | tokens[..i]) for every i, as float32 of length n-1."""
+        return self._score(tokens, depth, uncertainty=False)[0]
+
+    def score_with_uncertainty(self, tokens, depth: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(logprobs, entropies), float32 of length n-1 each: score's log-probabilities and
+        the entropy (nats) of each predicted distribution, from the same pass."""
+        return self._score(tokens, depth, uncertainty=True)
+
+    def _score(self, tokens, depth: int, uncertainty: bool) -> tuple:
         model = self._model
         ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
         native, ffi = model._native, model._native.ffi
-        opts = model._score_options(depth)
-        out = np.empty(len(ids) - 1, dtype=np.float32)
-        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts,
-                ffi.from_buffer("float[]", out, require_writable=True))
+        outs = tuple(np.empty(len(ids) - 1, dtype=np.float32) for _ in range(1 + uncertainty))
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), model._score_options(depth),
+                *(ffi.from_buffer("float[]", out, require_writable=True) for out in outs))
+        name = "score_with_uncertainty" if uncertainty else "score"
         ctx = self._ctx_handle()
         if ctx is None:
-            native.check(native.lib.tl_score(model._require_open(), *args))
+            native.check(getattr(native.lib, f"tl_{name}")(model._require_open(), *args))
         else:
-            native.check(native.lib.tl_context_score(ctx, *args))
-        return out
+            native.check(getattr(native.lib, f"tl_context_{name}")(ctx, *args))
+        return outs
 
     def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
         """Logits (float32, vocab) of the position after the last token."""

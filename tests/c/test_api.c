@@ -108,6 +108,21 @@ static void test_score_equals_decode(fixture *f) {
     tl_context_free(ctx);
 }
 
+/* Scoring with uncertainty: the same log-probs as tl_score, entropies in [0, log V]. */
+static void test_score_with_uncertainty(fixture *f) {
+    float lp[N_TOK - 1], lp2[N_TOK - 1], ent[N_TOK - 1];
+    CHECK_OK(tl_score(f->model, f->tokens, N_TOK, NULL, lp));
+    CHECK_OK(tl_score_with_uncertainty(f->model, f->tokens, N_TOK, NULL, lp2, ent));
+    CHECK(memcmp(lp, lp2, sizeof lp) == 0, "log-probs differ from tl_score's");
+    for (int i = 0; i < N_TOK - 1; i++)
+        CHECK(ent[i] >= -1e-5f && ent[i] <= logf((float)f->info.vocab_size) + 1e-4f,
+              "entropy %g at %d out of [0, log V]", ent[i], i);
+    CHECK_STATUS(tl_score_with_uncertainty(f->model, f->tokens, N_TOK, NULL, lp2, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_score_with_uncertainty(NULL, f->tokens, N_TOK, NULL, lp2, ent),
+                 TL_ERR_INVALID_ARGUMENT);
+}
+
 static void test_chunked_prefill(fixture *f) {
     int V = f->info.vocab_size;
     float *one = malloc((size_t)V * sizeof *one), *chunked = malloc((size_t)V * sizeof *chunked);
@@ -634,6 +649,7 @@ static void run_model(const char *path) {
     for (int i = 0; i < N_TOK; i++) f.tokens[i] = (int32_t)((i * 7919 + 13) % f.info.vocab_size);
 
     test_score_equals_decode(&f);
+    test_score_with_uncertainty(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);
     test_greedy_matches_argmax(&f);

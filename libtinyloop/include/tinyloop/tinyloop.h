@@ -167,6 +167,15 @@ TL_API tl_status tl_score(tl_model *model, const int32_t *tokens, size_t n_token
                           const tl_score_options *opts, float *logprobs);
 TL_API tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                                   const tl_score_options *opts, float *logprobs);
+/* tl_score plus how unsure each prediction is: entropies[i] = the entropy (nats) of the
+ * distribution p(. | tokens[0..i]) whose log-probability of tokens[i+1] is logprobs[i],
+ * for i in [0, n_tokens-1). 0 for a certain prediction, log(vocab) at most. */
+TL_API tl_status tl_score_with_uncertainty(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                           const tl_score_options *opts, float *logprobs,
+                                           float *entropies);
+TL_API tl_status tl_context_score_with_uncertainty(tl_context *ctx, const int32_t *tokens,
+                                                   size_t n_tokens, const tl_score_options *opts,
+                                                   float *logprobs, float *entropies);
 /* logits (vocab floats) of the position after the last token. */
 TL_API tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, float *logits);
