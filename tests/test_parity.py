@@ -234,22 +234,25 @@ UNCERTAINTY_CASES = ["base", "init-warm", "injection-concat", "coda2", "q4-g32",
 @pytest.mark.parametrize("name", UNCERTAINTY_CASES)
 def test_uncertainty_is_the_entropy_of_each_prediction(files, name):
     """score_with_uncertainty: score's log-probs (the same pass, bit for bit) and the
-    entropy of each position's softmax, against the oracle's logits; on a model and on a
-    context, in one prefill chunk and several."""
+    entropy of each position's softmax, against the oracle's logits, over 40 tokens (two
+    batches of 32 logit rows) in one prefill chunk and in chunks of 7, on a model and on
+    a context."""
     config = case_config(name)
-    tokens = case_tokens(config)
+    tokens = np.random.default_rng(config["seed"] + 2).integers(0, config["vocab_size"], 40).astype(np.int32)
     tolerance = TOLERANCES[arithmetic(config)] if ON_CPU else DEVICE_TOLERANCE
-    with tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=7) as model:
-        for depth in case_depths(config):
-            logits = files.reference(name).logits(tokens, depth)[:-1]
-            logp = log_softmax(logits)
-            expected = -(np.exp(logp) * logp).sum(axis=-1)
-            logprobs, entropies = model.score_with_uncertainty(tokens, depth=depth)
-            assert np.array_equal(logprobs, model.score(tokens, depth=depth)), f"{name} depth {depth}"
-            assert_close(entropies, expected, tolerance, f"{name} depth {depth} entropies")
-            with model.context() as ctx:
-                in_context = ctx.score_with_uncertainty(tokens, depth=depth)
-            assert np.array_equal(in_context[1], entropies), f"{name} depth {depth}: context"
+    for chunk in (0, 7):
+        with tinyloop.Model(files.path(name), device=DEVICE, prefill_chunk=chunk) as model:
+            for depth in case_depths(config):
+                label = f"{name} depth {depth}, prefill chunk {chunk or 'default'}"
+                logp = log_softmax(files.reference(name).logits(tokens, depth)[:-1])
+                expected = -(np.exp(logp) * logp).sum(axis=-1)
+                logprobs, entropies = model.score_with_uncertainty(tokens, depth=depth)
+                assert np.array_equal(logprobs, model.score(tokens, depth=depth)), label
+                assert_close(entropies, expected, tolerance, f"{label}: entropies")
+                with model.context() as ctx:
+                    in_context = ctx.score_with_uncertainty(tokens, depth=depth)
+                assert np.array_equal(in_context[0], logprobs), f"{label}: context log-probs"
+                assert np.array_equal(in_context[1], entropies), f"{label}: context entropies"
 
 
 def test_uncertainty_arguments(files):

@@ -272,19 +272,21 @@ def test_client_leaving_mid_stream(server):
     assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
 
 
-def _default_sigint():
-    # A shell running the tests in the background (`cmd &`) leaves SIGINT ignored, and an
-    # ignored SIGINT is inherited: Python then never turns Ctrl-C into KeyboardInterrupt.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A shell running the tests in the background (`cmd &`) leaves SIGINT ignored, and an
+# ignored SIGINT is inherited: Python then never turns Ctrl-C into KeyboardInterrupt. The
+# child installs Python's own handler before running the CLI (in Python, not preexec_fn:
+# threads are running here).
+_CLI_WITH_DEFAULT_SIGINT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                            "sys.argv[0] = 'tinyloop'; runpy.run_module('tinyloop', run_name='__main__')")
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_cli_serve(paths, stop):
     """The server starts, answers, and stops cleanly on Ctrl-C or SIGTERM."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", str(paths[0]), "--port", "0",
-                             "--threads", "1", "--name", "tiny"], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
+    proc = subprocess.Popen([sys.executable, "-c", _CLI_WITH_DEFAULT_SIGINT, "serve", str(paths[0]),
+                             "--port", "0", "--threads", "1", "--name", "tiny"], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()
         assert "tinyloop serve: tiny at http://127.0.0.1:" in line, line

@@ -224,14 +224,16 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
 }
 
 /* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with
- * e_i = exp(x_i - max) and S their sum. */
+ * e_i = exp(x_i - max) and S their sum. Logits of -inf have no mass (and add nothing);
+ * NaN logits are skipped like them; NaN when no logit is finite. */
 static float softmax_entropy(const float *x, int n) {
-    float max = x[0];
-    for (int i = 1; i < n; i++)
-        if (x[i] > max) max = x[i];
+    float max = -INFINITY;
+    for (int i = 0; i < n; i++) max = fmaxf(max, x[i]);
+    if (!isfinite(max)) return NAN;
     double sum = 0.0, weighted = 0.0;
     for (int i = 0; i < n; i++) {
         double d = (double)x[i] - (double)max, e = exp(d);
+        if (!(e > 0.0)) continue;   /* -inf (or NaN): no mass */
         sum += e;
         weighted += e * d;
     }

@@ -243,14 +243,19 @@ def serve(model, *, host: str, port: int, name: str, parallel: int, log=None) ->
     """Serve until interrupted (Ctrl-C or SIGTERM, as service managers stop a process), then
     close the listening socket and let running generations end."""
     server = ModelServer((host, port), model, name=name, parallel=parallel, log=log)
-    in_main = threading.current_thread() is threading.main_thread()  # signals go there only
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if in_main else None
-    print(f"tinyloop serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    # only from the main thread (where signals are delivered), and only over the default
+    # disposition: a SIGTERM handler or an ignore someone else set stays theirs
+    take_sigterm = (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
     try:
+        if take_sigterm:
+            signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        print(f"tinyloop serve: {name} at {server.url}/v1 (Ctrl-C or SIGTERM stops)", file=sys.stderr,
+              flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        if take_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         server.server_close()
