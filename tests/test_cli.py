@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import textmodel
@@ -108,6 +109,16 @@ def test_score(tmp_path, model_path):
     assert report["tokens_per_s"] > 0
     plain = run("score", model_path, text, "--ctx", 32, "--threads", 1)
     assert "perplexity:" in plain.stdout and "tokens_per_s:" in plain.stdout
+    unsure = last_json(run("score", model_path, text, "--ctx", 32, "--threads", 1, "--uncertainty",
+                           "--json"))
+    with tinyloop.Model(model_path, threads=1) as model:
+        logprobs, entropies = model.score_windows(ids, ctx=32, uncertainty=True)
+        assert np.array_equal(logprobs, model.score_windows(ids, ctx=32))
+        first_window = model.score_with_uncertainty(ids[:32])
+    assert unsure["perplexity"] == report["perplexity"]
+    assert unsure["mean_entropy"] == pytest.approx(float(np.mean(entropies, dtype=np.float64)), rel=1e-6)
+    assert len(entropies) == len(ids) - 1 and np.all(entropies >= 0)
+    assert np.array_equal(entropies[:31], first_window[1])
 
 
 def test_score_window_longer_than_model_fails_cleanly(tmp_path, model_path):

@@ -182,18 +182,24 @@ def cmd_score(args) -> dict:
         progress = _CountProgress("scoring windows")
         started = time.perf_counter()
         try:
-            logprobs = model.score_windows(ids, depth=args.depth, ctx=ctx, progress=progress)
+            scored = model.score_windows(ids, depth=args.depth, ctx=ctx, progress=progress,
+                                         uncertainty=args.uncertainty)
         finally:
             progress.finish()
         elapsed = time.perf_counter() - started
         model_path = model.path
+    logprobs = scored[0] if args.uncertainty else scored
     perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
     payload = {"model": model_path, "perplexity": perplexity, "tokens": len(ids),
                "scored_tokens": len(logprobs),
                "tokens_per_s": len(ids) / elapsed if elapsed > 0 else 0.0,
                "ctx": ctx, "depth": args.depth, "seconds": elapsed}
+    shown = ["perplexity", "tokens", "tokens_per_s"]
+    if args.uncertainty:
+        payload["mean_entropy"] = float(np.mean(scored[1], dtype=np.float64))
+        shown.append("mean_entropy")
     if not args.json:
-        for key in ("perplexity", "tokens", "tokens_per_s"):
+        for key in shown:
             print(f"{key}: {payload[key]:.4f}" if isinstance(payload[key], float)
                   else f"{key}: {payload[key]}")
     return payload
@@ -489,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_non_negative, default=0)
     p.add_argument("--ctx", type=_non_negative,
                    help="window length in tokens (default: the model's max_seq_len)")
+    p.add_argument("--uncertainty", action="store_true",
+                   help="also the mean entropy (nats) of the predictions")
     _add_runtime_flags(p)
 
     p = command("bench", cmd_bench, "prefill and decode speed, peak memory")

@@ -501,8 +501,10 @@ class Model(_Scoring, _OwnsHandle):
             prompt = self.tokenizer.encode(prompt)
         return _args.token_array(prompt, self.info.vocab_size, name="prompt")
 
-    def score_windows(self, tokens, depth: int = 0, ctx: int = 0, progress=None) -> np.ndarray:
-        """Log-probs of tokens[1:], scoring windows of at most `ctx` tokens.
+    def score_windows(self, tokens, depth: int = 0, ctx: int = 0, progress=None,
+                      uncertainty: bool = False):
+        """Log-probs of tokens[1:], scoring windows of at most `ctx` tokens; with
+        uncertainty=True, (log-probs, entropies) as score_with_uncertainty gives them.
 
         Window k covers tokens [k*(ctx-1), k*(ctx-1)+ctx): consecutive windows share one
         token, so every token after the first is predicted exactly once, each window
@@ -512,19 +514,15 @@ class Model(_Scoring, _OwnsHandle):
         ctx = _args.integer("ctx", ctx, minimum=0)
         if ctx == 1:
             raise ValueError("ctx must be 0 (whole sequence) or at least 2")
-        if ctx == 0 or ctx >= len(ids):
-            out = self.score(ids, depth)
-            if progress:
-                progress(1, 1)
-            return out
-        stride = ctx - 1
+        stride = ctx - 1 if 0 < ctx < len(ids) else len(ids)
         starts = range(0, len(ids) - 1, stride)
         pieces = []
         for done, start in enumerate(starts, 1):
-            pieces.append(self.score(ids[start:start + ctx], depth))
+            pieces.append(self._score(ids[start:start + stride + 1], depth, uncertainty))
             if progress:
                 progress(done, len(starts))
-        return np.concatenate(pieces)
+        outs = tuple(np.concatenate(parts) for parts in zip(*pieces))
+        return outs if uncertainty else outs[0]
 
     def perplexity(self, tokens, depth: int = 0, ctx: int = 0) -> float:
         """exp(-mean log p) over tokens[1:], windowed as in score_windows()."""
