@@ -152,7 +152,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
             p[v] = p[v] > q[v] ? p[v] - q[v] : 0.0;
             total += p[v];
         }
-        int32_t t = total > 0.0 ? tl_sample_from(p, (int)V, total, step.random) : -1;
+        int32_t t = tl_sample_from(p, (int)V, total, step.random);
         ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
         break;
     }
