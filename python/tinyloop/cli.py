@@ -188,7 +188,7 @@ def cmd_score(args) -> dict:
             progress.finish()
         elapsed = time.perf_counter() - started
         model_path = model.path
-    logprobs = scored[0] if args.uncertainty else scored
+    logprobs, entropies = scored if args.uncertainty else (scored, None)
     perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
     payload = {"model": model_path, "perplexity": perplexity, "tokens": len(ids),
                "scored_tokens": len(logprobs),
@@ -196,7 +196,7 @@ def cmd_score(args) -> dict:
                "ctx": ctx, "depth": args.depth, "seconds": elapsed}
     shown = ["perplexity", "tokens", "tokens_per_s"]
     if args.uncertainty:
-        payload["mean_entropy"] = float(np.mean(scored[1], dtype=np.float64))
+        payload["mean_entropy"] = float(np.mean(entropies, dtype=np.float64))
         shown.append("mean_entropy")
     if not args.json:
         for key in shown:

@@ -75,12 +75,10 @@ def main(argv=None) -> int:
                 reference = None
                 for name, extra in order:
                     r = model.generate(ids, **options, **extra, seed=round_index)
-                    if args.temperature > 0:
-                        pass   # samples: nothing to compare token for token
-                    elif reference is None:
-                        reference = r.tokens
-                    elif r.tokens != reference:
-                        raise SystemExit(f"{name}: tokens differ from the other configs'")
+                    if args.temperature == 0:   # greedy: every config gives the same tokens
+                        reference = r.tokens if reference is None else reference
+                        if r.tokens != reference:
+                            raise SystemExit(f"{name}: tokens differ from the other configs'")
                     speed[name].append(r.decode_tokens_per_s)
                     k = kept[name]
                     k[0] += r.accepted_tokens
