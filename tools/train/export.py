@@ -2,7 +2,8 @@
 
 Reads the fp16 weight shards and student.json that train.py leaves in RUN/weights, takes
 the tied embedding from the teacher GGUF (it is not trained by default), quantizes the
-matrices (q4 by default) and writes dims, architecture/loop metadata, the tokenizer and
+matrices (q4 by default; a matrix trained with a learned grid, train.py --qat-learn-grid,
+on its own grid) and writes dims, architecture/loop metadata, the tokenizer and
 provenance. Fails when the file is larger than --max-bytes.
 
   python3 tools/train/export.py --weights RUN/weights --gguf TEACHER.gguf --out student.tinyloop
@@ -24,8 +25,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "python"))
 from gguf_tokenizer import special_ids, tokenizer_json  # noqa: E402
 from gguf_weights import GGUFWeights  # noqa: E402
+from qat import QMAX, split_grid  # noqa: E402
 from tinyloop.format import TinyLoopWriter, read_file  # noqa: E402
-from tinyloop.quantize import quantize  # noqa: E402
+from tinyloop.quantize import QTensor, pack_codes, quantize  # noqa: E402
 
 MODEL_NAME = "tinyloop-smollm2-looped"
 
@@ -36,6 +38,22 @@ def load_weights(folder: Path) -> tuple[dict, dict]:
     for shard in info["shards"]:
         state.update(torch.load(folder / shard, map_location="cpu", weights_only=True))
     return info, {k: v.float().numpy() for k, v in state.items()}
+
+
+def quantize_on_grid(w: np.ndarray, scale: np.ndarray, vmin: np.ndarray, group: int) -> QTensor:
+    """q4 of w on a learned grid (f16 scale and min per group, [rows, cols // group]), with
+    the codes qat.grid_codes trained against: clip(rint((f16(w) - min) / scale), 0, 15)."""
+    rows, cols = w.shape
+    if scale.shape != (rows, cols // group) or vmin.shape != scale.shape:
+        raise SystemExit(f"learned grid {scale.shape} does not fit {w.shape} in groups of {group} "
+                         f"(--group-size must be train.py's --qat-group)")
+    g = w.astype(np.float16).astype(np.float64).reshape(rows, cols // group, group)
+    s = scale.astype(np.float16).astype(np.float64)[..., None]
+    m = vmin.astype(np.float16).astype(np.float64)[..., None]
+    q = np.clip(np.rint((g - m) / np.where(s > 0, s, 1.0)), 0, QMAX)
+    q = np.where(s > 0, q, 0).astype(np.uint8).reshape(rows, cols)
+    return QTensor("q4", (rows, cols), group, pack_codes("q4", q), scale.astype(np.float16),
+                   vmin.astype(np.float16))
 
 
 def tokenizer_metadata(gguf_meta: dict, teacher_tinyloop: str | None) -> dict:
@@ -76,6 +94,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     info, state = load_weights(Path(args.weights))
+    state, grids = split_grid(state)
+    if grids and args.dtype != "q4":
+        raise SystemExit(f"{args.weights} holds learned q4 grids: --dtype must be q4")
     dims, cfg = info["dims"], info["student"]
     gguf = GGUFWeights(args.gguf)
     if not info.get("embed_trained"):
@@ -111,6 +132,8 @@ def main(argv=None) -> None:
         dtype = args.embed_dtype if name == "embed.weight" else args.dtype
         if w.ndim == 1 or dtype == "f16":
             writer.add_tensor(name, w, "f32" if w.ndim == 1 else "f16")
+        elif name in grids:
+            writer.add_tensor(name, quantize_on_grid(w, *grids[name], args.group_size))
         else:
             group = args.embed_group_size if name == "embed.weight" else args.group_size
             method = (args.embed_method or args.method) if name == "embed.weight" else args.method
@@ -118,7 +141,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     writer.write(str(out))
     size = out.stat().st_size
-    print(f"wrote {out}: {size} bytes, {len(state)} tensors, default depth {default_depth}")
+    print(f"wrote {out}: {size} bytes, {len(state)} tensors ({len(grids)} on learned grids), "
+          f"default depth {default_depth}")
     if size > args.max_bytes:
         raise SystemExit(f"{out} is {size} bytes, over the limit of {args.max_bytes}")
 

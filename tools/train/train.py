@@ -9,7 +9,8 @@ bf16 autocast on CUDA, AdamW, warmup then cosine decay driven by the larger of s
 time progress (a time-limited run still anneals). --init-weights continues from a previous
 run's returned weights (fresh optimizer and schedule); --qat-start turns on
 quantization-aware training (qat.py: the q4 grid of export.py, straight-through gradients)
-for the last part of the schedule; --compile runs blocks and loss through torch.compile
+for the last part of the schedule, with --qat-learn-grid on per-group scales and mins that
+are trained too and exported as trained; --compile runs blocks and loss through torch.compile
 (2.2x the eager speed on an H200); --resample varies the windows with teacher-sampled
 tokens; --synthetic mixes in whole teacher-sampled continuations (generate_text.py), with
 --synthetic-follow also those a sampler appends while training runs.
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from student import (LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher,  # noqa: E402
                      teacher_state_rms)
-from qat import QAT  # noqa: E402
+from qat import QAT, split_grid  # noqa: E402
 from teacher import load_teacher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +94,12 @@ def parse_args(argv=None):
                          "(export.py --embed-method; none: keep it float)")
     ap.add_argument("--qat-embed-group", type=int, default=64, choices=(32, 64, 128),
                     help="export.py --embed-group-size")
+    ap.add_argument("--qat-learn-grid", action="store_true",
+                    help="train each block matrix's q4 scales and mins with it (qat.py), "
+                         "starting from the rtn grid at the switch; saved beside the weights, "
+                         "export.py writes them")
+    ap.add_argument("--qat-scale-lr-mult", type=float, default=10.0,
+                    help="learning rate of the log scales relative to --lr (the mins take --lr)")
     # optimisation
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
@@ -140,6 +147,8 @@ def parse_args(argv=None):
         ap.error("give --max-steps and/or --max-minutes")
     if not 0.0 <= args.qat_start <= 1.0:
         ap.error("--qat-start must be in (0, 1] (0: off)")
+    if args.qat_learn_grid and args.qat_start <= 0:
+        ap.error("--qat-learn-grid needs --qat-start")
     if not 0.0 <= args.resample < 1.0:
         ap.error("--resample must be in [0, 1)")
     if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
@@ -186,6 +195,8 @@ def load_init_weights(student, folder: Path, dims) -> dict:
     loaded = {}
     for shard in info["shards"]:
         loaded.update(torch.load(folder / shard, map_location="cpu", weights_only=True))
+    # a learned q4 grid is not carried over: QAT starts a new one from the weights' rtn grid
+    loaded, grid = split_grid(loaded)
     expected = {n: p for n, p in student.state_dict().items()
                 if n != "embed.weight" or info.get("embed_trained")}
     missing, unexpected = sorted(set(expected) - set(loaded)), sorted(set(loaded) - set(expected))
@@ -197,7 +208,7 @@ def load_init_weights(student, folder: Path, dims) -> dict:
     with torch.no_grad():
         for n, p in expected.items():
             p.copy_(loaded[n].to(p.device, p.dtype))
-    return {"step": info.get("step"), "tensors": len(loaded),
+    return {"step": info.get("step"), "tensors": len(loaded), "learned_grids_dropped": len(grid),
             "ignored_config": {k: (theirs.get(k), mine[k]) for k in INIT_ONLY_FIELDS if theirs.get(k) != mine[k]}}
 
 
@@ -456,15 +467,17 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_weights(student, out: Path, extra: dict) -> list[str]:
+def save_weights(student, out: Path, grid: dict, extra: dict) -> list[str]:
     """fp16 shards of every trained tensor (the frozen embedding is re-read from the GGUF at
-    export), small enough to come back from the GPU machine, plus student.json."""
+    export) and of the learned q4 grids (`grid`, qat.QAT.exported_grid: NAME.q4_scale and
+    NAME.q4_min), small enough to come back from the GPU machine, plus student.json."""
     folder = out / "weights"
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("student-*.pt"):
         old.unlink()
     shards, current, size = [], {}, 0
-    for name, p in student.state_dict().items():
+    tensors = {**student.state_dict(), **grid}
+    for name, p in tensors.items():
         if name == "embed.weight" and not extra.get("embed_trained"):
             continue
         t = p.detach().to("cpu", torch.float16)
@@ -527,13 +540,17 @@ def main(argv=None) -> None:
             args.qat_embed = "rtn"
         qat = QAT(student, group=args.qat_group, embed_group=args.qat_embed_group,
                   embed_method=args.qat_embed if args.qat_embed != "none" else "rtn",
-                  quantize_embed=args.qat_embed != "none")
+                  quantize_embed=args.qat_embed != "none", learn_grid=args.qat_learn_grid)
 
     decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
     no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if qat is not None and qat.grid:  # no gradient reaches them before the switch
+        scales, mins = qat.grid_parameters()
+        groups += [{"params": scales, "weight_decay": 0.0, "lr_mult": args.qat_scale_lr_mult},
+                   {"params": mins, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed)
     step, elapsed = 0, 0.0
     ckpt = out / "latest.pt"
@@ -544,6 +561,8 @@ def main(argv=None) -> None:
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["sampler"].cpu())  # map_location moved it to the device
+        if qat is not None and qat.grid:
+            qat.load_grid_state(state["qat_grid"])
         step, elapsed = state["step"], state["elapsed"]
         log("resume", step=step, elapsed_s=round(elapsed, 1),
             **({"init_weights_ignored": args.init_weights} if args.init_weights else {}))
@@ -563,7 +582,8 @@ def main(argv=None) -> None:
     def checkpoint():
         save_atomic({"model": student.state_dict(), "optimizer": opt.state_dict(),
                      "sampler": gen.get_state(), "step": step, "elapsed": elapsed,
-                     "student_config": asdict(cfg), "args": vars(args)}, ckpt)
+                     "student_config": asdict(cfg), "args": vars(args),
+                     **({"qat_grid": qat.grid_state()} if qat is not None and qat.grid else {})}, ckpt)
 
     def progress() -> float:
         p = 0.0
@@ -577,11 +597,14 @@ def main(argv=None) -> None:
         return qat is not None and progress() >= args.qat_start
 
     def val_both() -> dict:
+        out = {}
         with qat.active():
-            q = per_depth_nll(student, val_windows, device, autocast)
-        f = per_depth_nll(student, val_windows, device, autocast)
-        return {"val_nll_q4": {d: round(v, 4) for d, v in q.items()},
-                "val_nll_float": {d: round(v, 4) for d, v in f.items()}}
+            out["val_nll_q4"] = per_depth_nll(student, val_windows, device, autocast)
+        if qat.grid:
+            with qat.active(learned=False):
+                out["val_nll_q4_rtn"] = per_depth_nll(student, val_windows, device, autocast)
+        out["val_nll_float"] = per_depth_nll(student, val_windows, device, autocast)
+        return {k: {d: round(v, 4) for d, v in nll.items()} for k, nll in out.items()}
 
     qat_logged = False
 
@@ -594,6 +617,7 @@ def main(argv=None) -> None:
         t_q = time.time()
         if qat.quantize_embed and not args.train_embed:
             qat.embed_tensor(student.embed.weight)  # once (search: ~45 s on one core, threaded)
+        qat.init_grid()
         embed_s = round(time.time() - t_q, 1)
         log("qat", on=True, step=step, progress=round(progress(), 4), group=args.qat_group,
             embed=args.qat_embed, embed_quantize_s=embed_s, **val_both())
@@ -624,7 +648,7 @@ def main(argv=None) -> None:
             x, y = window[:, :-1], window[:, 1:]
         lr = lr_at(args, step, progress())
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
         with autocast():
             t_logits, t_hidden = teacher(x, return_hidden=True) if args.kl_weight > 0 or args.hidden_weight > 0 \
                 else (None, None)
@@ -673,8 +697,11 @@ def main(argv=None) -> None:
         with qat.active(not quantized):
             other = per_depth_nll(student, val_windows, device, autocast)
         results["val_nll_float" if quantized else "val_nll_q4"] = other
+        if quantized and qat.grid:  # the same weights on the rtn grid: what learning the grid gained
+            with qat.active(learned=False):
+                results["val_nll_q4_rtn"] = per_depth_nll(student, val_windows, device, autocast)
         results["qat"] = {"start": args.qat_start, "group": args.qat_group, "embed": args.qat_embed,
-                          "embed_group": args.qat_embed_group}
+                          "embed_group": args.qat_embed_group, "learned_grid": bool(qat.grid)}
     eval_path = data / "eval_sotu.u16"
     if args.final_eval_tokens > 0 and eval_path.exists():
         eval_tokens = load_tokens(eval_path)[:args.final_eval_tokens]
@@ -687,7 +714,8 @@ def main(argv=None) -> None:
         results["heldout_sotu_teacher_ppl"] = math.exp(mean_nll(teacher, windows, device, autocast))
     log("final", **{k: v for k, v in results.items()})
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    shards = save_weights(student, out, {"embed_trained": bool(args.train_embed), "step": step,
+    grid = qat.exported_grid() if quantized and qat.grid_ready else {}
+    shards = save_weights(student, out, grid, {"embed_trained": bool(args.train_embed), "step": step,
                                          "teacher": Path(args.teacher).name,
                                          "init_weights": args.init_weights or None,
                                          "qat": results.get("qat"), "weights_eval": results["weights"]})

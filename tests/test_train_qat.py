@@ -1,0 +1,148 @@
+"""tools/train/qat.py's learned q4 grid (train.py --qat-learn-grid) and its export: the
+training forward equals what export.py writes, it starts at the rtn grid, its gradients are
+the exact ones for the grid (codes held), and learning it lowers the rounding error. Needs PyTorch (the training tools'
+environment, tools/train/README.md); without it the module is skipped with that reason."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the training tools' tests need it")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+from export import quantize_on_grid  # noqa: E402
+from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_values, grid_codes,  # noqa: E402
+                 rtn_grid, split_grid)
+
+GROUP = 32
+
+
+def weights(seed: int, rows: int = 6, cols: int = 96) -> torch.Tensor:
+    """Heavy-tailed rows (a learned grid has outliers to clip) and one constant group."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.distributions.StudentT(3.0).sample((rows, cols)) * 0.02
+    w = torch.randn(rows, cols, generator=gen) * 0.02 + w * (torch.rand(rows, cols, generator=gen) < 0.1)
+    w[2, :GROUP] = 0.015625  # f16-exact
+    return w
+
+
+def perturbed_grid(w: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scale, vmin = rtn_grid(w, GROUP)
+    gen = torch.Generator().manual_seed(seed)
+    log_scale = scale.clamp_min(2.0 ** -24).log() + 0.3 * torch.randn(scale.shape, generator=gen)
+    return log_scale, vmin + scale * torch.randn(scale.shape, generator=gen)
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.proj = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(w)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_export_writes_the_weights_training_saw(seed):
+    w = weights(seed)
+    log_scale, vmin = perturbed_grid(w, seed)
+    trained = fake_quant_q4_learned(w, log_scale, vmin, GROUP)
+    scale16 = log_scale.exp().half().numpy()
+    exported = quantize_on_grid(w.half().float().numpy(), scale16, vmin.half().numpy(), GROUP)
+    assert np.array_equal(exported.dequantize().astype(np.float32), trained.numpy())
+    assert np.array_equal(exported.scales, scale16.reshape(-1))
+    codes = exported.codes()
+    assert codes.min() == 0 and codes.max() == QMAX  # the perturbed grids clip at both ends
+
+
+def test_learned_grid_starts_as_the_rtn_grid():
+    w = weights(3)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    with qat.active():  # before init_grid: the rtn grid
+        before = qat.model.proj.weight.detach().clone()
+    qat.init_grid()
+    with qat.active():
+        learned = qat.model.proj.weight.detach().clone()
+    with qat.active(learned=False):
+        rtn = qat.model.proj.weight.detach().clone()
+    assert torch.equal(learned, fake_quant_q4_values(w, GROUP))
+    assert torch.equal(before, rtn)
+    # the rtn path's w + (w' - w).detach() may round w' by an ulp; the learned path is exact
+    assert torch.allclose(learned, rtn, rtol=1e-6, atol=0)
+    assert torch.equal(learned[2, :GROUP], torch.full((GROUP,), 0.015625))  # constant group exact
+
+
+def test_grid_gradients_hold_the_codes_and_weights_pass_inside_the_range():
+    w = weights(4).requires_grad_()
+    log_scale, vmin = (t.requires_grad_() for t in perturbed_grid(w.detach(), 4))
+    upstream = torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
+    (fake_quant_q4_learned(w, log_scale, vmin, GROUP) * upstream).sum().backward()
+
+    g = w.detach().reshape(w.shape[0], -1, GROUP)
+    s, m = log_scale.detach().exp()[..., None], vmin.detach()[..., None]
+    x = (g - m) / s
+    inside = (x >= 0) & (x <= QMAX)
+    codes = grid_codes(w, log_scale.exp(), vmin, GROUP).float()
+    up = upstream.reshape(g.shape)
+    assert not inside.all() and inside.any()
+    assert torch.equal(w.grad, (up * inside).reshape(w.shape))
+    assert torch.allclose(log_scale.grad, (up * codes * s).sum(-1), rtol=1e-4, atol=1e-7)
+    assert torch.allclose(vmin.grad, up.sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_learning_the_grid_lowers_the_rounding_error():
+    w = weights(6, rows=16, cols=128)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    qat.init_grid()
+    scales, mins = qat.grid_parameters()
+    opt = torch.optim.Adam([{"params": scales, "lr": 1e-2}, {"params": mins, "lr": 1e-4}])
+
+    def error() -> torch.Tensor:
+        with qat.active():
+            return ((qat.model.proj.weight - w) ** 2).sum()
+
+    rtn_error = error().item()
+    for _ in range(200):
+        opt.zero_grad()
+        error().backward()
+        opt.step()
+    assert error().item() < 0.9 * rtn_error  # 0.85 measured
+
+
+def test_grid_state_round_trips_and_refuses_another_model():
+    w = weights(7)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    qat.init_grid()
+    with torch.no_grad():
+        qat.grid["proj.weight"][0].add_(0.1)
+    state = qat.grid_state()
+    other = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    other.load_grid_state(state)
+    assert other.grid_ready
+    assert all(torch.equal(a, b) for a, b in zip(other.grid["proj.weight"], qat.grid["proj.weight"]))
+    other.init_grid()  # a loaded grid is kept
+    assert torch.equal(other.grid["proj.weight"][0], qat.grid["proj.weight"][0])
+    with pytest.raises(SystemExit, match="do not match"):
+        QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=False).load_grid_state(state)
+
+
+def test_saved_grids_pair_with_their_weights():
+    exported = QAT(Linear(weights(8)), group=GROUP, quantize_embed=False, learn_grid=True)
+    exported.init_grid()
+    saved = {"proj.weight": torch.zeros(6, 96), "norm.weight": torch.ones(96), **exported.exported_grid()}
+    plain, grids = split_grid(saved)
+    assert set(plain) == {"proj.weight", "norm.weight"} and set(grids) == {"proj.weight"}
+    assert grids["proj.weight"][0].dtype == torch.float16
+    with pytest.raises(SystemExit, match="needs"):
+        split_grid({k: v for k, v in saved.items() if k != "proj.weight.q4_min"})
+    with pytest.raises(SystemExit, match="without scales"):
+        split_grid({k: v for k, v in saved.items() if k != "proj.weight.q4_scale"})
+
+
+def test_export_refuses_a_grid_of_another_group_size():
+    w = weights(9)
+    scale, vmin = rtn_grid(w, GROUP)
+    with pytest.raises(SystemExit, match="--qat-group"):
+        quantize_on_grid(w.numpy(), scale.half().numpy(), vmin.half().numpy(), 2 * GROUP)
