@@ -44,6 +44,14 @@ class Linear(torch.nn.Module):
             self.proj.weight.copy_(w)
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_rtn_fake_quantization_is_tinyloop_quantize(group):
+    from tinyloop.quantize import quantize
+    w = weights(10, cols=128).half().float()  # export.py reads the fp16 shards
+    expected = quantize(w.numpy(), "q4", group, "rtn").dequantize().astype(np.float32)
+    assert np.array_equal(fake_quant_q4_values(w, group).numpy(), expected)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_export_writes_the_weights_training_saw(seed):
     w = weights(seed)

@@ -69,18 +69,7 @@ def split_grid(state: dict) -> tuple[dict, dict]:
 
 def fake_quant_q4_values(w: torch.Tensor, group: int) -> torch.Tensor:
     """The dequantized q4 rtn weights of export.py (same dtype/device as w, no gradient)."""
-    rows, cols = w.shape
-    if cols % group:
-        raise ValueError(f"{tuple(w.shape)}: cols not a multiple of group {group}")
-    with torch.no_grad():
-        g = w.detach().to(torch.float16).to(torch.float64).reshape(rows, cols // group, group)
-        vmin = g.amin(-1, keepdim=True).to(torch.float16).to(torch.float64)
-        vmax = g.amax(-1, keepdim=True)
-        scale = ((vmax - vmin).clamp_min(0.0) / QMAX).to(torch.float16).to(torch.float64)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((g - vmin) / safe).clamp_(0, QMAX)
-        q = torch.where(scale > 0, q, torch.zeros_like(q))
-        return (scale * q + vmin).reshape(rows, cols).to(w.dtype)
+    return grid_values(w, *rtn_grid(w, group), group)[0]
 
 
 def fake_quant_q4(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -112,23 +101,31 @@ def grid_codes(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: 
     return torch.where(s > 0, q, torch.zeros_like(q))
 
 
+def grid_values(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
+                group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized weights [rows, cols] in w's dtype, codes [rows, cols // group, group]
+    float64) of w on the grid (scale, min), without gradient."""
+    with torch.no_grad():
+        codes = grid_codes(w, scale, vmin, group)
+        s = scale.detach().to(torch.float16).to(torch.float64)[..., None]
+        m = vmin.detach().to(torch.float16).to(torch.float64)[..., None]
+        return (s * codes + m).reshape(w.shape).to(w.dtype), codes
+
+
 def fake_quant_q4_learned(w: torch.Tensor, log_scale: torch.Tensor, vmin: torch.Tensor,
                           group: int) -> torch.Tensor:
     """q4 forward on a trained grid (module docstring): the value is the exported weight;
     gradients to the grid with the codes held, to w straight through inside the range."""
     rows, cols = w.shape
     scale = log_scale.exp()
+    values, codes = grid_values(w, scale, vmin, group)
     with torch.no_grad():
-        codes = grid_codes(w, scale, vmin, group)
-        values = (scale.to(torch.float16).to(torch.float64)[..., None] * codes
-                  + vmin.to(torch.float16).to(torch.float64)[..., None]).to(w.dtype)
-        g = w.detach().reshape(rows, cols // group, group)
-        x = (g - vmin[..., None]) / scale[..., None]
+        x = (w.detach().reshape(rows, cols // group, group) - vmin[..., None]) / scale[..., None]
         inside = ((x >= 0) & (x <= QMAX)).to(w.dtype)
     through = w - w.detach()  # zero-valued, gradient 1 to w
     surrogate = (scale[..., None] * codes.to(w.dtype) + vmin[..., None]
                  + through.reshape(rows, cols // group, group) * inside)
-    return (surrogate + (values - surrogate).detach()).reshape(rows, cols)
+    return (surrogate + (values.reshape(rows, cols // group, group) - surrogate).detach()).reshape(rows, cols)
 
 
 def export_quantized(w: torch.Tensor, group: int, method: str, threads: int = 0) -> torch.Tensor:
