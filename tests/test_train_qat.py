@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "train
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 from export import quantize_on_grid  # noqa: E402
+from import_model import file_grid  # noqa: E402
 from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_values, grid_codes,  # noqa: E402
                  rtn_grid, split_grid)
 
@@ -154,3 +155,33 @@ def test_export_refuses_a_grid_of_another_group_size():
     scale, vmin = rtn_grid(w, GROUP)
     with pytest.raises(SystemExit, match="--qat-group"):
         quantize_on_grid(w.numpy(), scale.half().numpy(), vmin.half().numpy(), 2 * GROUP)
+
+
+def test_a_files_grids_restart_qat_on_the_files_weights(tmp_path):
+    """import_model.py hands a file's q4 grids to train.py (set_grid): QAT's first forward
+    is the file's weights, also where the grid does not span its group's extremes."""
+    from tinyloop.format import TinyLoopWriter, read_file
+    w = weights(11)
+    log_scale, vmin = perturbed_grid(w, 11)
+    writer = TinyLoopWriter(dict(vocab_size=32, d_model=96, n_head=4, n_kv_head=2, head_dim=24,
+                                 ffn_dim=128, n_pre=1, n_core=1, n_post=1, default_depth=2,
+                                 max_depth=4, max_seq_len=64))
+    writer.add_tensor("proj.weight", quantize_on_grid(w.half().float().numpy(), log_scale.exp().half().numpy(),
+                                                      vmin.half().numpy(), GROUP))
+    writer.write(str(tmp_path / "m.tinyloop"))
+    with read_file(str(tmp_path / "m.tinyloop")) as f:
+        stored = torch.from_numpy(f.tensor("proj.weight").astype(np.float32))
+        grid = file_grid(f, "proj.weight")
+    imported = stored.half().float()  # import_model.py writes fp16 shards
+    qat = QAT(Linear(imported), group=GROUP, quantize_embed=False, learn_grid=True)
+    _, grids = split_grid({"proj.weight": imported, **grid})
+    qat.set_grid(grids)
+    qat.init_grid()  # at the switch: keeps the set grid
+    with qat.active():
+        assert torch.equal(qat.model.proj.weight, stored)
+    with qat.active(learned=False):
+        assert not torch.equal(qat.model.proj.weight, stored)  # rtn would move this file's weights
+    with pytest.raises(SystemExit, match="--qat-group"):
+        QAT(Linear(imported), group=2 * GROUP, quantize_embed=False, learn_grid=True).set_grid(grids)
+    with pytest.raises(SystemExit, match="cover"):
+        QAT(Linear(imported), group=GROUP, quantize_embed=False, learn_grid=True).set_grid({})

@@ -5,6 +5,9 @@ are gone, this turns the file (the shipped model, say) into student-0N.pt shards
 student.json again, every tensor dequantized, so that training can continue from it
 (with quantization-aware training the file's grid values are what was trained for).
 The tied embedding is left out, as train.py saves it: training re-reads the teacher's.
+Each q4 block matrix's grid (f16 scale and min per group) goes with it as NAME.q4_scale
+and NAME.q4_min, the form train.py --qat-learn-grid saves: a continuation with
+--qat-learn-grid starts QAT on the file's own grids (train.py drops them otherwise).
 
   python3 tools/train/import_model.py --model python/tinyloop/models/tinyloop-smollm2-looped.tinyloop \\
       --out .traindata/init
@@ -32,6 +35,8 @@ sys.path.insert(0, str(REPO / "python"))
 from layers import Dims  # noqa: E402
 from student import LoopedStudent, StudentConfig  # noqa: E402
 from tinyloop.format import read_file  # noqa: E402
+from tinyloop.quantize import QTensor  # noqa: E402
+from qat import GRID_SUFFIXES  # noqa: E402
 from train import SHARD_BYTES, load_init_weights  # noqa: E402
 
 
@@ -49,12 +54,26 @@ def file_config(f) -> tuple[dict, dict]:
     return dims, cfg
 
 
+def file_grid(f, name: str) -> dict:
+    """{NAME.q4_scale, NAME.q4_min: f16 [rows, cols // group]} of a q4 matrix, else {}."""
+    e = f.tensors[name]
+    if e.dtype != "q4":
+        return {}
+    q = QTensor.from_bytes(e.dtype, e.shape, e.group_size, f.raw(name))
+    shape = (q.shape[0], q.shape[1] // q.group_size)
+    return {name + GRID_SUFFIXES[0]: torch.from_numpy(q.scales.reshape(shape).copy()),
+            name + GRID_SUFFIXES[1]: torch.from_numpy(q.mins.reshape(shape).copy())}
+
+
 def import_model(model: Path, out: Path) -> dict:
     with read_file(str(model)) as f:
         dims, cfg = file_config(f)
         names = sorted(n for n in f.tensors if n != "embed.weight")
         state = {n: torch.from_numpy(f.tensor(n).astype(np.float32)).to(torch.float16) for n in names}
+        for n in names:
+            state.update(file_grid(f, n))
         source = f.metadata.get("general.source", "")
+    names = sorted(state)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("student-*.pt"):
         old.unlink()

@@ -171,7 +171,7 @@ class QAT:
 
     def init_grid(self) -> None:
         """Start every learned grid at the rtn grid of the current weights (once: a resumed
-        run keeps the trained grid, loaded with load_grid_state)."""
+        run keeps the trained grid, loaded with load_grid_state, and set_grid's are kept)."""
         if not self.grid or self.grid_ready:
             return
         params = dict(self.model.named_parameters())
@@ -181,6 +181,23 @@ class QAT:
                 # a constant group (scale 0) starts at the smallest f16 scale: code 0 is exact
                 log_scale.copy_(scale.clamp_min(2.0 ** -24).log())
                 vmin.copy_(m)
+        self.grid_ready = True
+
+    def set_grid(self, grids: dict) -> None:
+        """Start from saved grids ({NAME: (scale, min)}, [rows, cols // group], what
+        exported_grid writes and import_model.py reads from a file) instead of rtn."""
+        if set(grids) != set(self.grid):
+            raise SystemExit(f"saved q4 grids cover {len(grids)} matrices, QAT has {len(self.grid)}: "
+                             f"missing {sorted(set(self.grid) - set(grids))[:3]}, "
+                             f"unexpected {sorted(set(grids) - set(self.grid))[:3]}")
+        with torch.no_grad():
+            for name, (scale, vmin) in grids.items():
+                log_scale, m = self.grid[name]
+                if tuple(scale.shape) != tuple(log_scale.shape) or tuple(vmin.shape) != tuple(m.shape):
+                    raise SystemExit(f"{name}: saved grid {tuple(scale.shape)} does not fit groups of "
+                                     f"{self.group} ({tuple(log_scale.shape)}): --qat-group must match it")
+                log_scale.copy_(scale.float().clamp_min(2.0 ** -24).log())
+                m.copy_(vmin.float())
         self.grid_ready = True
 
     def grid_state(self) -> dict:

@@ -179,9 +179,10 @@ def init_student(student, teacher, calib_tokens, args) -> float:
 INIT_ONLY_FIELDS = ("core_init", "core_start", "max_depth", "default_depth")
 
 
-def load_init_weights(student, folder: Path, dims) -> dict:
+def load_init_weights(student, folder: Path, dims, grids: dict | None = None) -> dict:
     """Copy a previous run's weights (train.py's weights/ folder) into `student`; exits
-    with a clear message when the architecture, tensor names or shapes differ."""
+    with a clear message when the architecture, tensor names or shapes differ. Learned q4
+    grids saved beside the weights go into `grids` ({NAME: (scale, min)}) when given."""
     info_path = folder / "student.json"
     if not info_path.exists():
         raise SystemExit(f"--init-weights {folder}: no student.json (expected train.py's weights folder)")
@@ -195,8 +196,9 @@ def load_init_weights(student, folder: Path, dims) -> dict:
     loaded = {}
     for shard in info["shards"]:
         loaded.update(torch.load(folder / shard, map_location="cpu", weights_only=True))
-    # a learned q4 grid is not carried over: QAT starts a new one from the weights' rtn grid
     loaded, grid = split_grid(loaded)
+    if grids is not None:
+        grids.update(grid)
     expected = {n: p for n, p in student.state_dict().items()
                 if n != "embed.weight" or info.get("embed_trained")}
     missing, unexpected = sorted(set(expected) - set(loaded)), sorted(set(loaded) - set(expected))
@@ -208,7 +210,7 @@ def load_init_weights(student, folder: Path, dims) -> dict:
     with torch.no_grad():
         for n, p in expected.items():
             p.copy_(loaded[n].to(p.device, p.dtype))
-    return {"step": info.get("step"), "tensors": len(loaded), "learned_grids_dropped": len(grid),
+    return {"step": info.get("step"), "tensors": len(loaded), "learned_grids": len(grid),
             "ignored_config": {k: (theirs.get(k), mine[k]) for k in INIT_ONLY_FIELDS if theirs.get(k) != mine[k]}}
 
 
@@ -572,8 +574,14 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             teacher.to(torch.bfloat16)
         if args.init_weights:
+            grids = {}
             log("init_weights", folder=args.init_weights,
-                **load_init_weights(student, Path(args.init_weights), teacher.dims))
+                **load_init_weights(student, Path(args.init_weights), teacher.dims, grids))
+            if grids:  # QAT starts on them; without --qat-learn-grid, from the rtn grid
+                kept = qat is not None and bool(qat.grid)
+                if kept:
+                    qat.set_grid(grids)
+                log("init_grids", learned_grids=len(grids), kept=kept)
         log("init", loop_norm_gain=round(gain, 3), depth_probs=[round(p, 3) for p in probs.tolist()],
             val_nll={d: round(v, 4) for d, v in per_depth_nll(student, val_windows[:4], device, autocast).items()})
         if args.kl_weight > 0:
