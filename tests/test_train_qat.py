@@ -83,22 +83,55 @@ def test_learned_grid_starts_as_the_rtn_grid():
     assert torch.equal(learned[2, :GROUP], torch.full((GROUP,), 0.015625))  # constant group exact
 
 
-def test_grid_gradients_hold_the_codes_and_weights_pass_inside_the_range():
+def f16_positions(w, log_scale, vmin):
+    """(f16(w) - f16(min)) / f16(scale) per group in float64: where each weight falls."""
+    g = w.detach().half().double().reshape(w.shape[0], -1, GROUP)
+    s = log_scale.detach().exp().half().double()[..., None]
+    return (g - vmin.detach().half().double()[..., None]) / s
+
+
+def test_grid_gradients_hold_the_codes_and_weights_pass_unless_clipped():
     w = weights(4).requires_grad_()
     log_scale, vmin = (t.requires_grad_() for t in perturbed_grid(w.detach(), 4))
     upstream = torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
     (fake_quant_q4_learned(w, log_scale, vmin, GROUP) * upstream).sum().backward()
 
-    g = w.detach().reshape(w.shape[0], -1, GROUP)
-    s, m = log_scale.detach().exp()[..., None], vmin.detach()[..., None]
-    x = (g - m) / s
-    inside = (x >= 0) & (x <= QMAX)
+    x = f16_positions(w, log_scale, vmin)
+    unclipped = (x >= -0.5) & (x <= QMAX + 0.5)
     codes = grid_codes(w, log_scale.exp(), vmin, GROUP).float()
-    up = upstream.reshape(g.shape)
-    assert not inside.all() and inside.any()
-    assert torch.equal(w.grad, (up * inside).reshape(w.shape))
+    assert torch.equal(codes, torch.round(x).clamp(0, QMAX).float())
+    up = upstream.reshape(x.shape)
+    s = log_scale.detach().exp()[..., None]
+    assert not unclipped.all() and unclipped.any()
+    assert torch.equal(w.grad, (up * unclipped).reshape(w.shape))
     assert torch.allclose(log_scale.grad, (up * codes * s).sum(-1), rtol=1e-4, atol=1e-7)
     assert torch.allclose(vmin.grad, up.sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_every_weight_learns_on_the_starting_grid():
+    """At the rtn start nothing is clipped: a group's own min and max get their gradient."""
+    w = weights(12, rows=32, cols=256)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    qat.init_grid()
+    with qat.active():
+        qat.model.proj.weight.sum().backward()
+    assert torch.equal(qat.model.proj.weight.grad, torch.ones_like(w))
+
+
+def test_constant_groups_start_at_a_usable_scale_and_scales_stay_positive():
+    w = weights(13)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    qat.init_grid()
+    log_scale = qat.grid["proj.weight"][0]
+    rtn_scale, _ = rtn_grid(w, GROUP)
+    assert rtn_scale[2, 0] == 0 and (rtn_scale > 0).sum() == rtn_scale.numel() - 1
+    start = log_scale.detach().exp().half().float()
+    assert start[2, 0] == rtn_scale[rtn_scale > 0].median()  # the constant group
+    assert torch.equal(start[rtn_scale > 0], rtn_scale[rtn_scale > 0])
+    with torch.no_grad():
+        log_scale[0, 0] = -40.0
+    qat.clamp_grid()
+    assert log_scale[0, 0].exp().half() > 0
 
 
 def test_learning_the_grid_lowers_the_rounding_error():
@@ -155,6 +188,23 @@ def test_export_refuses_a_grid_of_another_group_size():
     scale, vmin = rtn_grid(w, GROUP)
     with pytest.raises(SystemExit, match="--qat-group"):
         quantize_on_grid(w.numpy(), scale.half().numpy(), vmin.half().numpy(), 2 * GROUP)
+
+
+@pytest.mark.parametrize("bad", ["nan scale", "zero scale", "overflowing scale", "inf min"])
+def test_export_refuses_a_broken_grid(bad):
+    w = weights(14)
+    scale, vmin = (t.double().numpy() for t in rtn_grid(w, GROUP))
+    scale[scale == 0] = 1e-3
+    if bad == "nan scale":
+        scale[1, 1] = np.nan
+    elif bad == "zero scale":
+        scale[1, 1] = 0.0
+    elif bad == "overflowing scale":
+        scale[1, 1] = 1e6  # beyond f16
+    else:
+        vmin[0, 2] = np.inf
+    with pytest.raises(SystemExit, match="positive"):
+        quantize_on_grid(w.numpy(), scale, vmin, GROUP)
 
 
 def test_a_files_grids_restart_qat_on_the_files_weights(tmp_path):

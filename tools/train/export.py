@@ -47,13 +47,15 @@ def quantize_on_grid(w: np.ndarray, scale: np.ndarray, vmin: np.ndarray, group: 
     if scale.shape != (rows, cols // group) or vmin.shape != scale.shape:
         raise SystemExit(f"learned grid {scale.shape} does not fit {w.shape} in groups of {group} "
                          f"(--group-size must be train.py's --qat-group)")
+    with np.errstate(over="ignore"):  # an overflow to inf is refused just below
+        s16, m16 = scale.astype(np.float16), vmin.astype(np.float16)
+    if not (np.isfinite(s16).all() and (s16 > 0).all() and np.isfinite(m16).all()):
+        raise SystemExit(f"learned grid of a {w.shape} matrix has a scale that is not a positive "
+                         f"f16 number or a min that is not finite")
     g = w.astype(np.float16).astype(np.float64).reshape(rows, cols // group, group)
-    s = scale.astype(np.float16).astype(np.float64)[..., None]
-    m = vmin.astype(np.float16).astype(np.float64)[..., None]
-    q = np.clip(np.rint((g - m) / np.where(s > 0, s, 1.0)), 0, QMAX)
-    q = np.where(s > 0, q, 0).astype(np.uint8).reshape(rows, cols)
-    return QTensor("q4", (rows, cols), group, pack_codes("q4", q), scale.astype(np.float16),
-                   vmin.astype(np.float16))
+    s, m = s16.astype(np.float64)[..., None], m16.astype(np.float64)[..., None]
+    q = np.clip(np.rint((g - m) / s), 0, QMAX).astype(np.uint8).reshape(rows, cols)
+    return QTensor("q4", (rows, cols), group, pack_codes("q4", q), s16, m16)
 
 
 def tokenizer_metadata(gguf_meta: dict, teacher_tinyloop: str | None) -> dict:
@@ -97,6 +99,10 @@ def main(argv=None) -> None:
     state, grids = split_grid(state)
     if grids and args.dtype != "q4":
         raise SystemExit(f"{args.weights} holds learned q4 grids: --dtype must be q4")
+    unquantized = [n for n, w in state.items() if w.ndim == 2 and n != "embed.weight" and n not in grids]
+    if grids and unquantized:
+        raise SystemExit(f"{args.weights}: learned q4 grids for some block matrices but not for "
+                         f"{unquantized[:3]}: a weights folder has them for all or none")
     dims, cfg = info["dims"], info["student"]
     gguf = GGUFWeights(args.gguf)
     if not info.get("embed_trained"):

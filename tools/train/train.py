@@ -561,7 +561,12 @@ def main(argv=None) -> None:
         if state["student_config"] != asdict(cfg):
             raise SystemExit(f"{ckpt} was made with {state['student_config']}, not {asdict(cfg)}")
         student.load_state_dict(state["model"])
+        if len(state["optimizer"]["param_groups"]) != len(opt.param_groups):
+            raise SystemExit(f"{ckpt} was made {'with' if 'qat_grid' in state else 'without'} "
+                             f"--qat-learn-grid: resume with the same QAT flags")
         opt.load_state_dict(state["optimizer"])
+        for group, fresh in zip(opt.param_groups, groups):  # this invocation's multipliers
+            group["lr_mult"] = fresh.get("lr_mult", 1.0)
         gen.set_state(state["sampler"].cpu())  # map_location moved it to the device
         if qat is not None and qat.grid:
             qat.load_grid_state(state["qat_grid"])
@@ -669,8 +674,12 @@ def main(argv=None) -> None:
             loss = loss + args.hidden_weight * hid
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        # the grid's own gradients are left out: Adam bounds its steps, and adding them would
+        # change how often the weights' updates are clipped
         gnorm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.grad_clip)
         opt.step()
+        if qat is not None:
+            qat.clamp_grid()
         step += 1
         now = time.time()
         elapsed += now - last_tick
