@@ -235,3 +235,24 @@ def test_a_files_grids_restart_qat_on_the_files_weights(tmp_path):
         QAT(Linear(imported), group=2 * GROUP, quantize_embed=False, learn_grid=True).set_grid(grids)
     with pytest.raises(SystemExit, match="cover"):
         QAT(Linear(imported), group=GROUP, quantize_embed=False, learn_grid=True).set_grid({})
+
+
+def test_compiled_fake_quantization_is_kept_only_when_exact(monkeypatch):
+    w = weights(15, rows=8, cols=128)
+    qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True, compile_learned=True)
+    qat.init_grid()
+    with torch.no_grad():
+        qat.grid["proj.weight"][0].add_(0.2)  # off the rtn grid
+    assert qat.check_compiled() == "compiled"
+    with qat.active():
+        compiled = qat.model.proj.weight.detach().clone()
+    log_scale, vmin = qat.grid["proj.weight"]
+    assert torch.equal(compiled, fake_quant_q4_learned(w, log_scale, vmin, GROUP).detach())
+
+    wrong = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True, compile_learned=True)
+    wrong._learned_fn = lambda *args: fake_quant_q4_learned(*args) * 1.0001  # a miscompilation
+    wrong.init_grid()
+    assert wrong.check_compiled().startswith("eager (ValueError: proj.weight: compiled values differ")
+    with wrong.active():
+        assert torch.equal(wrong.model.proj.weight, fake_quant_q4_values(w, GROUP))
+    assert QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True).check_compiled() == "eager"

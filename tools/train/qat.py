@@ -166,8 +166,12 @@ class QAT:
     """Which parameters are fake-quantized, and a context that swaps them in."""
 
     def __init__(self, model: nn.Module, group: int = 32, embed_group: int = 64,
-                 embed_method: str = "search", quantize_embed: bool = True, learn_grid: bool = False):
+                 embed_method: str = "search", quantize_embed: bool = True, learn_grid: bool = False,
+                 compile_learned: bool = False):
         self.model = model
+        # the learned grid's fake quantization, compiled when asked (check_compiled decides)
+        self._learned_fn = torch.compile(fake_quant_q4_learned, dynamic=False) if compile_learned \
+            else fake_quant_q4_learned
         self.group, self.embed_group = group, embed_group
         self.embed_method = embed_method
         self.quantize_embed = quantize_embed
@@ -222,6 +226,26 @@ class QAT:
                 m.copy_(vmin.float())
         self.grid_ready = True
 
+    def check_compiled(self) -> str:
+        """With compile_learned: keep the compiled fake quantization only if its values equal
+        the eager ones on every matrix now (exactness is what export.py relies on); returns
+        what runs, for the log. Called once the grid is ready."""
+        if self._learned_fn is fake_quant_q4_learned:
+            return "eager"
+        params = dict(self.model.named_parameters())
+        try:
+            for name, (log_scale, vmin) in self.grid.items():
+                # with gradients, as in training: the graph checked is the one that will run
+                ours = self._learned_fn(params[name], log_scale, vmin, self.group).detach()
+                with torch.no_grad():
+                    eager = fake_quant_q4_learned(params[name], log_scale, vmin, self.group)
+                if not torch.equal(ours, eager):
+                    raise ValueError(f"{name}: compiled values differ from eager ones")
+        except Exception as e:  # a failed compilation or a difference: eager from here on
+            self._learned_fn = fake_quant_q4_learned
+            return f"eager ({type(e).__name__}: {str(e)[:120]})"
+        return "compiled"
+
     def clamp_grid(self) -> None:
         """After an optimizer step: keep every scale at or above MIN_SCALE."""
         with torch.no_grad():
@@ -262,7 +286,7 @@ class QAT:
     def quantized(self, name: str, p: torch.Tensor, learned: bool) -> torch.Tensor:
         if learned and name in self.grid and self.grid_ready:
             log_scale, vmin = self.grid[name]
-            return fake_quant_q4_learned(p, log_scale, vmin, self.group)
+            return self._learned_fn(p, log_scale, vmin, self.group)
         return fake_quant_q4(p, self.group)
 
     @contextmanager

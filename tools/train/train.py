@@ -112,8 +112,10 @@ def parse_args(argv=None):
     ap.add_argument("--ce-weight", type=float, default=0.5)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--compile", action="store_true",
-                    help="torch.compile every block (teacher and student) and the distillation loss; "
-                         "where compilation fails, that code runs eagerly")
+                    help="torch.compile every block (teacher and student) and the distillation loss, "
+                         "and with --qat-learn-grid the fake quantization (kept only where its values "
+                         "equal the eager ones, checked at the QAT switch); where compilation fails, "
+                         "that code runs eagerly")
     ap.add_argument("--resample", type=float, default=0.0,
                     help="fraction of each window's tokens (never the first) replaced by a token "
                          "the teacher samples there from the original prefix, so repeated passes "
@@ -542,7 +544,8 @@ def main(argv=None) -> None:
             args.qat_embed = "rtn"
         qat = QAT(student, group=args.qat_group, embed_group=args.qat_embed_group,
                   embed_method=args.qat_embed if args.qat_embed != "none" else "rtn",
-                  quantize_embed=args.qat_embed != "none", learn_grid=args.qat_learn_grid)
+                  quantize_embed=args.qat_embed != "none", learn_grid=args.qat_learn_grid,
+                  compile_learned=args.compile)
 
     decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
     no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
@@ -631,9 +634,10 @@ def main(argv=None) -> None:
         if qat.quantize_embed and not args.train_embed:
             qat.embed_tensor(student.embed.weight)  # once (search: ~45 s on one core, threaded)
         qat.init_grid()
+        fake_quant = qat.check_compiled() if qat.grid else "eager"
         embed_s = round(time.time() - t_q, 1)
         log("qat", on=True, step=step, progress=round(progress(), 4), group=args.qat_group,
-            embed=args.qat_embed, embed_quantize_s=embed_s, **val_both())
+            embed=args.qat_embed, embed_quantize_s=embed_s, fake_quant=fake_quant, **val_both())
         qat_logged = True
         last_tick = time.time()
 
