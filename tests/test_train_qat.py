@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 from export import quantize_on_grid  # noqa: E402
 from import_model import file_grid  # noqa: E402
-from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_values, grid_codes,  # noqa: E402
-                 rtn_grid, split_grid)
+from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_on_grid, fake_quant_q4_values,  # noqa: E402
+                 grid_codes, rtn_grid, split_grid)
 
 GROUP = 32
 
@@ -244,15 +244,41 @@ def test_compiled_fake_quantization_is_kept_only_when_exact(monkeypatch):
     with torch.no_grad():
         qat.grid["proj.weight"][0].add_(0.2)  # off the rtn grid
     assert qat.check_compiled() == "compiled"
-    with qat.active():
-        compiled = qat.model.proj.weight.detach().clone()
     log_scale, vmin = qat.grid["proj.weight"]
-    assert torch.equal(compiled, fake_quant_q4_learned(w, log_scale, vmin, GROUP).detach())
+    expected = fake_quant_q4_learned(w, log_scale, vmin, GROUP).detach()
+    # as train.py runs it: training under autocast with gradients, validation without
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), qat.active():
+            assert torch.equal(qat.model.proj.weight.detach(), expected)
+    assert qat.check_compiled() == "compiled"  # the recheck train.py runs at every validation
 
     wrong = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True, compile_learned=True)
-    wrong._learned_fn = lambda *args: fake_quant_q4_learned(*args) * 1.0001  # a miscompilation
+    wrong._on_grid = lambda *args: fake_quant_q4_on_grid(*args) * 1.0001  # a miscompilation
     wrong.init_grid()
     assert wrong.check_compiled().startswith("eager (ValueError: proj.weight: compiled values differ")
     with wrong.active():
         assert torch.equal(wrong.model.proj.weight, fake_quant_q4_values(w, GROUP))
     assert QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True).check_compiled() == "eager"
+
+
+def test_saved_grids_are_kept_only_when_qat_starts_on_them():
+    w = weights(16)
+    scale, vmin = rtn_grid(w, GROUP)
+    saved = {"proj.weight": (scale.half() * 1.5, vmin.half())}  # not the rtn grid; row 2 constant
+
+    def started(keep_init):
+        qat = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+        qat.set_grid(saved)
+        return qat, qat.switch_on(keep_init), qat.grid["proj.weight"][0].detach().exp().half().float()
+
+    qat, refit, kept = started(True)
+    assert not refit and torch.equal(kept[scale > 0], (scale.half() * 1.5).float()[scale > 0])
+    assert kept[2, 0] == kept[scale > 0].median()  # the constant group starts at the median
+    _, refit, fresh = started(False)
+    assert refit and torch.equal(fresh[scale > 0], scale[scale > 0])
+
+    # a resumed run whose grid QAT has trained keeps it, whatever the schedule says
+    resumed = QAT(Linear(w), group=GROUP, quantize_embed=False, learn_grid=True)
+    resumed.load_grid_state(qat.grid_state())
+    assert not resumed.switch_on(False)
+    assert torch.equal(resumed.grid["proj.weight"][0], qat.grid["proj.weight"][0])

@@ -132,11 +132,18 @@ def grid_values(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
 
 
 def fake_quant_q4_learned(w: torch.Tensor, log_scale: torch.Tensor, vmin: torch.Tensor,
-                          group: int) -> torch.Tensor:
+                          group: int, on_grid=None) -> torch.Tensor:
     """q4 forward on a trained grid (module docstring): the value is the exported weight;
-    gradients to the grid with the codes held, to w straight through inside the range."""
+    gradients to the grid with the codes held, to w straight through inside the range.
+    on_grid: fake_quant_q4_on_grid or a compiled form of it. exp stays outside it: compiled
+    and eager exp may differ by an ulp, which can flip the scale's f16 rounding."""
+    return (on_grid or fake_quant_q4_on_grid)(w, log_scale.exp(), vmin, group)
+
+
+def fake_quant_q4_on_grid(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
+                          group: int) -> torch.Tensor:
+    """fake_quant_q4_learned's body, from the scale itself."""
     rows, cols = w.shape
-    scale = log_scale.exp()
     values, codes, x = grid_values(w, scale, vmin, group)
     # inside: the weight's code is its rounded position, not clipped (from the same f16
     # numbers as the code, so a group's own min and max are always inside)
@@ -162,6 +169,15 @@ def export_quantized(w: torch.Tensor, group: int, method: str, threads: int = 0)
     return torch.from_numpy(deq.astype(np.float32)).to(w.device, w.dtype)
 
 
+def start_log_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Log scales to start a learned grid from f16 scales. A constant group (scale 0: its
+    weights all equal its min) starts at the matrix's median scale: code 0 stays exact, and
+    its weights can spread without leaving the range at once."""
+    spread = scale[scale > 0]
+    fill = spread.median() if spread.numel() else torch.tensor(MIN_SCALE)
+    return torch.where(scale > 0, scale, fill).clamp_min(MIN_SCALE).log()
+
+
 class QAT:
     """Which parameters are fake-quantized, and a context that swaps them in."""
 
@@ -170,8 +186,12 @@ class QAT:
                  compile_learned: bool = False):
         self.model = model
         # the learned grid's fake quantization, compiled when asked (check_compiled decides)
-        self._learned_fn = torch.compile(fake_quant_q4_learned, dynamic=False) if compile_learned \
-            else fake_quant_q4_learned
+        self._on_grid = fake_quant_q4_on_grid
+        if compile_learned:
+            import torch._dynamo as dynamo
+            # a graph per matrix shape (4-5 in a student) and grad mode (training, validation)
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 32)
+            self._on_grid = torch.compile(fake_quant_q4_on_grid, dynamic=False)
         self.group, self.embed_group = group, embed_group
         self.embed_method = embed_method
         self.quantize_embed = quantize_embed
@@ -180,6 +200,7 @@ class QAT:
         # name -> (log_scale, min) parameters, [rows, cols // group]; set by init_grid
         self.grid: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         self.grid_ready = False
+        self.grid_from_init = False  # set_grid's grids, not yet switched on
         if learn_grid:
             params = dict(model.named_parameters())
             for name in self.names:
@@ -201,11 +222,7 @@ class QAT:
         with torch.no_grad():
             for name, (log_scale, vmin) in self.grid.items():
                 scale, m = rtn_grid(params[name], self.group)
-                # a constant group (scale 0) starts at the matrix's median scale: code 0 is
-                # still exact, and its weights can spread without leaving the range at once
-                spread = scale[scale > 0]
-                fill = spread.median() if spread.numel() else torch.tensor(MIN_SCALE)
-                log_scale.copy_(torch.where(scale > 0, scale, fill).clamp_min(MIN_SCALE).log())
+                log_scale.copy_(start_log_scale(scale))
                 vmin.copy_(m)
         self.grid_ready = True
 
@@ -222,27 +239,51 @@ class QAT:
                 if tuple(scale.shape) != tuple(log_scale.shape) or tuple(vmin.shape) != tuple(m.shape):
                     raise SystemExit(f"{name}: saved grid {tuple(scale.shape)} does not fit groups of "
                                      f"{self.group} ({tuple(log_scale.shape)}): --qat-group must match it")
-                log_scale.copy_(scale.float().clamp_min(MIN_SCALE).log())
+                log_scale.copy_(start_log_scale(scale.float()))
                 m.copy_(vmin.float())
-        self.grid_ready = True
+        self.grid_ready = self.grid_from_init = True
+
+    def switch_on(self, keep_init: bool) -> bool:
+        """At the QAT switch: the grids start from set_grid's if keep_init, else (or
+        without them) from the weights' rtn grid; a grid already trained (resumed) is
+        kept. Returns whether set_grid's grids were dropped for rtn."""
+        refit = self.grid_from_init and not keep_init
+        if refit:
+            self.grid_ready = False
+        self.grid_from_init = False
+        self.init_grid()
+        return refit
+
+    def learned_values(self, on_grid, p: torch.Tensor, log_scale: torch.Tensor,
+                       vmin: torch.Tensor) -> torch.Tensor:
+        """fake_quant_q4_learned through on_grid (compiled or eager) with autocast off: the
+        fake quantization is float32/float64 throughout, and the compiled graphs are keyed
+        on the autocast state, which then is always the same."""
+        with torch.autocast(p.device.type, enabled=False):
+            return fake_quant_q4_learned(p, log_scale, vmin, self.group, on_grid)
+
+    def compiled(self) -> bool:
+        return self._on_grid is not fake_quant_q4_on_grid
 
     def check_compiled(self) -> str:
-        """With compile_learned: keep the compiled fake quantization only if its values equal
-        the eager ones on every matrix now (exactness is what export.py relies on); returns
-        what runs, for the log. Called once the grid is ready."""
-        if self._learned_fn is fake_quant_q4_learned:
+        """With compile_learned: keep the compiled fake quantization only while its values
+        equal the eager ones on every matrix, with and without gradients (training and
+        validation run different graphs); exactness is what export.py relies on. Returns
+        what runs, for the log. train.py calls it at the switch, at every validation and at
+        the end: a difference from then on switches to eager for the rest of the run."""
+        if not self.compiled():
             return "eager"
         params = dict(self.model.named_parameters())
         try:
             for name, (log_scale, vmin) in self.grid.items():
-                # with gradients, as in training: the graph checked is the one that will run
-                ours = self._learned_fn(params[name], log_scale, vmin, self.group).detach()
                 with torch.no_grad():
-                    eager = fake_quant_q4_learned(params[name], log_scale, vmin, self.group)
-                if not torch.equal(ours, eager):
+                    eager = self.learned_values(fake_quant_q4_on_grid, params[name], log_scale, vmin)
+                    inference = self.learned_values(self._on_grid, params[name], log_scale, vmin)
+                training = self.learned_values(self._on_grid, params[name], log_scale, vmin).detach()
+                if not (torch.equal(training, eager) and torch.equal(inference, eager)):
                     raise ValueError(f"{name}: compiled values differ from eager ones")
         except Exception as e:  # a failed compilation or a difference: eager from here on
-            self._learned_fn = fake_quant_q4_learned
+            self._on_grid = fake_quant_q4_on_grid
             return f"eager ({type(e).__name__}: {str(e)[:120]})"
         return "compiled"
 
@@ -253,7 +294,7 @@ class QAT:
                 log_scale.clamp_(min=math.log(MIN_SCALE))
 
     def grid_state(self) -> dict:
-        return {"ready": self.grid_ready,
+        return {"ready": self.grid_ready, "from_init": self.grid_from_init,
                 "grid": {n: (ls.detach().cpu(), m.detach().cpu()) for n, (ls, m) in self.grid.items()}}
 
     def load_grid_state(self, state: dict) -> None:
@@ -267,6 +308,7 @@ class QAT:
                 self.grid[name][0].copy_(ls)
                 self.grid[name][1].copy_(m)
         self.grid_ready = state["ready"]
+        self.grid_from_init = state.get("from_init", False)
 
     def exported_grid(self) -> dict:
         """{NAME.q4_scale, NAME.q4_min: f16 [rows, cols // group]}: the grid export.py writes."""
@@ -286,7 +328,7 @@ class QAT:
     def quantized(self, name: str, p: torch.Tensor, learned: bool) -> torch.Tensor:
         if learned and name in self.grid and self.grid_ready:
             log_scale, vmin = self.grid[name]
-            return self._learned_fn(p, log_scale, vmin, self.group)
+            return self.learned_values(self._on_grid, p, log_scale, vmin)
         return fake_quant_q4(p, self.group)
 
     @contextmanager

@@ -96,8 +96,9 @@ def parse_args(argv=None):
                     help="export.py --embed-group-size")
     ap.add_argument("--qat-learn-grid", action="store_true",
                     help="train each block matrix's q4 scales and mins with it (qat.py), "
-                         "starting from the rtn grid at the switch; saved beside the weights, "
-                         "export.py writes them")
+                         "starting at the switch from the rtn grid (or from --init-weights' grids "
+                         "when QAT starts within the first 1 %% of the schedule); saved beside the "
+                         "weights, export.py writes them")
     ap.add_argument("--qat-scale-lr-mult", type=float, default=10.0,
                     help="learning rate of the log scales relative to --lr (the mins take --lr)")
     # optimisation
@@ -176,6 +177,10 @@ def init_student(student, teacher, calib_tokens, args) -> float:
         target = teacher_state_rms(teacher, calib_tokens, len(teacher.layers) - student.cfg.n_post)
     return calibrate_loop_norm(student, calib_tokens, target)
 
+
+# --init-weights' learned grids are used when QAT switches on by this share of the
+# schedule; later, after a float phase, the weights have moved off them and QAT refits
+INIT_GRID_MAX_PROGRESS = 0.01
 
 # student config fields that only steer the teacher init; the rest must match the weights
 INIT_ONLY_FIELDS = ("core_init", "core_start", "max_depth", "default_depth")
@@ -624,6 +629,13 @@ def main(argv=None) -> None:
 
     qat_logged = False
 
+    def recheck_fake_quant() -> None:
+        """A compiled fake quantization stays only while it gives the eager values."""
+        if qat_on() and qat.compiled():
+            state = qat.check_compiled()
+            if state != "compiled":
+                log("qat", step=step, fake_quant=state)
+
     def qat_switch() -> None:
         """Once QAT is due: quantize the frozen embedding, log float and q4 validation. Its
         time is left out of the training clock."""
@@ -633,7 +645,8 @@ def main(argv=None) -> None:
         t_q = time.time()
         if qat.quantize_embed and not args.train_embed:
             qat.embed_tensor(student.embed.weight)  # once (search: ~45 s on one core, threaded)
-        qat.init_grid()
+        if qat.switch_on(keep_init=progress() <= INIT_GRID_MAX_PROGRESS):
+            log("init_grids", refit=True, progress=round(progress(), 4))
         fake_quant = qat.check_compiled() if qat.grid else "eager"
         embed_s = round(time.time() - t_q, 1)
         log("qat", on=True, step=step, progress=round(progress(), 4), group=args.qat_group,
@@ -694,6 +707,7 @@ def main(argv=None) -> None:
                 ce=round(ce.item(), 4), hid=round(hid.item(), 4), lr=f"{lr:.2e}", gnorm=round(gnorm.item(), 3),
                 elapsed_s=round(elapsed, 1), tok_s=round(step * args.batch * args.seq / max(elapsed, 1e-9)))
         if step % args.eval_every == 0:
+            recheck_fake_quant()
             with qat.active(qat_on()) if qat is not None else nullcontext():
                 nll = per_depth_nll(student, val_windows, device, autocast)
             log("val", step=step, weights="q4" if qat_on() else "float",
@@ -702,6 +716,7 @@ def main(argv=None) -> None:
             checkpoint()
             last_save = now
     checkpoint()
+    recheck_fake_quant()
 
     # The primary numbers are of the weights as exported: q4 (QAT's grid) once QAT is on.
     quantized = qat_on()
