@@ -637,8 +637,9 @@ def main(argv=None) -> None:
                 log("qat", step=step, fake_quant=state)
 
     def qat_switch() -> None:
-        """Once QAT is due: quantize the frozen embedding, log float and q4 validation. Its
-        time is left out of the training clock."""
+        """Once QAT is due: quantize the frozen embedding, start the learned grids (and check
+        their compiled fake quantization), log float and q4 validation. Its time (switch_s,
+        without the validation) is left out of the training clock."""
         nonlocal qat_logged, last_tick
         if qat_logged or not qat_on():
             return
@@ -648,9 +649,9 @@ def main(argv=None) -> None:
         if qat.switch_on(keep_init=progress() <= INIT_GRID_MAX_PROGRESS):
             log("init_grids", refit=True, progress=round(progress(), 4))
         fake_quant = qat.check_compiled() if qat.grid else "eager"
-        embed_s = round(time.time() - t_q, 1)
+        switch_s = round(time.time() - t_q, 1)
         log("qat", on=True, step=step, progress=round(progress(), 4), group=args.qat_group,
-            embed=args.qat_embed, embed_quantize_s=embed_s, fake_quant=fake_quant, **val_both())
+            embed=args.qat_embed, switch_s=switch_s, fake_quant=fake_quant, **val_both())
         qat_logged = True
         last_tick = time.time()
 
