@@ -118,7 +118,7 @@ def grid_positions(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
 
 def grid_codes(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int) -> torch.Tensor:
     """Codes [rows, cols // group, group] (float64) of w on the grid: what export.py writes."""
-    return torch.round(grid_positions(w, scale, vmin, group)[0]).clamp_(0, QMAX)
+    return grid_values(w, scale, vmin, group)[1]
 
 
 def grid_values(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,

@@ -114,9 +114,9 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block (teacher and student) and the distillation loss, "
-                         "and with --qat-learn-grid the fake quantization (kept only where its values "
-                         "equal the eager ones, checked at the QAT switch); where compilation fails, "
-                         "that code runs eagerly")
+                         "and with --qat-learn-grid the fake quantization (kept only while its values "
+                         "equal the eager ones: checked at the QAT switch, every validation and the "
+                         "end); where compilation fails, that code runs eagerly")
     ap.add_argument("--resample", type=float, default=0.0,
                     help="fraction of each window's tokens (never the first) replaced by a token "
                          "the teacher samples there from the original prefix, so repeated passes "
@@ -696,7 +696,7 @@ def main(argv=None) -> None:
         # change how often the weights' updates are clipped
         gnorm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.grad_clip)
         opt.step()
-        if qat is not None:
+        if qat_on():  # before the switch the grids get no gradient and do not move
             qat.clamp_grid()
         step += 1
         now = time.time()
