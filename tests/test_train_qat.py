@@ -282,3 +282,11 @@ def test_saved_grids_are_kept_only_when_qat_starts_on_them():
     resumed.load_grid_state(qat.grid_state())
     assert not resumed.switch_on(False)
     assert torch.equal(resumed.grid["proj.weight"][0], qat.grid["proj.weight"][0])
+
+
+def test_qat_asked_to_start_at_once_keeps_the_saved_grids():
+    """The rule reads --qat-start, not the clock at the switch: a first step that compiles
+    for 16 s is 2 % of a 13-minute schedule, and must not make QAT refit the saved grids."""
+    from train import INIT_GRID_MAX_PROGRESS, keeps_init_grids
+    assert keeps_init_grids(1e-6) and keeps_init_grids(INIT_GRID_MAX_PROGRESS)
+    assert not keeps_init_grids(0.4) and not keeps_init_grids(2 * INIT_GRID_MAX_PROGRESS)
