@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 from export import quantize_on_grid  # noqa: E402
 from import_model import file_grid  # noqa: E402
-from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_on_grid, fake_quant_q4_values,  # noqa: E402
+from qat import (QAT, QMAX, export_quantized, fake_quant_q4_learned, fake_quant_q4_on_grid, fake_quant_q4_values,  # noqa: E402
                  grid_codes, rtn_grid, split_grid)
 
 GROUP = 32
@@ -290,3 +290,47 @@ def test_qat_asked_to_start_at_once_keeps_the_saved_grids():
     from train import INIT_GRID_MAX_PROGRESS, keeps_init_grids
     assert keeps_init_grids(1e-6) and keeps_init_grids(INIT_GRID_MAX_PROGRESS)
     assert not keeps_init_grids(0.4) and not keeps_init_grids(2 * INIT_GRID_MAX_PROGRESS)
+
+
+class Embedded(torch.nn.Module):
+    """A frozen tied embedding (qat.EMBED) beside one trained matrix."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 2 * GROUP)
+        self.proj = torch.nn.Linear(2 * GROUP, 2 * GROUP, bias=False)
+        with torch.no_grad():
+            self.embed.weight.copy_(weights(seed, rows=40, cols=2 * GROUP))
+            self.proj.weight.copy_(weights(seed + 1, rows=2 * GROUP, cols=2 * GROUP))
+        self.embed.weight.requires_grad_(False)
+
+
+def test_learned_embedding_grid_starts_at_its_export_and_exports_as_trained():
+    model = Embedded(17)
+    qat = QAT(model, group=GROUP, embed_group=GROUP, embed_method="search", learn_grid=True,
+              learn_embed_grid=True)
+    qat.switch_on(False)
+    w = model.embed.weight
+    start = qat.embed_tensor(w).detach()
+    search = export_quantized(w, GROUP, "search")
+    assert (start != search).float().mean() < 0.01  # search may keep a code that is not the nearest
+    with torch.no_grad():  # a grid the training has moved
+        qat.grid["embed.weight"][0].add_(0.2 * torch.randn(qat.grid["embed.weight"][0].shape))
+    moved = qat.embed_tensor(w)
+    scale, vmin = qat.exported_grid()["embed.weight.q4_scale"], qat.exported_grid()["embed.weight.q4_min"]
+    written = quantize_on_grid(w.numpy(), scale.numpy(), vmin.numpy(), GROUP).dequantize()
+    assert np.array_equal(moved.detach().numpy(), written)  # export writes what training saw
+    moved.square().sum().backward()
+    assert w.grad is None and qat.grid["embed.weight"][0].grad.abs().sum() > 0
+    assert qat.grid["embed.weight"][1].grad.abs().sum() > 0
+    # the comparison pass (learned=False) keeps the embedding's fixed export
+    assert torch.equal(qat.embed_tensor(w, learned=False), search)
+
+
+def test_a_learned_embedding_grid_needs_the_frozen_fake_quantized_embedding():
+    model = Embedded(18)
+    with pytest.raises(ValueError, match="frozen embedding"):
+        QAT(model, group=GROUP, embed_group=GROUP, quantize_embed=False, learn_grid=True, learn_embed_grid=True)
+    model.embed.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen embedding"):
+        QAT(model, group=GROUP, embed_group=GROUP, learn_grid=True, learn_embed_grid=True)

@@ -133,15 +133,17 @@ def main(argv=None) -> None:
     for key, value in meta.items():
         writer.add_metadata(key, value)
 
+    if "embed.weight" in grids and args.embed_dtype != "q4":
+        raise SystemExit(f"{args.weights} holds a learned q4 grid of the embedding: --embed-dtype must be q4")
     for name in sorted(state):
         w = np.ascontiguousarray(state[name], dtype=np.float32)
         dtype = args.embed_dtype if name == "embed.weight" else args.dtype
+        group = args.embed_group_size if name == "embed.weight" else args.group_size
         if w.ndim == 1 or dtype == "f16":
             writer.add_tensor(name, w, "f32" if w.ndim == 1 else "f16")
         elif name in grids:
-            writer.add_tensor(name, quantize_on_grid(w, *grids[name], args.group_size))
+            writer.add_tensor(name, quantize_on_grid(w, *grids[name], group))
         else:
-            group = args.embed_group_size if name == "embed.weight" else args.group_size
             method = (args.embed_method or args.method) if name == "embed.weight" else args.method
             writer.add_tensor(name, quantize(w, dtype, group, method))
     out = Path(args.out)

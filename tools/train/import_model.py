@@ -70,7 +70,7 @@ def import_model(model: Path, out: Path) -> dict:
         dims, cfg = file_config(f)
         names = sorted(n for n in f.tensors if n != "embed.weight")
         state = {n: torch.from_numpy(f.tensor(n).astype(np.float32)).to(torch.float16) for n in names}
-        for n in names:
+        for n in names + ["embed.weight"]:  # the embedding's grid too (train.py --qat-learn-embed-grid)
             state.update(file_grid(f, n))
         source = f.metadata.get("general.source", "")
     names = sorted(state)

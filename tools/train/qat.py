@@ -53,16 +53,18 @@ from torch import nn
 QMAX = 15  # q4 codes 0..15
 # saved beside NAME in a weights folder: the learned grid of NAME (QAT.exported_grid)
 GRID_SUFFIXES = (".q4_scale", ".q4_min")
+EMBED = "embed.weight"  # the tied embedding: frozen unless --train-embed, its own group size
 
 
 def split_grid(state: dict) -> tuple[dict, dict]:
-    """(weights, {NAME: (scale, min)}) from a weights folder's tensors."""
+    """(weights, {NAME: (scale, min)}) from a weights folder's tensors. The frozen
+    embedding's grid comes without its weights (those are the teacher's)."""
     weights = {k: v for k, v in state.items() if not k.endswith(GRID_SUFFIXES)}
     grid = {}
     for key in state:
         if key.endswith(GRID_SUFFIXES[0]):
             name = key[:-len(GRID_SUFFIXES[0])]
-            if name + GRID_SUFFIXES[1] not in state or name not in weights:
+            if name + GRID_SUFFIXES[1] not in state or (name not in weights and name != EMBED):
                 raise SystemExit(f"{key}: the learned grid needs {name} and {name}{GRID_SUFFIXES[1]}")
             grid[name] = (state[key], state[name + GRID_SUFFIXES[1]])
     stray = [k for k in state if k.endswith(GRID_SUFFIXES[1]) and k[:-len(GRID_SUFFIXES[1])] not in grid]
@@ -154,19 +156,34 @@ def fake_quant_q4_on_grid(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tens
     return (surrogate + (values.reshape(rows, cols // group, group) - surrogate).detach()).reshape(rows, cols)
 
 
-def export_quantized(w: torch.Tensor, group: int, method: str, threads: int = 0) -> torch.Tensor:
-    """The exact dequantized q4 tensor export.py writes (tinyloop.quantize), for frozen
-    tensors. Rows are quantized independently, so row chunks run in threads (numpy
-    releases the GIL); `search` on the embedding takes ~45 s on one core."""
+def _quantize_rows(w: torch.Tensor, group: int, method: str, threads: int) -> list:
+    """tinyloop.quantize's q4 of w in row chunks, one per thread (rows are quantized
+    independently and numpy releases the GIL); `search` on the embedding takes ~45 s on
+    one core."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
     from tinyloop.quantize import quantize
     arr = w.detach().to("cpu", torch.float16).float().numpy()
     threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
     chunks = np.array_split(arr, threads, axis=0)
     with ThreadPoolExecutor(threads) as pool:
-        parts = list(pool.map(lambda c: quantize(c, "q4", group, method).dequantize(), chunks))
-    deq = np.concatenate(parts, axis=0)
+        return list(pool.map(lambda c: quantize(c, "q4", group, method), chunks))
+
+
+def export_quantized(w: torch.Tensor, group: int, method: str, threads: int = 0) -> torch.Tensor:
+    """The exact dequantized q4 tensor export.py writes (tinyloop.quantize), for frozen
+    tensors."""
+    deq = np.concatenate([q.dequantize() for q in _quantize_rows(w, group, method, threads)], axis=0)
     return torch.from_numpy(deq.astype(np.float32)).to(w.device, w.dtype)
+
+
+def export_grid(w: torch.Tensor, group: int, method: str, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min) [rows, cols // group] of export.py's q4 of w: where a learned grid of a
+    frozen tensor starts."""
+    parts = _quantize_rows(w, group, method, threads)
+    rows = [(q.scales.reshape(q.shape[0], -1), q.mins.reshape(q.shape[0], -1)) for q in parts]
+    scale = torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.float32))
+    vmin = torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.float32))
+    return scale.to(w.device), vmin.to(w.device)
 
 
 def start_log_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -183,7 +200,7 @@ class QAT:
 
     def __init__(self, model: nn.Module, group: int = 32, embed_group: int = 64,
                  embed_method: str = "search", quantize_embed: bool = True, learn_grid: bool = False,
-                 compile_learned: bool = False):
+                 compile_learned: bool = False, learn_embed_grid: bool = False):
         self.model = model
         # the learned grid's fake quantization, compiled when asked (check_compiled decides)
         self._on_grid = fake_quant_q4_on_grid
@@ -195,19 +212,24 @@ class QAT:
         self.group, self.embed_group = group, embed_group
         self.embed_method = embed_method
         self.quantize_embed = quantize_embed
-        self.names = [n for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"]
+        self.names = [n for n, p in model.named_parameters() if p.ndim == 2 and n != EMBED]
         self._embed_const = None
         # name -> (log_scale, min) parameters, [rows, cols // group]; set by init_grid
         self.grid: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         self.grid_ready = False
         self.grid_from_init = False  # set_grid's grids, not yet switched on
-        if learn_grid:
-            params = dict(model.named_parameters())
-            for name in self.names:
-                rows, cols = params[name].shape
-                shape, dev = (rows, cols // group), params[name].device
-                self.grid[name] = (nn.Parameter(torch.zeros(shape, device=dev)),
-                                   nn.Parameter(torch.zeros(shape, device=dev)))
+        params = dict(model.named_parameters())
+        if learn_embed_grid and (not quantize_embed or params[EMBED].requires_grad):
+            raise ValueError("a learned embedding grid needs the frozen embedding fake-quantized")
+        learned = (self.names if learn_grid else []) + ([EMBED] if learn_embed_grid else [])
+        for name in learned:
+            rows, cols = params[name].shape
+            shape, dev = (rows, cols // self.group_of(name)), params[name].device
+            self.grid[name] = (nn.Parameter(torch.zeros(shape, device=dev)),
+                               nn.Parameter(torch.zeros(shape, device=dev)))
+
+    def group_of(self, name: str) -> int:
+        return self.embed_group if name == EMBED else self.group
 
     def grid_parameters(self) -> tuple[list, list]:
         """([log scales], [mins]) for the optimizer (empty without a learned grid)."""
@@ -221,7 +243,9 @@ class QAT:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, (log_scale, vmin) in self.grid.items():
-                scale, m = rtn_grid(params[name], self.group)
+                # the frozen embedding starts where its export is; trained matrices at rtn
+                scale, m = (export_grid(params[name], self.embed_group, self.embed_method)
+                            if name == EMBED else rtn_grid(params[name], self.group))
                 log_scale.copy_(start_log_scale(scale))
                 vmin.copy_(m)
         self.grid_ready = True
@@ -238,7 +262,8 @@ class QAT:
                 log_scale, m = self.grid[name]
                 if tuple(scale.shape) != tuple(log_scale.shape) or tuple(vmin.shape) != tuple(m.shape):
                     raise SystemExit(f"{name}: saved grid {tuple(scale.shape)} does not fit groups of "
-                                     f"{self.group} ({tuple(log_scale.shape)}): --qat-group must match it")
+                                     f"{self.group_of(name)} ({tuple(log_scale.shape)}): --qat-group "
+                                     f"(--qat-embed-group for the embedding) must match it")
                 log_scale.copy_(start_log_scale(scale.float()))
                 m.copy_(vmin.float())
         self.grid_ready = self.grid_from_init = True
@@ -254,13 +279,13 @@ class QAT:
         self.init_grid()
         return refit
 
-    def learned_values(self, on_grid, p: torch.Tensor, log_scale: torch.Tensor,
-                       vmin: torch.Tensor) -> torch.Tensor:
-        """fake_quant_q4_learned through on_grid (compiled or eager) with autocast off: the
-        fake quantization is float32/float64 throughout, and the compiled graphs are keyed
-        on the autocast state, which then is always the same."""
+    def learned_values(self, on_grid, name: str, p: torch.Tensor) -> torch.Tensor:
+        """fake_quant_q4_learned of matrix `name` through on_grid (compiled or eager) with
+        autocast off: the fake quantization is float32/float64 throughout, and the compiled
+        graphs are keyed on the autocast state, which then is always the same."""
+        log_scale, vmin = self.grid[name]
         with torch.autocast(p.device.type, enabled=False):
-            return fake_quant_q4_learned(p, log_scale, vmin, self.group, on_grid)
+            return fake_quant_q4_learned(p, log_scale, vmin, self.group_of(name), on_grid)
 
     def compiled(self) -> bool:
         return self._on_grid is not fake_quant_q4_on_grid
@@ -275,11 +300,11 @@ class QAT:
             return "eager"
         params = dict(self.model.named_parameters())
         try:
-            for name, (log_scale, vmin) in self.grid.items():
+            for name in self.grid:
                 with torch.no_grad():
-                    eager = self.learned_values(fake_quant_q4_on_grid, params[name], log_scale, vmin)
-                    inference = self.learned_values(self._on_grid, params[name], log_scale, vmin)
-                training = self.learned_values(self._on_grid, params[name], log_scale, vmin).detach()
+                    eager = self.learned_values(fake_quant_q4_on_grid, name, params[name])
+                    inference = self.learned_values(self._on_grid, name, params[name])
+                training = self.learned_values(self._on_grid, name, params[name]).detach()
                 if not (torch.equal(training, eager) and torch.equal(inference, eager)):
                     raise ValueError(f"{name}: compiled values differ from eager ones")
         except Exception as e:  # a failed compilation or a difference: eager from here on
@@ -318,7 +343,9 @@ class QAT:
             out[name + GRID_SUFFIXES[1]] = vmin.detach().to("cpu", torch.float16)
         return out
 
-    def embed_tensor(self, p: torch.Tensor) -> torch.Tensor:
+    def embed_tensor(self, p: torch.Tensor, learned: bool = True) -> torch.Tensor:
+        if learned and EMBED in self.grid and self.grid_ready:
+            return self.learned_values(self._on_grid, EMBED, p)
         if p.requires_grad:  # trained embedding: rtn fake quant with STE
             return fake_quant_q4(p, self.embed_group)
         if self._embed_const is None or self._embed_const.device != p.device:
@@ -327,8 +354,7 @@ class QAT:
 
     def quantized(self, name: str, p: torch.Tensor, learned: bool) -> torch.Tensor:
         if learned and name in self.grid and self.grid_ready:
-            log_scale, vmin = self.grid[name]
-            return self.learned_values(self._on_grid, p, log_scale, vmin)
+            return self.learned_values(self._on_grid, name, p)
         return fake_quant_q4(p, self.group)
 
     @contextmanager
@@ -343,10 +369,10 @@ class QAT:
         swapped = []
         try:
             for name, p in list(self.model.named_parameters()):
-                if name == "embed.weight":
+                if name == EMBED:
                     if not self.quantize_embed:
                         continue
-                    q = self.embed_tensor(p)
+                    q = self.embed_tensor(p, learned)
                 elif name in self.names:
                     q = self.quantized(name, p, learned)
                 else:

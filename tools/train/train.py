@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from student import (LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher,  # noqa: E402
                      teacher_state_rms)
-from qat import QAT, split_grid  # noqa: E402
+from qat import EMBED, QAT, export_grid, split_grid  # noqa: E402
 from teacher import load_teacher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,6 +99,13 @@ def parse_args(argv=None):
                          "starting at the switch from the rtn grid (or from --init-weights' grids "
                          "when --qat-start is at most 0.01); saved beside the "
                          "weights, export.py writes them")
+    ap.add_argument("--qat-learn-embed-grid", action="store_true",
+                    help="with --qat-learn-grid, also learn the frozen embedding's q4 grid (groups of "
+                         "--qat-embed-group), starting where its export is (--qat-embed's method, or "
+                         "the --init-weights file's grid); export.py writes it")
+    ap.add_argument("--grids-only", action="store_true",
+                    help="train only the learned q4 grids, every weight frozen, QAT on from the "
+                         "first step (needs --qat-learn-grid and --qat-start <= 0.01)")
     ap.add_argument("--qat-scale-lr-mult", type=float, default=10.0,
                     help="learning rate of the log scales relative to --lr (the mins take --lr)")
     # optimisation
@@ -152,6 +159,10 @@ def parse_args(argv=None):
         ap.error("--qat-start must be in (0, 1] (0: off)")
     if args.qat_learn_grid and args.qat_start <= 0:
         ap.error("--qat-learn-grid needs --qat-start")
+    if args.qat_learn_embed_grid and (not args.qat_learn_grid or args.train_embed or args.qat_embed == "none"):
+        ap.error("--qat-learn-embed-grid needs --qat-learn-grid, a frozen embedding and --qat-embed search or rtn")
+    if args.grids_only and (not args.qat_learn_grid or not keeps_init_grids(args.qat_start)):
+        ap.error(f"--grids-only needs --qat-learn-grid and --qat-start <= {INIT_GRID_MAX_PROGRESS}")
     if not 0.0 <= args.resample < 1.0:
         ap.error("--resample must be in [0, 1)")
     if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
@@ -556,7 +567,10 @@ def main(argv=None) -> None:
         qat = QAT(student, group=args.qat_group, embed_group=args.qat_embed_group,
                   embed_method=args.qat_embed if args.qat_embed != "none" else "rtn",
                   quantize_embed=args.qat_embed != "none", learn_grid=args.qat_learn_grid,
-                  compile_learned=args.compile)
+                  compile_learned=args.compile, learn_embed_grid=args.qat_learn_embed_grid)
+    if args.grids_only:
+        for p in student.parameters():
+            p.requires_grad_(False)
 
     decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
     no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
@@ -566,6 +580,7 @@ def main(argv=None) -> None:
         scales, mins = qat.grid_parameters()
         groups += [{"params": scales, "weight_decay": 0.0, "lr_mult": args.qat_scale_lr_mult},
                    {"params": mins, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # --grids-only: the weights' groups are empty
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed)
     step, elapsed = 0, 0.0
@@ -596,6 +611,10 @@ def main(argv=None) -> None:
             grids = {}
             log("init_weights", folder=args.init_weights,
                 **load_init_weights(student, Path(args.init_weights), teacher.dims, grids))
+            if not args.qat_learn_embed_grid:
+                grids.pop(EMBED, None)  # the file's embedding grid: only a learned one starts from it
+            elif grids and EMBED not in grids:  # a folder from before: start at the export's grid
+                grids[EMBED] = export_grid(student.embed.weight, qat.embed_group, qat.embed_method)
             if grids:  # QAT starts on them; without --qat-learn-grid, from the rtn grid
                 kept = qat is not None and bool(qat.grid)
                 if kept:
@@ -621,7 +640,7 @@ def main(argv=None) -> None:
         return p
 
     def qat_on() -> bool:
-        return qat is not None and progress() >= args.qat_start
+        return qat is not None and (args.grids_only or progress() >= args.qat_start)
 
     def val_both() -> dict:
         out = {}
@@ -744,7 +763,8 @@ def main(argv=None) -> None:
             with qat.active(learned=False):
                 results["val_nll_q4_rtn"] = per_depth_nll(student, val_windows, device, autocast)
         results["qat"] = {"start": args.qat_start, "group": args.qat_group, "embed": args.qat_embed,
-                          "embed_group": args.qat_embed_group, "learned_grid": bool(qat.grid)}
+                          "embed_group": args.qat_embed_group, "learned_grid": bool(qat.grid),
+                          "learned_embed_grid": EMBED in qat.grid, "grids_only": args.grids_only}
     eval_path = data / "eval_sotu.u16"
     if args.final_eval_tokens > 0 and eval_path.exists():
         eval_tokens = load_tokens(eval_path)[:args.final_eval_tokens]
