@@ -334,3 +334,30 @@ def test_a_learned_embedding_grid_needs_the_frozen_fake_quantized_embedding():
     model.embed.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="frozen embedding"):
         QAT(model, group=GROUP, embed_group=GROUP, learn_grid=True, learn_embed_grid=True)
+
+
+REQUIRED = ["--teacher", "T.gguf", "--out", "RUN", "--max-steps", "1"]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--grids-only", "--qat-start", "1e-6"], "--grids-only"),                      # no learned grid
+    (["--grids-only", "--qat-learn-grid", "--qat-start", "0.4"], "--grids-only"),   # QAT not at once
+    (["--qat-learn-embed-grid", "--qat-start", "0.4"], "--qat-learn-embed-grid"),   # no --qat-learn-grid
+    (["--qat-learn-grid", "--qat-learn-embed-grid", "--qat-start", "0.4", "--train-embed"],
+     "--qat-learn-embed-grid"),
+    (["--qat-learn-grid", "--qat-learn-embed-grid", "--qat-start", "0.4", "--qat-embed", "none"],
+     "--qat-learn-embed-grid"),
+])
+def test_grid_flags_that_cannot_work_are_usage_errors(flags, refused, capsys):
+    from train import parse_args
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*REQUIRED, *flags])
+    assert exit_.value.code == 2
+    assert f"error: {refused} needs" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_grids_only_and_the_embedding_grid_parse_together():
+    from train import parse_args
+    args = parse_args([*REQUIRED, "--qat-start", "1e-6", "--qat-learn-grid", "--qat-learn-embed-grid",
+                       "--grids-only"])
+    assert args.grids_only and args.qat_learn_embed_grid
