@@ -297,28 +297,29 @@ class Embedded(torch.nn.Module):
 
     def __init__(self, seed: int):
         super().__init__()
-        self.embed = torch.nn.Embedding(40, 2 * GROUP)
-        self.proj = torch.nn.Linear(2 * GROUP, 2 * GROUP, bias=False)
+        self.embed = torch.nn.Embedding(40, 4 * GROUP)
+        self.proj = torch.nn.Linear(4 * GROUP, 4 * GROUP, bias=False)
         with torch.no_grad():
-            self.embed.weight.copy_(weights(seed, rows=40, cols=2 * GROUP))
-            self.proj.weight.copy_(weights(seed + 1, rows=2 * GROUP, cols=2 * GROUP))
+            self.embed.weight.copy_(weights(seed, rows=40, cols=4 * GROUP))
+            self.proj.weight.copy_(weights(seed + 1, rows=4 * GROUP, cols=4 * GROUP))
         self.embed.weight.requires_grad_(False)
 
 
 def test_learned_embedding_grid_starts_at_its_export_and_exports_as_trained():
-    model = Embedded(17)
-    qat = QAT(model, group=GROUP, embed_group=GROUP, embed_method="search", learn_grid=True,
+    model = Embedded(17)  # the embedding in groups of 2 * GROUP, the matrix in groups of GROUP
+    qat = QAT(model, group=GROUP, embed_group=2 * GROUP, embed_method="search", learn_grid=True,
               learn_embed_grid=True)
     qat.switch_on(False)
+    assert qat.grid["embed.weight"][0].shape == (40, 2) and qat.grid["proj.weight"][0].shape == (4 * GROUP, 4)
     w = model.embed.weight
     start = qat.embed_tensor(w).detach()
-    search = export_quantized(w, GROUP, "search")
-    assert (start != search).float().mean() < 0.01  # search may keep a code that is not the nearest
+    search = export_quantized(w, 2 * GROUP, "search")
+    assert torch.equal(start, search)
     with torch.no_grad():  # a grid the training has moved
         qat.grid["embed.weight"][0].add_(0.2 * torch.randn(qat.grid["embed.weight"][0].shape))
     moved = qat.embed_tensor(w)
     scale, vmin = qat.exported_grid()["embed.weight.q4_scale"], qat.exported_grid()["embed.weight.q4_min"]
-    written = quantize_on_grid(w.numpy(), scale.numpy(), vmin.numpy(), GROUP).dequantize()
+    written = quantize_on_grid(w.numpy(), scale.numpy(), vmin.numpy(), 2 * GROUP).dequantize()
     assert np.array_equal(moved.detach().numpy(), written)  # export writes what training saw
     moved.square().sum().backward()
     assert w.grad is None and qat.grid["embed.weight"][0].grad.abs().sum() > 0
@@ -330,18 +331,47 @@ def test_learned_embedding_grid_starts_at_its_export_and_exports_as_trained():
 def test_a_learned_embedding_grid_needs_the_frozen_fake_quantized_embedding():
     model = Embedded(18)
     with pytest.raises(ValueError, match="frozen embedding"):
-        QAT(model, group=GROUP, embed_group=GROUP, quantize_embed=False, learn_grid=True, learn_embed_grid=True)
+        QAT(model, group=GROUP, embed_group=2 * GROUP, quantize_embed=False, learn_grid=True,
+            learn_embed_grid=True)
     model.embed.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="frozen embedding"):
-        QAT(model, group=GROUP, embed_group=GROUP, learn_grid=True, learn_embed_grid=True)
+        QAT(model, group=GROUP, embed_group=2 * GROUP, learn_grid=True, learn_embed_grid=True)
+
+
+def test_a_refit_keeps_the_frozen_embeddings_saved_grid():
+    """A late QAT switch refits the trained matrices from rtn; the frozen embedding has not
+    moved off the grid it was saved on, so that one is kept."""
+    model = Embedded(19)
+    qat = QAT(model, group=GROUP, embed_group=2 * GROUP, learn_grid=True, learn_embed_grid=True)
+    saved = {name: (torch.rand(shape) * 0.01 + 0.001, torch.rand(shape) * -0.05)
+             for name, shape in (("embed.weight", (40, 2)), ("proj.weight", (4 * GROUP, 4)))}
+    qat.set_grid(saved)
+    assert qat.switch_on(keep_init=False)
+    embed_scale = qat.exported_grid()["embed.weight.q4_scale"].float()
+    assert torch.equal(embed_scale, saved["embed.weight"][0].half().float())
+    rtn = rtn_grid(model.proj.weight, GROUP)[0]
+    refit = qat.grid["proj.weight"][0].detach().exp().half().float()
+    assert torch.equal(refit[rtn > 0], rtn[rtn > 0])  # (a constant group starts at the median)
+
+
+@pytest.mark.parametrize("dtype, group, used", [("q4", 64, True), ("q4", 32, False), ("q8", 64, False)])
+def test_export_writes_the_embedding_on_its_grid_only_as_q4_in_its_groups(dtype, group, used, capsys):
+    from export import usable_embed_grid
+    grid = (torch.ones(40, 2), torch.zeros(40, 2))
+    assert usable_embed_grid(grid, 128, dtype, group) == used
+    assert ("is not used" in capsys.readouterr().out) != used
+    assert not usable_embed_grid(None, 128, "q4", 64)
 
 
 REQUIRED = ["--teacher", "T.gguf", "--out", "RUN", "--max-steps", "1"]
 
 
 @pytest.mark.parametrize("flags, refused", [
-    (["--grids-only", "--qat-start", "1e-6"], "--grids-only"),                      # no learned grid
-    (["--grids-only", "--qat-learn-grid", "--qat-start", "0.4"], "--grids-only"),   # QAT not at once
+    (["--grids-only", "--qat-start", "1e-6", "--init-weights", "RUN0"], "--grids-only"),  # no learned grid
+    (["--grids-only", "--qat-learn-grid", "--qat-start", "0.4", "--init-weights", "RUN0"], "--grids-only"),
+    (["--grids-only", "--qat-learn-grid", "--qat-start", "1e-6"], "--grids-only"),  # no weights to keep
+    (["--grids-only", "--qat-learn-grid", "--qat-start", "1e-6", "--init-weights", "RUN0", "--train-embed"],
+     "--grids-only"),
     (["--qat-learn-embed-grid", "--qat-start", "0.4"], "--qat-learn-embed-grid"),   # no --qat-learn-grid
     (["--qat-learn-grid", "--qat-learn-embed-grid", "--qat-start", "0.4", "--train-embed"],
      "--qat-learn-embed-grid"),
@@ -359,5 +389,5 @@ def test_grid_flags_that_cannot_work_are_usage_errors(flags, refused, capsys):
 def test_grids_only_and_the_embedding_grid_parse_together():
     from train import parse_args
     args = parse_args([*REQUIRED, "--qat-start", "1e-6", "--qat-learn-grid", "--qat-learn-embed-grid",
-                       "--grids-only"])
+                       "--grids-only", "--init-weights", "RUN0"])
     assert args.grids_only and args.qat_learn_embed_grid

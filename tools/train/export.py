@@ -40,6 +40,20 @@ def load_weights(folder: Path) -> tuple[dict, dict]:
     return info, {k: v.float().numpy() for k, v in state.items()}
 
 
+def usable_embed_grid(grid, cols: int, dtype: str, group: int) -> bool:
+    """Whether a weights folder's embedding grid (a learned one, or the file's that
+    import_model.py carried) is how the embedding is written: only as q4 in its own groups;
+    another encoding asked for drops it, with a note."""
+    if grid is None:
+        return False
+    groups = cols // grid[0].shape[1]
+    if dtype == "q4" and groups == group:
+        return True
+    print(f"the folder's q4 embedding grid (groups of {groups}) is not used: the embedding is "
+          f"written as {dtype} group {group}")
+    return False
+
+
 def quantize_on_grid(w: np.ndarray, scale: np.ndarray, vmin: np.ndarray, group: int) -> QTensor:
     """q4 of w on a learned grid (f16 scale and min per group, [rows, cols // group]), with
     the codes qat.grid_codes trained against: clip(rint((f16(w) - min) / scale), 0, 15)."""
@@ -97,6 +111,7 @@ def main(argv=None) -> None:
 
     info, state = load_weights(Path(args.weights))
     state, grids = split_grid(state)
+    embed_grid = grids.pop("embed.weight", None)  # the frozen embedding's: checked below
     if grids and args.dtype != "q4":
         raise SystemExit(f"{args.weights} holds learned q4 grids: --dtype must be q4")
     unquantized = [n for n, w in state.items() if w.ndim == 2 and n != "embed.weight" and n not in grids]
@@ -107,6 +122,8 @@ def main(argv=None) -> None:
     gguf = GGUFWeights(args.gguf)
     if not info.get("embed_trained"):
         state["embed.weight"] = gguf.tensor("token_embd.weight")
+    if usable_embed_grid(embed_grid, state["embed.weight"].shape[1], args.embed_dtype, args.embed_group_size):
+        grids["embed.weight"] = embed_grid
     default_depth = args.default_depth or cfg["default_depth"]
     if not 1 <= default_depth <= cfg["max_depth"]:
         raise SystemExit(f"default depth {default_depth} is outside 1..{cfg['max_depth']}")
@@ -133,8 +150,6 @@ def main(argv=None) -> None:
     for key, value in meta.items():
         writer.add_metadata(key, value)
 
-    if "embed.weight" in grids and args.embed_dtype != "q4":
-        raise SystemExit(f"{args.weights} holds a learned q4 grid of the embedding: --embed-dtype must be q4")
     for name in sorted(state):
         w = np.ascontiguousarray(state[name], dtype=np.float32)
         dtype = args.embed_dtype if name == "embed.weight" else args.dtype

@@ -5,9 +5,11 @@ are gone, this turns the file (the shipped model, say) into student-0N.pt shards
 student.json again, every tensor dequantized, so that training can continue from it
 (with quantization-aware training the file's grid values are what was trained for).
 The tied embedding is left out, as train.py saves it: training re-reads the teacher's.
-Each q4 block matrix's grid (f16 scale and min per group) goes with it as NAME.q4_scale
-and NAME.q4_min, the form train.py --qat-learn-grid saves: a continuation with
---qat-learn-grid starts QAT on the file's own grids (train.py drops them otherwise).
+Each q4 matrix's grid (f16 scale and min per group) goes with it as NAME.q4_scale and
+NAME.q4_min, the form train.py --qat-learn-grid saves: a continuation with
+--qat-learn-grid starts QAT on the file's own grids (train.py drops them otherwise). The
+embedding's grid comes without the embedding: train.py --qat-learn-embed-grid starts from
+it, and export.py writes the teacher's embedding on it (as the file did).
 
   python3 tools/train/import_model.py --model python/tinyloop/models/tinyloop-smollm2-looped.tinyloop \\
       --out .traindata/init

@@ -235,14 +235,17 @@ class QAT:
         """([log scales], [mins]) for the optimizer (empty without a learned grid)."""
         return [ls for ls, _ in self.grid.values()], [m for _, m in self.grid.values()]
 
-    def init_grid(self) -> None:
-        """Start every learned grid at the rtn grid of the current weights (once: a resumed
-        run keeps the trained grid, loaded with load_grid_state, and set_grid's are kept)."""
+    def init_grid(self, keep: tuple = ()) -> None:
+        """Start every learned grid but those in `keep` at the rtn grid of the current
+        weights, the frozen embedding's at its export (once: a resumed run keeps the trained
+        grid, loaded with load_grid_state, and set_grid's are kept)."""
         if not self.grid or self.grid_ready:
             return
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, (log_scale, vmin) in self.grid.items():
+                if name in keep:
+                    continue
                 # the frozen embedding starts where its export is; trained matrices at rtn
                 scale, m = (export_grid(params[name], self.embed_group, self.embed_method)
                             if name == EMBED else rtn_grid(params[name], self.group))
@@ -270,13 +273,15 @@ class QAT:
 
     def switch_on(self, keep_init: bool) -> bool:
         """At the QAT switch: the grids start from set_grid's if keep_init, else (or
-        without them) from the weights' rtn grid; a grid already trained (resumed) is
-        kept. Returns whether set_grid's grids were dropped for rtn."""
+        without them) from the weights' rtn grid (the frozen embedding keeps set_grid's,
+        or starts at its export); a grid already trained (resumed) is kept. Returns
+        whether set_grid's grids were dropped for rtn."""
         refit = self.grid_from_init and not keep_init
         if refit:
             self.grid_ready = False
         self.grid_from_init = False
-        self.init_grid()
+        # the frozen embedding has not moved off its saved grid: only trained weights refit
+        self.init_grid(keep=(EMBED,) if refit else ())
         return refit
 
     def learned_values(self, on_grid, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -329,7 +334,8 @@ class QAT:
             for name, (ls, m) in state["grid"].items():
                 if tuple(ls.shape) != tuple(self.grid[name][0].shape):
                     raise SystemExit(f"checkpoint's q4 grid of {name} is {tuple(ls.shape)}, "
-                                     f"QAT's {tuple(self.grid[name][0].shape)}: --qat-group changed")
+                                     f"QAT's {tuple(self.grid[name][0].shape)}: --qat-group or "
+                                     f"--qat-embed-group changed")
                 self.grid[name][0].copy_(ls)
                 self.grid[name][1].copy_(m)
         self.grid_ready = state["ready"]

@@ -161,8 +161,10 @@ def parse_args(argv=None):
         ap.error("--qat-learn-grid needs --qat-start")
     if args.qat_learn_embed_grid and (not args.qat_learn_grid or args.train_embed or args.qat_embed == "none"):
         ap.error("--qat-learn-embed-grid needs --qat-learn-grid, a frozen embedding and --qat-embed search or rtn")
-    if args.grids_only and (not args.qat_learn_grid or not keeps_init_grids(args.qat_start)):
-        ap.error(f"--grids-only needs --qat-learn-grid and --qat-start <= {INIT_GRID_MAX_PROGRESS}")
+    if args.grids_only and (not args.qat_learn_grid or not keeps_init_grids(args.qat_start)
+                            or not args.init_weights or args.train_embed):
+        ap.error(f"--grids-only needs --qat-learn-grid, --qat-start <= {INIT_GRID_MAX_PROGRESS}, "
+                 f"--init-weights (the weights it keeps) and no --train-embed")
     if not 0.0 <= args.resample < 1.0:
         ap.error("--resample must be in [0, 1)")
     if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
@@ -548,9 +550,9 @@ def main(argv=None) -> None:
 
     t0 = time.time()
     teacher, meta = load_teacher(args.teacher)
+    # float32 until the student is initialised from it: the frozen embedding must be the
+    # GGUF's values, which export.py quantizes, not their bf16 rounding
     teacher.to(device)
-    if device.type == "cuda":
-        teacher.to(torch.bfloat16)
     cfg = student_config(args)
     student = LoopedStudent(teacher.dims, cfg).to(device)
     targets = hidden_targets(len(teacher.layers), cfg)
@@ -590,15 +592,19 @@ def main(argv=None) -> None:
         if state["student_config"] != asdict(cfg):
             raise SystemExit(f"{ckpt} was made with {state['student_config']}, not {asdict(cfg)}")
         student.load_state_dict(state["model"])
+        if device.type == "cuda":
+            teacher.to(torch.bfloat16)
+        if qat is not None and qat.grid:  # before the optimizer: names the flag that differs
+            if "qat_grid" not in state:
+                raise SystemExit(f"{ckpt} was made without --qat-learn-grid: resume with the same QAT flags")
+            qat.load_grid_state(state["qat_grid"])
         if len(state["optimizer"]["param_groups"]) != len(opt.param_groups):
-            raise SystemExit(f"{ckpt} was made {'with' if 'qat_grid' in state else 'without'} "
-                             f"--qat-learn-grid: resume with the same QAT flags")
+            raise SystemExit(f"{ckpt} was made with other QAT flags (--qat-learn-grid, --grids-only): "
+                             f"resume with the same ones")
         opt.load_state_dict(state["optimizer"])
         for group, fresh in zip(opt.param_groups, groups):  # this invocation's multipliers
             group["lr_mult"] = fresh.get("lr_mult", 1.0)
         gen.set_state(state["sampler"].cpu())  # map_location moved it to the device
-        if qat is not None and qat.grid:
-            qat.load_grid_state(state["qat_grid"])
         step, elapsed = state["step"], state["elapsed"]
         log("resume", step=step, elapsed_s=round(elapsed, 1),
             **({"init_weights_ignored": args.init_weights} if args.init_weights else {}))
