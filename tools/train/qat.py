@@ -208,8 +208,8 @@ class QAT:
             import torch._dynamo as dynamo
             # a graph per matrix shape (4-5 in a student) and grad mode (training, validation)
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 32)
-            # inductor otherwise drops the f16 round trips of weights, scales and mins inside
-            # a fused kernel (it did on an H200: the check below fell back to eager)
+            # keep the f16 round trips of weights, scales and mins inside a fused kernel,
+            # which inductor may otherwise drop (on an H200 the check below fell back to eager)
             self._on_grid = torch.compile(fake_quant_q4_on_grid, dynamic=False,
                                           options={"emulate_precision_casts": True})
         self.group, self.embed_group = group, embed_group
