@@ -156,34 +156,25 @@ def fake_quant_q4_on_grid(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tens
     return (surrogate + (values.reshape(rows, cols // group, group) - surrogate).detach()).reshape(rows, cols)
 
 
-def _quantize_rows(w: torch.Tensor, group: int, method: str, threads: int) -> list:
-    """tinyloop.quantize's q4 of w in row chunks, one per thread (rows are quantized
-    independently and numpy releases the GIL); `search` on the embedding takes ~45 s on
-    one core."""
+def export_q4(w: torch.Tensor, group: int, method: str,
+              threads: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dequantized values, scale, min [rows, cols // group]) of the exact q4 export.py
+    writes (tinyloop.quantize) of a frozen tensor: what QAT uses for it, and where its
+    learned grid starts. Rows are quantized independently, so row chunks run in threads
+    (numpy releases the GIL); `search` on the embedding takes ~45 s on one core."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
     from tinyloop.quantize import quantize
     arr = w.detach().to("cpu", torch.float16).float().numpy()
     threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
-    chunks = np.array_split(arr, threads, axis=0)
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda c: quantize(c, "q4", group, method), chunks))
+        parts = list(pool.map(lambda c: quantize(c, "q4", group, method), np.array_split(arr, threads, axis=0)))
 
+    def joined(pieces) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(pieces, axis=0).astype(np.float32)).to(w.device)
 
-def export_quantized(w: torch.Tensor, group: int, method: str, threads: int = 0) -> torch.Tensor:
-    """The exact dequantized q4 tensor export.py writes (tinyloop.quantize), for frozen
-    tensors."""
-    deq = np.concatenate([q.dequantize() for q in _quantize_rows(w, group, method, threads)], axis=0)
-    return torch.from_numpy(deq.astype(np.float32)).to(w.device, w.dtype)
-
-
-def export_grid(w: torch.Tensor, group: int, method: str, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, min) [rows, cols // group] of export.py's q4 of w: where a learned grid of a
-    frozen tensor starts."""
-    parts = _quantize_rows(w, group, method, threads)
-    rows = [(q.scales.reshape(q.shape[0], -1), q.mins.reshape(q.shape[0], -1)) for q in parts]
-    scale = torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.float32))
-    vmin = torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.float32))
-    return scale.to(w.device), vmin.to(w.device)
+    return (joined([q.dequantize() for q in parts]).to(w.dtype),
+            joined([q.scales.reshape(q.shape[0], -1) for q in parts]),
+            joined([q.mins.reshape(q.shape[0], -1) for q in parts]))
 
 
 def start_log_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -216,7 +207,7 @@ class QAT:
         self.embed_method = embed_method
         self.quantize_embed = quantize_embed
         self.names = [n for n, p in model.named_parameters() if p.ndim == 2 and n != EMBED]
-        self._embed_const = None
+        self._embed_export = None
         # name -> (log_scale, min) parameters, [rows, cols // group]; set by init_grid
         self.grid: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         self.grid_ready = False
@@ -250,8 +241,8 @@ class QAT:
                 if name in keep:
                     continue
                 # the frozen embedding starts where its export is; trained matrices at rtn
-                scale, m = (export_grid(params[name], self.embed_group, self.embed_method)
-                            if name == EMBED else rtn_grid(params[name], self.group))
+                scale, m = (self.embed_export(params[name])[1:] if name == EMBED
+                            else rtn_grid(params[name], self.group))
                 log_scale.copy_(start_log_scale(scale))
                 vmin.copy_(m)
         self.grid_ready = True
@@ -357,9 +348,13 @@ class QAT:
             return self.learned_values(self._on_grid, EMBED, p)
         if p.requires_grad:  # trained embedding: rtn fake quant with STE
             return fake_quant_q4(p, self.embed_group)
-        if self._embed_const is None or self._embed_const.device != p.device:
-            self._embed_const = export_quantized(p, self.embed_group, self.embed_method)
-        return self._embed_const
+        return self.embed_export(p)[0]
+
+    def embed_export(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """export_q4 of the frozen embedding, computed once (its values and its grid)."""
+        if self._embed_export is None or self._embed_export[0].device != p.device:
+            self._embed_export = export_q4(p, self.embed_group, self.embed_method)
+        return self._embed_export
 
     def quantized(self, name: str, p: torch.Tensor, learned: bool) -> torch.Tensor:
         if learned and name in self.grid and self.grid_ready:

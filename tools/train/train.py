@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from student import (LoopedStudent, StudentConfig, calibrate_loop_norm, init_from_teacher,  # noqa: E402
                      teacher_state_rms)
-from qat import EMBED, QAT, export_grid, split_grid  # noqa: E402
+from qat import EMBED, QAT, split_grid  # noqa: E402
 from teacher import load_teacher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,8 +104,9 @@ def parse_args(argv=None):
                          "--qat-embed-group), starting where its export is (--qat-embed's method, or "
                          "the --init-weights file's grid); export.py writes it")
     ap.add_argument("--grids-only", action="store_true",
-                    help="train only the learned q4 grids, every weight frozen, QAT on from the "
-                         "first step (needs --qat-learn-grid and --qat-start <= 0.01)")
+                    help="train only the learned q4 grids, every weight of --init-weights frozen, "
+                         "QAT on from the first step (needs --qat-learn-grid, --qat-start <= 0.01, "
+                         "no --train-embed)")
     ap.add_argument("--qat-scale-lr-mult", type=float, default=10.0,
                     help="learning rate of the log scales relative to --lr (the mins take --lr)")
     # optimisation
@@ -620,7 +621,7 @@ def main(argv=None) -> None:
             if not args.qat_learn_embed_grid:
                 grids.pop(EMBED, None)  # the file's embedding grid: only a learned one starts from it
             elif grids and EMBED not in grids:  # a folder from before: start at the export's grid
-                grids[EMBED] = export_grid(student.embed.weight, qat.embed_group, qat.embed_method)
+                grids[EMBED] = qat.embed_export(student.embed.weight)[1:]
             if grids:  # QAT starts on them; without --qat-learn-grid, from the rtn grid
                 kept = qat is not None and bool(qat.grid)
                 if kept:
