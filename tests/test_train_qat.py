@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 from export import quantize_on_grid  # noqa: E402
 from import_model import file_grid  # noqa: E402
 from qat import (QAT, QMAX, fake_quant_q4_learned, fake_quant_q4_on_grid, fake_quant_q4_values,  # noqa: E402
-                 grid_codes, rtn_grid, split_grid)
+                 grid_values, rtn_grid, split_grid)
 
 GROUP = 32
 
@@ -98,7 +98,7 @@ def test_grid_gradients_hold_the_codes_and_weights_pass_unless_clipped():
 
     x = f16_positions(w, log_scale, vmin)
     unclipped = (x >= -0.5) & (x <= QMAX + 0.5)
-    codes = grid_codes(w, log_scale.exp(), vmin, GROUP).float()
+    codes = grid_values(w, log_scale.exp(), vmin, GROUP)[1].float()
     assert torch.equal(codes, torch.round(x).clamp(0, QMAX).float())
     up = upstream.reshape(x.shape)
     s = log_scale.detach().exp()[..., None]

@@ -56,7 +56,7 @@ def usable_embed_grid(grid, cols: int, dtype: str, group: int) -> bool:
 
 def quantize_on_grid(w: np.ndarray, scale: np.ndarray, vmin: np.ndarray, group: int) -> QTensor:
     """q4 of w on a learned grid (f16 scale and min per group, [rows, cols // group]), with
-    the codes qat.grid_codes trained against: clip(rint((f16(w) - min) / scale), 0, 15)."""
+    the codes qat.grid_values trained against: clip(rint((f16(w) - min) / scale), 0, 15)."""
     rows, cols = w.shape
     if scale.shape != (rows, cols // group) or vmin.shape != scale.shape:
         raise SystemExit(f"learned grid {scale.shape} does not fit {w.shape} in groups of {group} "

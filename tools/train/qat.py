@@ -118,11 +118,6 @@ def grid_positions(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
     return torch.where(s > 0, (g - m) / safe, torch.zeros_like(g)), s, m
 
 
-def grid_codes(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes [rows, cols // group, group] (float64) of w on the grid: what export.py writes."""
-    return grid_values(w, scale, vmin, group)[1]
-
-
 def grid_values(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dequantized weights [rows, cols] in w's dtype, codes and unclipped positions
