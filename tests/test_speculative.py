@@ -348,7 +348,7 @@ def test_shipped_model_speculative_equals_greedy():
 
 
 def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
-    """tools/bench/speculative_cpu.py on a tiny model: a report with a row per config, the
+    """tools/bench/speculative.py on a tiny model: a report with a row per config, the
     plain row at speedup 1 (the tool itself fails when a speculative run's tokens differ)."""
     import json
     import subprocess
@@ -358,7 +358,7 @@ def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
     import textmodel
     path = tmp_path / "text.tinyloop"
     textmodel.make_text_model(path)
-    tool = Path(__file__).resolve().parent.parent / "tools" / "bench" / "speculative_cpu.py"
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench" / "speculative.py"
     out = tmp_path / "report.json"
     for temperature in (0.0, 0.8):
         subprocess.run([sys.executable, str(tool), "--model", str(path), "--threads", "1",
@@ -366,7 +366,7 @@ def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
                         "--temperature", str(temperature), "--json", str(out)],
                        check=True, timeout=300, capture_output=True)
         report = json.loads(out.read_text())
-        assert report["temperature"] == temperature
+        assert report["temperature"] == temperature and report["device"].startswith("cpu")
         assert [row["config"] for row in report["rows"]] == ["plain", "draft depth 1, 2 drafts",
                                                              "draft depth 1, 4 drafts"]
         assert report["rows"][0]["speedup"] == 1.0 and report["rows"][0]["acceptance"] is None

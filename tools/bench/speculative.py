@@ -12,7 +12,8 @@ distribution is the tests' job (tests/test_speculative.py). Beside them: the tim
 decode step at each draft depth and at the full depth (a context stepping one token at a
 time), which bounds what a draft can save.
 
-    python tools/bench/speculative_cpu.py --threads 2 --repeat 5 --drafts 1:3,2:3,1:2 --json out.json
+    python tools/bench/speculative.py --threads 2 --repeat 5 --drafts 1:3,2:3,1:2 --json out.json
+    python tools/bench/speculative.py --device cuda --repeat 5 --drafts 1:1,1:2 --json gpu.json
 """
 import argparse
 import json
@@ -48,7 +49,8 @@ def step_seconds(model, prompt_ids, depth, steps):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help=".tinyloop file (default: the packaged model)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (the CPU device)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--depth", type=int, default=0, help="generation depth (0: the model's default)")
     ap.add_argument("--drafts", default="1:3,2:3", help="comma list of DRAFT_DEPTH:N_DRAFT")
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     pairs = [tuple(int(v) for v in item.split(":")) for item in args.drafts.split(",")]
     path = args.model or str(default_model_path())
 
-    with tinyloop.Model(path, threads=args.threads) as model:
+    with tinyloop.Model(path, device=args.device, threads=args.threads) as model:
         depth = args.depth or model.info.default_depth
         options = dict(max_tokens=args.new_tokens, depth=depth, temperature=args.temperature, eos=False)
         prompts = [model.tokenizer.encode(p) for p in PROMPTS]
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
                     k[1] += r.drafted_tokens
                     k[2] += len(r.tokens) - 1          # tokens after the prompt's own
                     k[3] += len(r.tokens) - 1 - r.accepted_tokens  # full-depth passes
+        device_name = model.info.device_name
         steps = {d: step_seconds(model, prompts[0], d, 40) for d in sorted({d for d, _ in pairs} | {depth})}
 
     rows = []
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
                          speedup=round(tps / plain, 3),
                          acceptance=round(acc / drafted, 3) if drafted else None,
                          tokens_per_full_pass=round(tokens / passes, 2) if passes else None))
-    report = dict(model=path, depth=depth, threads=args.threads, new_tokens=args.new_tokens,
+    report = dict(model=path, device=device_name, depth=depth, threads=args.threads, new_tokens=args.new_tokens,
                   temperature=args.temperature,
                   prompts=len(PROMPTS), repeat=args.repeat, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
