@@ -372,3 +372,34 @@ def test_benchmark_tool_runs_and_checks_tokens(tmp_path):
         assert report["rows"][0]["speedup"] == 1.0 and report["rows"][0]["acceptance"] is None
         assert all(0 <= row["acceptance"] <= 1 for row in report["rows"][1:])
         assert set(report["step_ms"]) == {"1", str(report["depth"])}
+
+
+def test_gpu_check_report_shows_the_speculative_rows(tmp_path):
+    """tools/gpu/report.py puts tools/bench/speculative.py's rows (gpu_check's `speculative`
+    step) into gpu_check.json and a table of gpu_check.md, one line per config."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import textmodel
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(path)
+    steps = tmp_path / "out" / "steps"
+    steps.mkdir(parents=True)
+    subprocess.run([sys.executable, str(tools / "bench" / "speculative.py"), "--model", str(path),
+                    "--threads", "1", "--new-tokens", "8", "--repeat", "1", "--drafts", "1:2",
+                    "--json", str(steps / "speculative.result.json")],
+                   check=True, timeout=300, capture_output=True)
+    (steps / "speculative.json").write_text(json.dumps({"name": "speculative", "rc": 0, "seconds": 1,
+                                                         "timed_out": False}))
+    subprocess.run([sys.executable, str(tools / "gpu" / "report.py"), str(tmp_path / "out"),
+                    "--device", "cpu"], check=True, timeout=60, capture_output=True)
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [row["config"] for row in report["speculative"]["rows"]] == ["plain", "draft depth 1, 2 drafts"]
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "self-speculative decoding of text.tinyloop, depth" in md
+    table = [line for line in md.splitlines() if line.startswith("| plain |") or line.startswith("| draft depth")]
+    assert len(table) == 2 and table[0].split("|")[3].strip() == "1.000"
+    assert report["steps"]["speculative"]["rc"] == 0

@@ -84,6 +84,7 @@ def main():
         "elapsed_s": args.elapsed, "steps": steps,
         "pytest": _pytest_summary(os.path.join(args.out, "pytest.xml")),
         "tinyloop": benches, "peer": peer, "peers": peers,
+        "speculative": _load(os.path.join(steps_dir, "speculative.result.json")),
     }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -127,6 +128,15 @@ def main():
     if bandwidth:
         lines += ["", f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
                       f"L2 {next(iter(peers.values())).get('l2_bytes', 0) / 2**20:.0f} MiB"]
+    spec = report["speculative"]
+    if spec:
+        lines += ["", f"self-speculative decoding of {os.path.basename(spec['model'])}, depth {spec['depth']}, "
+                      f"on {spec['device']} (tools/bench/speculative.py, medians of {spec['repeat']} rounds):", "",
+                  "| decoding | decode tok/s | vs plain | drafts kept | tokens per full pass |",
+                  "|---|---:|---:|---:|---:|"]
+        for row in spec["rows"]:
+            lines.append(f"| {row['config']} | {num(row['decode_tokens_per_s'])} | {num(row['speedup'], '{:.3f}')} | "
+                         f"{num(row['acceptance'], '{:.2f}')} | {num(row['tokens_per_full_pass'], '{:.2f}')} |")
     for model, p in peers.items():
         if p.get("error"):
             lines += ["", f"peer error ({model}): {p['error'][:300]}"]
