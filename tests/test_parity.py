@@ -184,12 +184,21 @@ def files(tmp_path_factory) -> ModelFiles:
     return ModelFiles(tmp_path_factory.mktemp("parity"))
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_has(*flags) -> bool:
+    """Whether /proc/cpuinfo lists every one of these flags."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        listed = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+    return all(flag in listed for flag in flags)
+
+
+def _cpu_has_avx2() -> bool:
+    return _cpu_has("avx2", "fma", "f16c")
+
+
+def _cpu_has_avx512vnni() -> bool:
+    return _cpu_has_avx2() and _cpu_has("avx512f", "avx512vl", "avx512bw", "avx512_vnni")
 
 
 def _expected(reference: ReferenceModel, tokens, depth):
@@ -273,10 +282,12 @@ def test_uncertainty_arguments(files):
 
 
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
-def test_default_cpu_path_is_avx2_where_supported(files):
+def test_default_cpu_path_is_the_best_supported(files):
     with tinyloop.Model(files.path("base"), device="cpu") as model:
         name = model.info.device_name
-    if _cpu_has_avx2():
+    if _cpu_has_avx512vnni():
+        assert "avx512vnni" in name, name
+    elif _cpu_has_avx2():
         assert "avx2" in name, name
     else:
         assert "generic" in name, name
@@ -304,25 +315,47 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
-def test_generic_kernels_match_reference(files):
-    """TINYLOOP_CPU=generic is read once per process, so this runs in a child process."""
+def _cpu_path_results(files, cpu_env):
+    """Scores of GENERIC_CASES on the CPU path TINYLOOP_CPU=cpu_env selects (None: the
+    best one). The variable is read once per process, so this runs in a child process."""
     jobs = []
     for name in GENERIC_CASES:
         config = case_config(name)
         jobs.append(dict(name=name, path=str(files.path(name)), tokens=case_tokens(config).tolist(),
                          depth=config["default_depth"]))
-    env = dict(os.environ, TINYLOOP_CPU="generic",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("TINYLOOP_CPU", None)
+    if cpu_env:
+        env["TINYLOOP_CPU"] = cpu_env
     proc = subprocess.run([sys.executable, "-c", _GENERIC_SCRIPT, json.dumps(jobs)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return jobs, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
+def test_generic_kernels_match_reference(files):
+    jobs, results = _cpu_path_results(files, "generic")
     for job in jobs:
         got = results[job["name"]]
         assert "generic" in got["device"], got["device"]
         check_against_references(files, job["name"], job["depth"], got["score"], got["last"],
                                  f"generic {job['name']}")
+
+
+@pytest.mark.skipif(not ON_CPU, reason="checks the CPU kernels")
+@pytest.mark.skipif(not _cpu_has_avx512vnni(),
+                    reason="LOUD SKIP: this CPU has no AVX-512 VNNI, so its kernel path cannot run here")
+def test_avx512vnni_kernels_equal_avx2_bit_for_bit(files):
+    """The AVX-512 VNNI build of the vector kernels computes the AVX2 build's int32 sums
+    (vpdpwssd = madd + add), so every score and logit is the same float, every dtype."""
+    jobs, best = _cpu_path_results(files, None)
+    _, avx2 = _cpu_path_results(files, "avx2")
+    for job in jobs:
+        name = job["name"]
+        assert "avx512vnni" in best[name]["device"] and "avx2" in avx2[name]["device"]
+        assert best[name]["score"] == avx2[name]["score"], name
+        assert best[name]["last"] == avx2[name]["last"], name
 
 
 # ------------------------------------------------------------------ cache and chunking

@@ -572,10 +572,10 @@ static void test_threadpool(void) {
 int main(void) {
     test_threadpool();
     tl_threadpool *pool = tl_threadpool_create(2);
-    const tl_cpu_level levels[2] = {TL_CPU_GENERIC, TL_CPU_AVX2};
-    for (int li = 0; li < 2; li++) {
+    const tl_cpu_level levels[3] = {TL_CPU_GENERIC, TL_CPU_AVX2, TL_CPU_AVX512VNNI};
+    for (int li = 0; li < 3; li++) {
         if (tl_cpu_set_level(levels[li]) != 0) {
-            printf("skip %s path: not supported by this CPU\n", tl_cpu_level_name(levels[li]));
+            printf("skip %s path: not supported by this CPU or build\n", tl_cpu_level_name(levels[li]));
             continue;
         }
         const char *path = tl_cpu_level_name(levels[li]);

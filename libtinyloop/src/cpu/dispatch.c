@@ -1,6 +1,7 @@
 /* cpu/dispatch.c — the public CPU kernel entry points (cpu/kernels.h).
  *
- * Picks the AVX2/FMA/F16C or the portable table of inner kernels once, splits work
+ * Picks the AVX-512 VNNI, the AVX2/FMA/F16C or the portable table of inner kernels once
+ * (the best this CPU runs), splits work
  * over the thread pool and does the bookkeeping that does not depend on the
  * instruction set (norm weights, RoPE angles, softmax structure). */
 #include <math.h>
@@ -14,14 +15,23 @@
 
 /* ---- path selection ------------------------------------------------------ */
 
-static tl_cpu_level cpu_supports_avx2(void) {
+/* The best level this CPU and this build run (__builtin_cpu_supports also checks that
+ * the OS saves the AVX / AVX-512 registers). */
+static tl_cpu_level best_level(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return TL_CPU_AVX2;
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c")))
+        return TL_CPU_GENERIC;
+#ifdef TL_HAVE_AVX512VNNI_KERNELS
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+        return TL_CPU_AVX512VNNI;
 #endif
+    return TL_CPU_AVX2;
+#else
     return TL_CPU_GENERIC;
+#endif
 }
 
 static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
@@ -29,8 +39,9 @@ static atomic_int current_level = TL_CPU_GENERIC;
 
 static void detect(void) {
     const char *env = getenv("TINYLOOP_CPU");
-    tl_cpu_level level = cpu_supports_avx2();
+    tl_cpu_level level = best_level();
     if (env && strcmp(env, "generic") == 0) level = TL_CPU_GENERIC;
+    if (env && strcmp(env, "avx2") == 0 && level > TL_CPU_AVX2) level = TL_CPU_AVX2;
     atomic_store(&current_level, level);
 }
 
@@ -40,18 +51,28 @@ tl_cpu_level tl_cpu_features(void) {
 }
 
 const char *tl_cpu_level_name(tl_cpu_level level) {
-    return level == TL_CPU_AVX2 ? "avx2" : "generic";
+    switch (level) {
+    case TL_CPU_AVX512VNNI: return "avx512vnni";
+    case TL_CPU_AVX2: return "avx2";
+    default: return "generic";
+    }
 }
 
 int tl_cpu_set_level(tl_cpu_level level) {
     pthread_once(&detect_once, detect);
-    if (level == TL_CPU_AVX2 && cpu_supports_avx2() != TL_CPU_AVX2) return -1;
+    if (level < TL_CPU_GENERIC || level > best_level()) return -1;
     atomic_store(&current_level, level);
     return 0;
 }
 
 static const tl_cpu_ops *ops(void) {
-    return tl_cpu_features() == TL_CPU_AVX2 ? &tl_cpu_ops_avx2 : &tl_cpu_ops_generic;
+    switch (tl_cpu_features()) {
+#ifdef TL_HAVE_AVX512VNNI_KERNELS
+    case TL_CPU_AVX512VNNI: return &tl_cpu_ops_avx512vnni;
+#endif
+    case TL_CPU_AVX2: return &tl_cpu_ops_avx2;
+    default: return &tl_cpu_ops_generic;
+    }
 }
 
 /* ---- matmul ---------------------------------------------------------------- */

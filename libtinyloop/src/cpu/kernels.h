@@ -1,7 +1,7 @@
 /* cpu/kernels.h — CPU compute kernels on host memory. The hot kernels have an
- * AVX2/FMA/F16C path and a portable C path, chosen once at run time
- * (tl_cpu_features()); results of the two agree within float rounding
- * (docs/cpu-backend.md).
+ * AVX2/FMA/F16C path (also built with AVX-512 VNNI, the same results bit for bit) and a
+ * portable C path, chosen once at run time (tl_cpu_features()); results of the portable
+ * and the vector paths agree within float rounding (docs/cpu-backend.md).
  * Matrices are row-major; W is [rows=out, cols=in]; y = x W^T. */
 #ifndef TL_CPU_KERNELS_H
 #define TL_CPU_KERNELS_H
@@ -12,10 +12,11 @@
 #include "../tensor.h"
 #include "threadpool.h"
 
-typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1 } tl_cpu_level;
+/* Ordered: a CPU that runs a level runs every level below it. */
+typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1, TL_CPU_AVX512VNNI = 2 } tl_cpu_level;
 
-/* Detected once; TINYLOOP_CPU=generic forces the portable path (tests use it to check
- * both paths). */
+/* Detected once, the best level this CPU and build run; TINYLOOP_CPU=generic or =avx2
+ * caps it (tests use them to compare the paths). */
 tl_cpu_level tl_cpu_features(void);
 const char *tl_cpu_level_name(tl_cpu_level level);
 /* Switch paths at run time (tests and benchmarks compare both). Returns 0, or -1 when

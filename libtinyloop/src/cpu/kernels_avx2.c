@@ -1,6 +1,8 @@
 /* cpu/kernels_avx2.c — AVX2/FMA/F16C inner kernels (built with -mavx2 -mfma -mf16c and
  * only called after dispatch.c has checked the CPU). Computes what kernels_generic.c
- * computes; docs/cpu-backend.md explains the tiling and the quantized dot products. */
+ * computes; docs/cpu-backend.md explains the tiling and the quantized dot products.
+ * Built a second time with AVX-512 VL/BW/VNNI as tl_cpu_ops_avx512vnni (meson.build):
+ * the same results bit for bit, block_dot in fewer instructions. */
 #include <immintrin.h>
 #include <math.h>
 
@@ -108,8 +110,15 @@ ALWAYS_INLINE void load_qblock(const uint8_t *p, tl_dtype dt, __m256i *lo, __m25
  * by madd. Bounds: |w| <= 128, |a| <= 32767, so a block's sum stays below
  * 32 * 128 * 32767 < 2^27 (docs/cpu-backend.md). */
 ALWAYS_INLINE __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t *a) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)a)),
-                            _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(a + 16))));
+    const __m256i a_lo = _mm256_loadu_si256((const __m256i *)a);
+    const __m256i a_hi = _mm256_loadu_si256((const __m256i *)(a + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* vpdpwssd adds the pair sums to the accumulator without saturation: the same int32
+     * sums as madd + add (they never overflow, see above), one instruction fewer */
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(w_lo, a_lo), w_hi, a_hi);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, a_lo), _mm256_madd_epi16(w_hi, a_hi));
+#endif
 }
 
 /* Per-group f16 values (scales or mins) of row r spread over blocks [b0, b0 + count),
@@ -484,7 +493,10 @@ static void add(float *y, const float *x, size_t count) {
     for (; j < count; j++) y[j] += x[j];
 }
 
-const tl_cpu_ops tl_cpu_ops_avx2 = {
+#ifndef TL_CPU_OPS_TABLE
+#define TL_CPU_OPS_TABLE tl_cpu_ops_avx2
+#endif
+const tl_cpu_ops TL_CPU_OPS_TABLE = {
     .quantize_row = quantize_row,
     .matmul_float_rows = matmul_float_rows,
     .matmul_quant_rows = matmul_quant_rows,

@@ -55,6 +55,7 @@ typedef struct tl_cpu_ops {
 
 extern const tl_cpu_ops tl_cpu_ops_generic;
 extern const tl_cpu_ops tl_cpu_ops_avx2;
+extern const tl_cpu_ops tl_cpu_ops_avx512vnni; /* built when TL_HAVE_AVX512VNNI_KERNELS */
 
 /* IEEE half -> float without F16C (the portable path and tests use it). */
 static inline float tl_half_to_float(uint16_t h) {
