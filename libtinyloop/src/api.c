@@ -12,6 +12,7 @@
 #include "context.h"
 #include "cpu/threadpool.h"
 #include "error.h"
+#include "escalation.h"
 #include "format.h"
 #include "generate.h"
 #include "model.h"
@@ -126,6 +127,13 @@ void tl_context_options_default(tl_context_options *o) {
 void tl_score_options_default(tl_score_options *o) {
     if (!o) return;
     ZERO_VERSIONED(o);
+}
+
+void tl_escalation_options_default(tl_escalation_options *o) {
+    if (!o) return;
+    ZERO_VERSIONED(o);
+    o->min_depth = 1;
+    o->max_changed = 0.05f;
 }
 
 void tl_generate_options_default(tl_generate_options *o) {
@@ -503,6 +511,45 @@ tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_t
     tl_context *ctx = NULL;
     st = default_context(model, &ctx);
     if (st == TL_OK) st = tl_context_logit_lens(ctx, tokens, n_tokens, max_depth, logits_per_depth);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *tokens,
+                                               size_t n_tokens, const tl_escalation_options *opts,
+                                               float *logprobs, float *entropies,
+                                               int32_t *depth_used) {
+    NEED(model, "model");
+    NEED(depth_used, "depth_used");
+    tl_escalation_options o;
+    tl_escalation_options_default(&o);
+    tl_status st = read_struct(&o, sizeof o, opts, sizeof o, "tl_escalation_options");
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
+    if (st != TL_OK) return st;
+    if (n_tokens > 1 && (!logprobs || !entropies))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs and entropies must not be NULL");
+    const tl_hparams *hp = &model->hp;
+    if (hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "consistency escalation deepens the loop, and this "
+                                           "model has no loop (n_core = 0)");
+    int32_t max_depth = o.max_depth ? o.max_depth
+                        : model->load_opts.default_depth > 0 ? model->load_opts.default_depth
+                                                              : hp->default_depth;
+    if (o.max_depth < 0 || max_depth > hp->max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d] (0 = the "
+                                                "default depth)", o.max_depth, hp->max_depth);
+    if (o.min_depth < 1 || o.min_depth > max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "min_depth %d is out of range [1, %d] (max_depth)",
+                       o.min_depth, max_depth);
+    if (!(o.max_changed >= 0.0f && o.max_changed <= 1.0f))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_changed %g is not a share in [0, 1]",
+                       (double)o.max_changed);
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    st = default_context(model, &ctx);
+    if (st == TL_OK)   /* the tokens are checked by the first pass */
+        st = tl_context_escalate(ctx, tokens, n_tokens, o.min_depth, max_depth, o.max_changed,
+                                 logprobs, entropies, depth_used);
     pthread_mutex_unlock(&model->default_ctx_lock);
     return st;
 }

@@ -542,6 +542,28 @@ class Model(_Scoring, _OwnsHandle):
             ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
+    def score_with_consistency_escalation(self, tokens, min_depth: int = 1, max_depth: int = 0,
+                                          max_changed: float = 0.05) -> tuple:
+        """(logprobs, entropies, depth): the tokens scored at min_depth, then at twice the
+        depth (at most max_depth, 0 = the model's default depth) and so on, until at most
+        max_changed (a share) of the greedy predictions changed from the depth scored
+        before. logprobs and entropies are score_with_uncertainty's at `depth`, the depth
+        it stopped at (two depths are scored at least, unless min_depth == max_depth)."""
+        ids = _args.token_array(tokens, self.info.vocab_size, min_length=2)
+        native, ffi = self._native, self._native.ffi
+        opts = ffi.new("tl_escalation_options *")
+        native.lib.tl_escalation_options_default(opts)
+        opts.min_depth = _args.integer("min_depth", min_depth, minimum=1, maximum=2**31 - 1)
+        opts.max_depth = _args.integer("max_depth", max_depth, minimum=0, maximum=2**31 - 1)
+        opts.max_changed = _args.real("max_changed", max_changed, minimum=0.0, maximum=1.0)
+        logprobs, entropies = (np.empty(len(ids) - 1, dtype=np.float32) for _ in range(2))
+        depth = ffi.new("int32_t *")
+        native.check(native.lib.tl_score_with_consistency_escalation(
+            self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), opts,
+            ffi.from_buffer("float[]", logprobs, require_writable=True),
+            ffi.from_buffer("float[]", entropies, require_writable=True), depth))
+        return logprobs, entropies, int(depth[0])
+
     def context(self, max_seq_len: int = 0, max_depth: int = 0) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use."""
         return Context(self, max_seq_len=max_seq_len, max_depth=max_depth)

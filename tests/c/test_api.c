@@ -123,6 +123,51 @@ static void test_score_with_uncertainty(fixture *f) {
                  TL_ERR_INVALID_ARGUMENT);
 }
 
+/* Consistency escalation: the arrays of tl_score_with_uncertainty at the depth it stops
+ * at, that depth within [min, max] and on the doubling schedule; option errors. */
+static void test_consistency_escalation(fixture *f) {
+    float lp[N_TOK - 1], ent[N_TOK - 1], lp2[N_TOK - 1], ent2[N_TOK - 1];
+    int32_t depth = -1;
+    tl_escalation_options eo;
+    tl_escalation_options_default(&eo);
+    if (f->info.n_core == 0) {
+        CHECK_STATUS(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, &eo, lp, ent, &depth),
+                     TL_ERR_UNSUPPORTED);
+        return;
+    }
+    for (int k = 0; k < 3; k++) {
+        const float shares[3] = {0.0f, 0.3f, 1.0f};
+        eo.max_changed = shares[k];
+        eo.max_depth = f->info.max_depth;
+        CHECK_OK(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, &eo, lp, ent, &depth));
+        int on_schedule = depth == f->info.max_depth || depth == 2 || depth == 4 || depth == 8 ||
+                          depth == 16 || depth == 32;
+        CHECK(on_schedule && depth >= (f->info.max_depth < 2 ? 1 : 2) && depth <= f->info.max_depth,
+              "depth %d is not 1, 2, 4, ... capped at %d", depth, f->info.max_depth);
+        if (k == 2) CHECK(depth == (f->info.max_depth < 2 ? f->info.max_depth : 2), "a share of 1 stops at 2");
+        tl_score_options so;
+        tl_score_options_default(&so);
+        so.depth = depth;
+        CHECK_OK(tl_score_with_uncertainty(f->model, f->tokens, N_TOK, &so, lp2, ent2));
+        CHECK(memcmp(lp, lp2, sizeof lp) == 0 && memcmp(ent, ent2, sizeof ent) == 0,
+              "arrays differ from tl_score_with_uncertainty's at depth %d", depth);
+    }
+    tl_escalation_options_default(&eo);
+    eo.min_depth = 0;
+    CHECK_STATUS(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, &eo, lp, ent, &depth),
+                 TL_ERR_INVALID_ARGUMENT);
+    tl_escalation_options_default(&eo);
+    eo.max_depth = f->info.max_depth + 1;
+    CHECK_STATUS(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, &eo, lp, ent, &depth),
+                 TL_ERR_INVALID_ARGUMENT);
+    tl_escalation_options_default(&eo);
+    eo.max_changed = NAN;
+    CHECK_STATUS(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, &eo, lp, ent, &depth),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_score_with_consistency_escalation(f->model, f->tokens, N_TOK, NULL, lp, ent, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+}
+
 static void test_chunked_prefill(fixture *f) {
     int V = f->info.vocab_size;
     float *one = malloc((size_t)V * sizeof *one), *chunked = malloc((size_t)V * sizeof *chunked);
@@ -650,6 +695,7 @@ static void run_model(const char *path) {
 
     test_score_equals_decode(&f);
     test_score_with_uncertainty(&f);
+    test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);
     test_greedy_matches_argmax(&f);

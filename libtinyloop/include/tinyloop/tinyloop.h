@@ -188,6 +188,27 @@ TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, siz
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
 
+/* Scoring that deepens the loop until its predictions stop changing: the tokens are
+ * scored at min_depth, then at twice the depth (at most max_depth), and so on, until the
+ * share of positions whose greedy prediction (argmax) differs from the depth scored
+ * before is at most max_changed, or max_depth is reached. Always two depths at least,
+ * unless min_depth == max_depth. */
+typedef struct tl_escalation_options {
+    uint32_t struct_size;
+    int32_t min_depth;         /* first depth scored; default 1                          */
+    int32_t max_depth;         /* deepest; 0 = the model's default depth (default)       */
+    float max_changed;         /* in [0, 1]; default 0.05                                 */
+} tl_escalation_options;
+
+TL_API void tl_escalation_options_default(tl_escalation_options *opts);
+/* logprobs and entropies as tl_score_with_uncertainty gives them at *depth_used, the
+ * depth the escalation stopped at. */
+TL_API tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *tokens,
+                                                      size_t n_tokens,
+                                                      const tl_escalation_options *opts,
+                                                      float *logprobs, float *entropies,
+                                                      int32_t *depth_used);
+
 /* ---- generation ---------------------------------------------------------- */
 typedef struct tl_generate_options {
     uint32_t struct_size;

@@ -1,0 +1,66 @@
+/* escalation.c — scoring that deepens the loop until its predictions stop changing.
+ *
+ * A looped model's prediction at a position settles as the loop runs longer; where it
+ * has settled, more depth buys little. So a request is scored at a shallow depth and at
+ * twice that depth, and goes on doubling (up to the caller's cap) while more than a
+ * given share of the positions' greedy predictions still change between the two latest
+ * depths. Every pass is an exact, whole-sequence pass at its depth (each loop iteration
+ * has its own K/V, so nothing is mixed between depths); the scores returned are the
+ * last depth's, the same numbers tl_score_with_uncertainty gives at that depth. The
+ * doubling keeps the passes' total below about twice the last one's loop work. */
+#include "escalation.h"
+
+#include <stdlib.h>
+
+#include "error.h"
+
+/* One pass at `depth` from an empty sequence: log-probs, entropies and the argmax of
+ * each of the n - 1 predictions. */
+static tl_status score_pass(struct tl_context *ctx, const int32_t *tokens, size_t n, int depth,
+                            float *logprobs, float *entropies, float *entropy_row,
+                            int32_t *argmax) {
+    tl_context_set_length(ctx, 0);
+    tl_forward_out out = {
+        .targets = tokens + 1, .logprobs = logprobs, .n_targets = n - 1,
+        .entropies = entropies, .entropy_row = entropy_row,
+        .row_tokens = argmax, .n_row_tokens = n - 1,
+    };
+    return tl_context_eval(ctx, tokens, n, depth, &out);
+}
+
+static double share_changed(const int32_t *a, const int32_t *b, size_t count) {
+    if (count == 0) return 0.0;
+    size_t changed = 0;
+    for (size_t i = 0; i < count; i++) changed += a[i] != b[i];
+    return (double)changed / (double)count;
+}
+
+tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                              int min_depth, int max_depth, float max_changed,
+                              float *logprobs, float *entropies, int32_t *depth_used) {
+    size_t count = n - 1;
+    float *entropy_row = malloc((size_t)ctx->model->hp.vocab * sizeof *entropy_row);
+    int32_t *before = malloc((count ? count : 1) * sizeof *before);
+    int32_t *now = malloc((count ? count : 1) * sizeof *now);
+    tl_status st = TL_OK;
+    if (!entropy_row || !before || !now)
+        st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate escalation buffers (%zu positions)", n);
+    int depth = min_depth;
+    if (st == TL_OK) st = score_pass(ctx, tokens, n, depth, logprobs, entropies, entropy_row, before);
+    while (st == TL_OK && depth < max_depth) {
+        depth = 2 * depth < max_depth ? 2 * depth : max_depth;
+        st = score_pass(ctx, tokens, n, depth, logprobs, entropies, entropy_row, now);
+        if (st != TL_OK) break;
+        int settled = share_changed(before, now, count) <= (double)max_changed;
+        int32_t *swap = before;
+        before = now;
+        now = swap;
+        if (settled) break;
+    }
+    tl_context_set_length(ctx, 0);
+    if (st == TL_OK) *depth_used = depth;
+    free(entropy_row);
+    free(before);
+    free(now);
+    return st;
+}
