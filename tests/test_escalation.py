@@ -119,7 +119,14 @@ def test_escalation_argument_errors(files):
         status = native.lib.tl_score_with_consistency_escalation(
             model._require_open(), ffi.from_buffer("int32_t[]", ids), 3, opts,
             ffi.from_buffer("float[]", out, require_writable=True), ffi.NULL, depth)
+        assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_INVALID_ARGUMENT"
         assert b"entropies" in ffi.string(native.lib.tl_last_error())
+        many = np.ones(case_config("base")["max_seq_len"] + 1, dtype=np.int32)
+        status = native.lib.tl_score_with_consistency_escalation(
+            model._require_open(), ffi.from_buffer("int32_t[]", many), len(many), opts,
+            ffi.from_buffer("float[]", np.zeros(len(many), np.float32), require_writable=True),
+            ffi.from_buffer("float[]", np.zeros(len(many), np.float32), require_writable=True), depth)
+        assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_CONTEXT_FULL"
         bad = np.asarray([1, 2, 500], dtype=np.int32)   # the first pass checks the tokens
         status = native.lib.tl_score_with_consistency_escalation(
             model._require_open(), ffi.from_buffer("int32_t[]", bad), 3, opts,
@@ -127,7 +134,8 @@ def test_escalation_argument_errors(files):
             ffi.from_buffer("float[]", out, require_writable=True), depth)
         assert ffi.string(native.lib.tl_status_name(status)) != b"TL_OK"
         assert b"500" in ffi.string(native.lib.tl_last_error())
-        # one token: no prediction can change, so the second depth scored ends it
+        # one token predicts nothing: the first depth, without a pass
+        opts.min_depth = 2
         status = native.lib.tl_score_with_consistency_escalation(
             model._require_open(), ffi.from_buffer("int32_t[]", ids), 1, opts, ffi.NULL, ffi.NULL, depth)
         assert ffi.string(native.lib.tl_status_name(status)) == b"TL_OK" and depth[0] == 2

@@ -199,7 +199,7 @@ typedef struct tl_backend_ops {
 
 struct tl_backend {
     const tl_backend_ops *ops;
-    char name[64];       /* "cpu (avx2)", ... */
+    char name[64];       /* "cpu (avx512vnni)", "cpu (avx2)", ... */
     int device_index;    /* -1 for CPU */
     int prefill_rows;    /* rows per prefill chunk when a context asks for the default */
     void *impl;          /* backend-private */

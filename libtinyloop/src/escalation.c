@@ -14,22 +14,24 @@
 
 #include "error.h"
 
-/* One pass at `depth` from an empty sequence: log-probs, entropies and the argmax of
- * each of the n - 1 predictions. */
+/* One pass at `depth` from an empty sequence: the argmax of each of the n - 1
+ * predictions and, when logprobs is not NULL, their log-probs and entropies. */
 static tl_status score_pass(struct tl_context *ctx, const int32_t *tokens, size_t n, int depth,
                             float *logprobs, float *entropies, float *entropy_row,
                             int32_t *argmax) {
     tl_context_set_length(ctx, 0);
-    tl_forward_out out = {
-        .targets = tokens + 1, .logprobs = logprobs, .n_targets = n - 1,
-        .entropies = entropies, .entropy_row = entropy_row,
-        .row_tokens = argmax, .n_row_tokens = n - 1,
-    };
+    tl_forward_out out = { .row_tokens = argmax, .n_row_tokens = n - 1 };
+    if (logprobs) {
+        out.targets = tokens + 1;
+        out.logprobs = logprobs;
+        out.n_targets = n - 1;
+        out.entropies = entropies;
+        out.entropy_row = entropy_row;
+    }
     return tl_context_eval(ctx, tokens, n, depth, &out);
 }
 
 static double share_changed(const int32_t *a, const int32_t *b, size_t count) {
-    if (count == 0) return 0.0;
     size_t changed = 0;
     for (size_t i = 0; i < count; i++) changed += a[i] != b[i];
     return (double)changed / (double)count;
@@ -38,17 +40,28 @@ static double share_changed(const int32_t *a, const int32_t *b, size_t count) {
 tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, size_t n,
                               int min_depth, int max_depth, float max_changed,
                               float *logprobs, float *entropies, int32_t *depth_used) {
+    tl_status st = tl_context_check_tokens(ctx, tokens, n);
+    if (st != TL_OK) return st;
+    if (n > (size_t)ctx->max_seq)
+        return tl_fail(TL_ERR_CONTEXT_FULL, "%zu tokens exceed max_seq_len %d", n, ctx->max_seq);
+    if (n == 1) {   /* nothing is predicted, so nothing can change: no pass is needed */
+        *depth_used = min_depth;
+        return TL_OK;
+    }
     size_t count = n - 1;
     float *entropy_row = malloc((size_t)ctx->model->hp.vocab * sizeof *entropy_row);
-    int32_t *before = malloc((count ? count : 1) * sizeof *before);
-    int32_t *now = malloc((count ? count : 1) * sizeof *now);
-    tl_status st = TL_OK;
+    int32_t *before = malloc(count * sizeof *before);
+    int32_t *now = malloc(count * sizeof *now);
     if (!entropy_row || !before || !now)
         st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate escalation buffers (%zu positions)", n);
     int depth = min_depth;
-    if (st == TL_OK) st = score_pass(ctx, tokens, n, depth, logprobs, entropies, entropy_row, before);
+    /* the first depth's scores are the answer only when it is the last one too */
+    int first_is_last = min_depth == max_depth;
+    if (st == TL_OK)
+        st = score_pass(ctx, tokens, n, depth, first_is_last ? logprobs : NULL, entropies,
+                        entropy_row, before);
     while (st == TL_OK && depth < max_depth) {
-        depth = 2 * depth < max_depth ? 2 * depth : max_depth;
+        depth = depth > max_depth / 2 ? max_depth : 2 * depth;
         st = score_pass(ctx, tokens, n, depth, logprobs, entropies, entropy_row, now);
         if (st != TL_OK) break;
         int settled = share_changed(before, now, count) <= (double)max_changed;

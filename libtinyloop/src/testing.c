@@ -6,6 +6,7 @@
 
 #include "backend.h"
 #include "context.h"
+#include "cpu/kernels.h"
 #include "error.h"
 #include "sampling.h"
 
@@ -46,4 +47,8 @@ tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n
     free(row);
     tl_sampler_free(&s);
     return st;
+}
+
+int32_t tl_testing_cpu_level(int32_t which) {
+    return (int32_t)(which ? tl_cpu_built_level() : tl_cpu_best_level());
 }

@@ -19,4 +19,9 @@ TL_API tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, in
                                         const int32_t *history, size_t n_history,
                                         uint32_t first_step, int32_t use_op, int32_t *tokens);
 
+/* The CPU kernel level (0 portable, 1 AVX2, 2 AVX-512 VNNI) this CPU and build run at
+ * best, before TINYLOOP_CPU caps it (which 0), or the highest this build has kernels for
+ * (which 1). */
+TL_API int32_t tl_testing_cpu_level(int32_t which);
+
 #endif

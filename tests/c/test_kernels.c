@@ -1,5 +1,5 @@
-/* test_kernels.c — the CPU kernels (portable and AVX2 paths, with and without a thread
- * pool) against straightforward double-precision implementations written here, on
+/* test_kernels.c — the CPU kernels (portable, AVX2 and AVX-512 VNNI paths, with and
+ * without a thread pool; the last two also against each other, bit for bit) against straightforward double-precision implementations written here, on
  * random data. Tolerances (docs/cpu-backend.md):
  *   f32/f16/bf16 matmul .......... max error <= 1e-5 * rms(result)
  *   q8/q4/q2 matmul .............. rms error <= 1e-4 * rms(sqrt(sum_c (w_c x_c)^2)): the
@@ -569,6 +569,51 @@ static void test_threadpool(void) {
     check(tl_num_cores() >= 1, "tl_num_cores >= 1", 0.0, 0.0);
 }
 
+/* The AVX-512 VNNI build of the vector kernels must give the AVX2 build's floats bit for
+ * bit (the same int32 sums, the same float operations): matmuls of every dtype and group,
+ * decode and tiled row counts, widths of whole and partial scale chunks. */
+static void test_vnni_equals_avx2(tl_threadpool *pool) {
+    if (tl_cpu_set_level(TL_CPU_AVX512VNNI) != 0) {
+        printf("skip avx512vnni == avx2 bit for bit: no AVX-512 VNNI on this CPU or in this build\n");
+        return;
+    }
+    static const int ns[] = {1, 2, 3, 4, 5, 17, 64};
+    static const int64_t cols_list[] = {128, 384, 640};
+    for (int dt = 0; dt < TL_DTYPE_COUNT; dt++) {
+        int quantized = tl_dtype_is_quantized((tl_dtype)dt);
+        for (int gi = 0; gi < (quantized ? 3 : 1); gi++) {
+            int group = quantized ? 32 << gi : 0;
+            for (int ci = 0; ci < 3; ci++) {
+                int64_t cols = cols_list[ci], rows = 37;
+                if (quantized && cols % group) continue;
+                test_tensor w = make_tensor((tl_dtype)dt, rows, cols, group);
+                int same = 1;
+                for (int ni = 0; ni < 7; ni++) {
+                    int n = ns[ni];
+                    float *x = malloc((size_t)n * cols * sizeof *x);
+                    float *y[2] = {malloc((size_t)n * rows * sizeof(float)), malloc((size_t)n * rows * sizeof(float))};
+                    fill_uniform(x, (size_t)n * cols, -1.0, 1.0);
+                    void *scratch = alloc_scratch(tl_cpu_matmul_scratch_bytes(&w.t, n));
+                    for (int level = 0; level < 2; level++) {
+                        tl_cpu_set_level(level ? TL_CPU_AVX512VNNI : TL_CPU_AVX2);
+                        tl_cpu_matmul(&w.t, x, n, (size_t)cols, y[level], (size_t)rows, scratch, pool);
+                    }
+                    same &= memcmp(y[0], y[1], (size_t)n * rows * sizeof(float)) == 0;
+                    free(x);
+                    free(y[0]);
+                    free(y[1]);
+                    free(scratch);
+                }
+                char what[96];
+                snprintf(what, sizeof what, "avx512vnni == avx2 bit for bit: %s group %d cols %lld",
+                         tl_dtype_name((tl_dtype)dt), group, (long long)cols);
+                check(same, what, 0.0, 0.0);
+                free_tensor(&w);
+            }
+        }
+    }
+}
+
 int main(void) {
     test_threadpool();
     tl_threadpool *pool = tl_threadpool_create(2);
@@ -590,6 +635,7 @@ int main(void) {
         test_attention(NULL, path);
         test_attention(pool, path);
     }
+    test_vnni_equals_avx2(pool);
     tl_threadpool_destroy(pool);
     printf("test_kernels: %d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;

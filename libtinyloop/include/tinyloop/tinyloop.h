@@ -104,7 +104,8 @@ typedef struct tl_model_info {
     int32_t eos_token;         /* -1 when the model has none                  */
     int32_t n_threads;
     int32_t device_index;      /* -1 for CPU                                   */
-    char device_name[64];      /* "cpu (avx2)", "cpu (generic)", "cuda:0 (...)" */
+    char device_name[64];      /* "cpu (avx512vnni)", "cpu (avx2)", "cpu (generic)",
+                                  "cuda:0 (...)"                                  */
     char name[128];            /* general.name metadata, may be empty          */
 } tl_model_info;
 
@@ -191,8 +192,8 @@ TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, siz
 /* Scoring that deepens the loop until its predictions stop changing: the tokens are
  * scored at min_depth, then at twice the depth (at most max_depth), and so on, until the
  * share of positions whose greedy prediction (argmax) differs from the depth scored
- * before is at most max_changed, or max_depth is reached. Always two depths at least,
- * unless min_depth == max_depth. */
+ * before is at most max_changed, or max_depth is reached. Two depths at least, unless
+ * min_depth == max_depth or there is one token (then *depth_used = min_depth). */
 typedef struct tl_escalation_options {
     uint32_t struct_size;
     int32_t min_depth;         /* first depth scored; default 1                          */
@@ -201,8 +202,8 @@ typedef struct tl_escalation_options {
 } tl_escalation_options;
 
 TL_API void tl_escalation_options_default(tl_escalation_options *opts);
-/* logprobs and entropies as tl_score_with_uncertainty gives them at *depth_used, the
- * depth the escalation stopped at. */
+/* logprobs and entropies (n_tokens - 1 floats each; may be NULL when n_tokens == 1) as
+ * tl_score_with_uncertainty gives them at *depth_used, the depth it stopped at. */
 TL_API tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *tokens,
                                                       size_t n_tokens,
                                                       const tl_escalation_options *opts,

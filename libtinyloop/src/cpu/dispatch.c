@@ -7,6 +7,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,15 +35,33 @@ static tl_cpu_level best_level(void) {
 #endif
 }
 
+tl_cpu_level tl_cpu_best_level(void) { return best_level(); }
+
+tl_cpu_level tl_cpu_built_level(void) {
+#ifdef TL_HAVE_AVX512VNNI_KERNELS
+    return TL_CPU_AVX512VNNI;
+#else
+    return TL_CPU_AVX2;
+#endif
+}
+
 static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 static atomic_int current_level = TL_CPU_GENERIC;
 
+/* The best level, capped by TINYLOOP_CPU (a level name; another value is reported on
+ * stderr once and ignored, so that a benchmark meant for one path never silently runs
+ * another unnoticed). */
 static void detect(void) {
     const char *env = getenv("TINYLOOP_CPU");
-    tl_cpu_level level = best_level();
-    if (env && strcmp(env, "generic") == 0) level = TL_CPU_GENERIC;
-    if (env && strcmp(env, "avx2") == 0 && level > TL_CPU_AVX2) level = TL_CPU_AVX2;
-    atomic_store(&current_level, level);
+    tl_cpu_level level = best_level(), cap = TL_CPU_AVX512VNNI;
+    if (env && *env) {
+        if (strcmp(env, "generic") == 0) cap = TL_CPU_GENERIC;
+        else if (strcmp(env, "avx2") == 0) cap = TL_CPU_AVX2;
+        else if (strcmp(env, "avx512vnni") != 0)
+            fprintf(stderr, "tinyloop: TINYLOOP_CPU=%s is not one of generic, avx2, avx512vnni: "
+                            "ignored\n", env);
+    }
+    atomic_store(&current_level, level < cap ? level : cap);
 }
 
 tl_cpu_level tl_cpu_features(void) {

@@ -19,10 +19,14 @@ typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1, TL_CPU_AVX512VNNI = 2 } tl_c
  * caps it (tests use them to compare the paths). */
 tl_cpu_level tl_cpu_features(void);
 const char *tl_cpu_level_name(tl_cpu_level level);
-/* Switch paths at run time (tests and benchmarks compare both). Returns 0, or -1 when
- * this CPU cannot run `level` (nothing changes then). Not thread-safe against running
- * kernels. */
+/* Switch paths at run time (tests and benchmarks compare them). Returns 0, or -1 when
+ * this CPU or build cannot run `level` (nothing changes then). Not thread-safe against
+ * running kernels. */
 int tl_cpu_set_level(tl_cpu_level level);
+/* The best level this CPU and build run (before TINYLOOP_CPU), and the highest level
+ * this build has kernels for. */
+tl_cpu_level tl_cpu_best_level(void);
+tl_cpu_level tl_cpu_built_level(void);
 
 /* Scratch a matmul needs for n input rows of width cols (quantized activations);
  * callers pass a buffer of at least this many bytes (64-byte aligned). */

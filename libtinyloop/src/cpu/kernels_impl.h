@@ -1,9 +1,10 @@
 /* cpu/kernels_impl.h — the per-path kernels behind cpu/kernels.h.
  *
  * dispatch.c owns the public entry points: it splits work over the thread pool and
- * calls one of two tables of inner kernels, the portable one (kernels_generic.c) or
- * the AVX2/FMA/F16C one (kernels_avx2.c), chosen once at run time. Both tables
- * compute the same thing; only the instruction set differs. */
+ * calls one of the tables of inner kernels, the portable one (kernels_generic.c), the
+ * AVX2/FMA/F16C one (kernels_avx2.c) or that file built with AVX-512 VNNI, chosen once
+ * at run time. The tables compute the same thing; only the instruction set differs
+ * (and the two vector tables give the same floats). */
 #ifndef TL_CPU_KERNELS_IMPL_H
 #define TL_CPU_KERNELS_IMPL_H
 
