@@ -3,8 +3,8 @@ ThreadSanitizer) and runs them on model files generated here, so the loader, ker
 thread pool and ABI are checked at the C level."""
 import os
 import subprocess
-import warnings
 import sys
+import warnings
 from pathlib import Path
 
 import pytest

@@ -532,9 +532,7 @@ tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *t
     if (hp->n_core == 0)
         return tl_fail(TL_ERR_UNSUPPORTED, "consistency escalation deepens the loop, and this "
                                            "model has no loop (n_core = 0)");
-    int32_t max_depth = o.max_depth ? o.max_depth
-                        : model->load_opts.default_depth > 0 ? model->load_opts.default_depth
-                                                              : hp->default_depth;
+    int32_t max_depth = o.max_depth ? o.max_depth : tl_model_default_depth(model);
     if (o.max_depth < 0 || max_depth > hp->max_depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d] (0 = the "
                                                 "default depth)", o.max_depth, hp->max_depth);

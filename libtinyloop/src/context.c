@@ -133,7 +133,7 @@ tl_status tl_context_resolve_depth(const struct tl_context *ctx, int32_t depth, 
             *resolved = ctx->depth;
             return TL_OK;
         }
-        d = m->load_opts.default_depth > 0 ? m->load_opts.default_depth : m->hp.default_depth;
+        d = tl_model_default_depth(m);
     }
     if (d < 1 || d > ctx->max_depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,

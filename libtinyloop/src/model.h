@@ -92,5 +92,10 @@ tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, 
 /* Frees what tl_model_from_file built, the file included. The backend and the default
  * context are released by their owners before this is called. */
 void tl_model_destroy(struct tl_model *model);
+/* The loop depth a call that passes 0 runs at: the load option's, else the file's. */
+static inline int32_t tl_model_default_depth(const struct tl_model *model) {
+    return model->load_opts.default_depth > 0 ? model->load_opts.default_depth
+                                              : model->hp.default_depth;
+}
 
 #endif

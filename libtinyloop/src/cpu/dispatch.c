@@ -18,7 +18,7 @@
 
 /* The best level this CPU and this build run (__builtin_cpu_supports also checks that
  * the OS saves the AVX / AVX-512 registers). */
-static tl_cpu_level best_level(void) {
+tl_cpu_level tl_cpu_best_level(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -34,8 +34,6 @@ static tl_cpu_level best_level(void) {
     return TL_CPU_GENERIC;
 #endif
 }
-
-tl_cpu_level tl_cpu_best_level(void) { return best_level(); }
 
 tl_cpu_level tl_cpu_built_level(void) {
 #ifdef TL_HAVE_AVX512VNNI_KERNELS
@@ -53,7 +51,7 @@ static atomic_int current_level = TL_CPU_GENERIC;
  * another unnoticed). */
 static void detect(void) {
     const char *env = getenv("TINYLOOP_CPU");
-    tl_cpu_level level = best_level(), cap = TL_CPU_AVX512VNNI;
+    tl_cpu_level level = tl_cpu_best_level(), cap = TL_CPU_AVX512VNNI;
     if (env && *env) {
         if (strcmp(env, "generic") == 0) cap = TL_CPU_GENERIC;
         else if (strcmp(env, "avx2") == 0) cap = TL_CPU_AVX2;
@@ -79,7 +77,7 @@ const char *tl_cpu_level_name(tl_cpu_level level) {
 
 int tl_cpu_set_level(tl_cpu_level level) {
     pthread_once(&detect_once, detect);
-    if (level < TL_CPU_GENERIC || level > best_level()) return -1;
+    if (level < TL_CPU_GENERIC || level > tl_cpu_best_level()) return -1;
     atomic_store(&current_level, level);
     return 0;
 }
