@@ -1,4 +1,4 @@
-"""Writer and validating reader of the ``.tinyloop`` file format, version 1.
+"""Writer, validating reader and copier of the ``.tinyloop`` file format, version 1.
 
 The layout is specified in docs/format.md. The writer streams tensors to disk one by
 one (in bounded chunks for large float arrays), so a multi-GB model never needs a full
@@ -13,6 +13,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -604,3 +605,31 @@ def _parse_dir(buf, offset: int, size: int, n: int, data_size: int, path: str) -
             raise FormatError(f"{path}: tensors {a.name!r} (bytes {a.offset}..{a.offset + a.size})"
                               f" and {b.name!r} (from {b.offset}) overlap")
     return tensors
+
+
+# ---------------------------------------------------------------- copying
+
+def copy_file(src, dst, *, dims: dict | None = None, metadata: dict | None = None,
+              tensors: dict | None = None) -> None:
+    """Copy a ``.tinyloop`` file, changing parts of it: ``dims`` overrides header dims,
+    ``metadata`` sets or replaces keys, ``tensors`` (name -> numpy array, stored as f32, or
+    QTensor) adds or replaces tensors. Everything else is copied as it is, so quantized
+    weights are never quantized a second time; replaced entries keep their place and new
+    ones come last. The source's checksums are verified first: fresh CRCs written over
+    corrupt bytes would hide the damage."""
+    if Path(src).resolve() == Path(dst).resolve():
+        raise FormatError(f"{dst}: the output must differ from the input: the input is read "
+                          f"while the output is written")
+    tensors = tensors or {}
+    with read_file(src, verify_checksums=True) as f:
+        writer = TinyLoopWriter({**f.dims, **(dims or {})})
+        for key, value in {**f.metadata, **(metadata or {})}.items():
+            writer.add_metadata(key, value)
+        for name in {**dict.fromkeys(f.tensors), **tensors}:
+            if name in tensors:
+                writer.add_tensor(name, tensors[name])
+            else:
+                e = f.tensors[name]
+                # a copy: views into the mapping would keep it from closing
+                writer.add_raw_tensor(name, e.dtype, e.shape, e.group_size, bytes(f.raw(name)))
+        writer.write(dst)

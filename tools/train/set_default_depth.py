@@ -15,22 +15,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-from tinyloop.format import TinyLoopWriter, read_file  # noqa: E402
+from tinyloop.errors import FormatError  # noqa: E402
+from tinyloop.format import copy_file, read_file  # noqa: E402
 
 
 def copy_with_default_depth(src: str, dst: str, depth: int) -> None:
-    if Path(src).resolve() == Path(dst).resolve():
-        raise SystemExit("OUT must differ from IN: the input is read while the output is written")
-    with read_file(src, verify_checksums=True) as f:
-        if not 1 <= depth <= f.dims["max_depth"]:
-            raise SystemExit(f"--depth {depth} is outside 1..{f.dims['max_depth']} (the file's max_depth)")
-        writer = TinyLoopWriter({**f.dims, "default_depth": depth})
-        for key, value in f.metadata.items():
-            writer.add_metadata(key, value)
-        for name, e in f.tensors.items():
-            # a copy: views into the mapping would keep it from closing
-            writer.add_raw_tensor(name, e.dtype, e.shape, e.group_size, bytes(f.raw(name)))
-        writer.write(dst)
+    with read_file(src) as f:
+        max_depth = f.dims["max_depth"]
+    if not 1 <= depth <= max_depth:
+        raise SystemExit(f"--depth {depth} is outside 1..{max_depth} (the file's max_depth)")
+    try:
+        copy_file(src, dst, dims={"default_depth": depth})
+    except FormatError as e:     # OUT == IN, a corrupt IN: a message, not a traceback
+        raise SystemExit(str(e)) from None
 
 
 def main(argv=None) -> None:
