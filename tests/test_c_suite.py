@@ -7,8 +7,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tinyloop.format import copy_file
 from tinyloop.random_model import make_random_model
 from build_tools import find_tool
 
@@ -45,18 +47,23 @@ def c_build_tsan(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def c_models(tmp_path_factory):
-    """A float model and a quantized looped model exercising most options."""
+    """A float model and a quantized looped model exercising most options, the latter with
+    token frequencies, so that its drafts use a draft vocabulary."""
     d = tmp_path_factory.mktemp("c-models")
     dense = d / "dense.tinyloop"
+    looped_plain = d / "looped_q4_plain.tinyloop"
     looped = d / "looped_q4.tinyloop"
     make_random_model(dense, seed=1, vocab_size=96, d_model=64, n_head=4, n_kv_head=2,
                       head_dim=16, ffn_dim=128, n_pre=2, n_core=0, n_post=0,
                       default_depth=0, max_depth=0, max_seq_len=64)
-    make_random_model(looped, seed=2, vocab_size=96, d_model=64, n_head=4, n_kv_head=2,
+    make_random_model(looped_plain, seed=2, vocab_size=96, d_model=64, n_head=4, n_kv_head=2,
                       head_dim=16, ffn_dim=128, n_pre=1, n_core=1, n_post=1,
                       default_depth=3, max_depth=6, max_seq_len=64, dtype="q4",
                       group_size=32, injection="concat", loop_norm=True,
                       norm_placement="sandwich_outer")
+    counts = np.random.default_rng(2).integers(0, 4, 96)
+    copy_file(looped_plain, looped, metadata={"draft.vocab_size": 24},
+              tensors={"vocab.frequency": (counts / counts.sum()).astype(np.float32)})
     return dense, looped
 
 

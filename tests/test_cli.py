@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import textmodel
+from tinyloop.config import load_config
+from tinyloop.format import copy_file, read_file
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,27 @@ def test_speculative_mode_from_config(tmp_path, model_path):
     sampled = [last_json(run("generate", model_path, "Hello", "--max-tokens", 12, "--threads", 1,
                              "--config", config, "--seed", 3, "--json")) for _ in range(2)]
     assert sampled[0]["tokens"] == sampled[1]["tokens"] and sampled[0]["drafted_tokens"] > 0
+
+
+def test_speculative_mode_sets_the_draft_vocabulary(tmp_path, model_path):
+    """[modes.speculative] draft_vocab reaches the load options: the drafts of a file with
+    token frequencies score that many tokens (same greedy tokens); a file without them is
+    a clear error for N > 0 and the whole vocabulary for the default -1."""
+    with read_file(model_path) as f:
+        vocab = f.dims["vocab_size"]
+    counted = tmp_path / "counted.tinyloop"
+    copy_file(model_path, counted, tensors={"vocab.frequency": np.linspace(1, 0, vocab, dtype=np.float32)})
+    config = tmp_path / "tinyloop.toml"
+    config.write_text("[sampling]\ntemperature = 0\n[modes.speculative]\ndraft_vocab = 8\n")
+    assert load_config(config).load_options()["draft_vocab"] == 8
+    plain = last_json(run("generate", counted, "Hello", "--max-tokens", 12, "--temperature", 0,
+                          "--threads", 1, "--json"))
+    spec = last_json(run("generate", counted, "Hello", "--max-tokens", 12, "--threads", 1,
+                         "--config", config, "--json"))
+    assert spec["tokens"] == plain["tokens"] and spec["drafted_tokens"] > 0
+    proc = run("generate", model_path, "Hello", "--threads", 1, "--config", config, "--json",
+               check=False)
+    assert proc.returncode == 1 and "vocab.frequency" in proc.stderr
 
 
 def test_bad_config_is_a_clear_error(tmp_path, model_path):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tinyloop
+from test_draft_vocab import with_frequencies
 from test_parity import DEVICE, ON_CPU, case_config
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
@@ -231,21 +232,24 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("n_draft", [1, 3])
-@pytest.mark.parametrize("sampling", list(SAMPLING))
-def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling):
+@pytest.mark.parametrize("n_draft,sampling,draft_vocab",
+                         [(n, s, 0) for n in (1, 3) for s in SAMPLING] + [(3, s, 30) for s in SAMPLING])
+def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draft_vocab):
     """Speculative sampling returns tokens distributed as plain sampling's. The first
     generated token comes from the prefill; the second is the first round's (a kept draft
     or a draw from the residual) and the third its second draft or the next round's (four
     tokens, so that a round may draft two: a round drafts no more than can be returned). Their
     counts over many seeds must fit the exact distributions at the full depth (the second
     token's marginal over the first; the third's after the most frequent first token),
-    which the draft depth's are far from (so drafts kept without the test would fail)."""
+    which the draft depth's are far from (so drafts kept without the test would fail).
+    With a draft vocabulary, drafts never propose the other tokens, which only the
+    residual draw can then give."""
     name = "base"
     config = case_config(name)
     depth, vocab = config["max_depth"], config["vocab_size"]
     options, n_runs = SAMPLING[sampling], 8000
-    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+    path = with_frequencies(model_dir, name, tied=False) if draft_vocab else model_file(model_dir, name)
+    with tinyloop.Model(path, device=DEVICE, draft_vocab=draft_vocab) as model:
         runs = np.array([model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, max_tokens=4,
                                         depth=depth, eos=False, **options).tokens
                          for seed in range(n_runs)])

@@ -73,6 +73,7 @@ std::vector<tl_tensor *> model_tensors(const struct tl_model *m) {
     std::vector<tl_tensor *> all, present;
     all.push_back(const_cast<tl_tensor *>(&m->embed));
     all.push_back(const_cast<tl_tensor *>(&m->output));
+    all.push_back(const_cast<tl_tensor *>(&m->draft.head));   // the drafts' rows of it (draft_vocab.h)
     add_norm(all, &m->final_norm);
     add_norm(all, &m->loop_norm);
     all.push_back(const_cast<tl_tensor *>(&m->inject_w));

@@ -107,6 +107,7 @@ void tl_load_options_default(tl_load_options *o) {
     if (!o) return;
     ZERO_VERSIONED(o);
     o->device = "cpu";
+    o->draft_vocab = -1;
 }
 
 void tl_model_info_default(tl_model_info *info) {
@@ -169,6 +170,10 @@ static tl_status check_load_options(const tl_load_options *o) {
     if (o->default_depth < 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "default_depth %d is negative (0 = the model's)",
                        o->default_depth);
+    if (o->draft_vocab < -1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_vocab %lld is out of range (N > 0 tokens, "
+                       "0 = the whole vocabulary, -1 = the file's recommendation)",
+                       (long long)o->draft_vocab);
     return TL_OK;
 }
 
@@ -194,7 +199,9 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
     NEED(path, "path");
     tl_load_options o;
     tl_load_options_default(&o);
-    tl_status st = read_struct(&o, sizeof o, opts, sizeof o, "tl_load_options");
+    /* the first release's struct ends before draft_vocab */
+    tl_status st = read_struct(&o, sizeof o, opts, offsetof(tl_load_options, draft_vocab),
+                               "tl_load_options");
     if (st == TL_OK) st = check_load_options(&o);
     if (st != TL_OK) return st;
 
@@ -267,6 +274,7 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     full.n_threads = model->load_opts.n_threads;
     full.device_index = model->backend->device_index;
     snprintf(full.device_name, sizeof full.device_name, "%s", model->device_name);
+    full.draft_vocab = model->draft.n;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;

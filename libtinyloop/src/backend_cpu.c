@@ -100,7 +100,7 @@ static void cpu_memory(const tl_backend *be, uint64_t *weights, uint64_t *repack
                        uint64_t *device) {
     const cpu_impl *impl = be->impl;
     *weights = impl->weight_bytes;
-    *repacked = 0;
+    *repacked = impl->model->draft.head_bytes;   /* the draft vocabulary's copy of its rows */
     *device = 0;
 }
 

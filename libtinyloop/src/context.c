@@ -180,6 +180,7 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
                 chunk_out.sample = out->sample;
                 chunk_out.token_on_device = out->token_on_device;
                 chunk_out.chain_token = out->chain_token;
+                chunk_out.draft = out->draft;
             }
             if (out->n_targets > c0) {
                 chunk_out.targets = out->targets + c0;

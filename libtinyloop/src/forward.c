@@ -249,12 +249,20 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     int V = F->hp->vocab;
 
     if (out->last_logits || out->last_token || out->chain_token) {
-        const tl_tensor *head = &m->output;
+        /* a draft with a draft vocabulary scores only its tokens */
+        const tl_draft_vocab *dv = out->draft && m->draft.n > 0 ? &m->draft : NULL;
+        const tl_tensor *head = dv ? &dv->head : &m->output;
+        int n_logits = dv ? dv->n : V;
         tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
-        size_t ld_logits = (size_t)V;
+        size_t ld_logits = (size_t)n_logits;
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
-        if (out->last_logits) F->ops->download(F->ex, out->last_logits, logits, (size_t)V);
-        if (out->chain_token)
+        if (out->last_logits) {
+            F->ops->download(F->ex, out->last_logits, logits, (size_t)n_logits);
+            if (dv) tl_draft_vocab_scatter(dv, out->last_logits, V);
+        }
+        if (dv && out->last_token)
+            *out->last_token = dv->ids[F->ops->argmax(F->ex, logits, n_logits)];
+        else if (out->chain_token)
             F->ops->argmax_chained(F->ex, logits, V, pos0 + n - 1);
         else if (out->last_token)
             *out->last_token = out->sample ? F->ops->sample(F->ex, logits, V, out->sample)

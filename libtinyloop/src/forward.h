@@ -33,6 +33,10 @@ typedef struct tl_forward_out {
                                   tokens[0] is a placeholder                          */
     int chain_token;           /* argmax of the last row kept on the device (argmax_chained),
                                   read later with chained_token                        */
+    int draft;                 /* a speculative draft: last_logits / last_token over the
+                                  model's draft vocabulary when it has one (draft_vocab.h;
+                                  last_logits then holds -inf at the other tokens); not
+                                  with sample or chain_token                          */
 } tl_forward_out;
 
 /* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already

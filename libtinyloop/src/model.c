@@ -196,6 +196,8 @@ static tl_status read_options(builder *b)
     hp->bos_id = (int32_t)v;
     TRY(meta_int(b, "tokenizer.eos_id", -1, -1, hp->vocab - 1, &v));
     hp->eos_id = (int32_t)v;
+    TRY(meta_int(b, "draft.vocab_size", 0, 0, hp->vocab, &v));
+    hp->draft_vocab_size = (int32_t)v;
     return TL_OK;
 }
 
@@ -319,6 +321,10 @@ static tl_status claim_tensors(builder *b)
         if (hp->injection_bias)
             TRY(claim(b, "inject.bias", hp->d, -1, &m->inject_b));
     }
+    if (tl_file_tensor(b->file, "vocab.frequency")) {
+        TRY(claim(b, "vocab.frequency", hp->vocab, -1, &m->token_frequency));
+        TRY(tl_draft_vocab_check_frequency(&m->token_frequency, b->path));
+    }
     TRY(claim_blocks(b, "pre", hp->n_pre, &m->pre));
     TRY(claim_blocks(b, "core", hp->n_core, &m->core));
     TRY(claim_blocks(b, "post", hp->n_post, &m->post));
@@ -344,6 +350,24 @@ static void copy_load_options(tl_model *m, const tl_load_options *opts)
     m->load_opts.device = NULL; /* the caller's string is not kept */
 }
 
+/* The drafts' vocabulary the load option asks for (tinyloop.h, draft_vocab). */
+static tl_status build_draft_vocab(tl_model *m, const char *path)
+{
+    int64_t n = m->load_opts.draft_vocab;
+    if (n == -1)
+        n = m->token_frequency.data ? m->hp.draft_vocab_size : 0;
+    if (n == 0)
+        return TL_OK;
+    if (!m->token_frequency.data)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_vocab %lld: %s carries no token frequencies "
+                       "(tensor vocab.frequency) to choose the drafts' tokens by; add them with "
+                       "tools/train/token_frequency.py, or pass 0 (the whole vocabulary)",
+                       (long long)n, path);
+    if (n >= m->hp.vocab)   /* every token: the drafts use the head itself */
+        return TL_OK;
+    return tl_draft_vocab_build(&m->output, &m->token_frequency, (int32_t)n, &m->draft);
+}
+
 tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, struct tl_model **out)
 {
     if (!file || !out)
@@ -365,11 +389,14 @@ tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, 
     if (st == TL_OK)
         st = claim_tensors(&b);
     free(used);
+    if (st == TL_OK) {
+        copy_load_options(m, opts);
+        st = build_draft_vocab(m, file->path);
+    }
     if (st != TL_OK) {
         tl_model_destroy(m); /* the file stays the caller's */
         return st;
     }
-    copy_load_options(m, opts);
     m->file = file;
     *out = m;
     return TL_OK;
@@ -384,6 +411,7 @@ void tl_model_destroy(struct tl_model *model)
     free(model->pre);
     free(model->core);
     free(model->post);
+    tl_draft_vocab_free(&model->draft);
     tl_file_close(model->file);
     free(model);
 }

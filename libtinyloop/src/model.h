@@ -8,6 +8,7 @@
 #include <pthread.h>
 
 #include "tinyloop/tinyloop.h"
+#include "draft_vocab.h"
 #include "tensor.h"
 
 typedef enum { TL_NORM_PRE = 0, TL_NORM_SANDWICH_OUTER = 1, TL_NORM_SANDWICH_BRANCH = 2 } tl_norm_placement;
@@ -42,6 +43,7 @@ typedef struct tl_hparams {
     uint64_t noise_seed;
     int32_t loop_norm;
     int32_t bos_id, eos_id;
+    int32_t draft_vocab_size;  /* the file's recommended draft vocabulary; 0 = none */
 } tl_hparams;
 
 /* A norm: weight always, bias for layernorm. */
@@ -72,6 +74,8 @@ struct tl_model {
     tl_norm_weights loop_norm;         /* when hp.loop_norm */
     tl_tensor inject_w, inject_b;      /* concat injection */
     tl_block_weights *pre, *core, *post;
+    tl_tensor token_frequency;         /* [V] vocab.frequency; .data == NULL when absent */
+    tl_draft_vocab draft;              /* the drafts' tokens and head (load option) */
 
     tl_load_options load_opts;         /* as resolved at load (device string not kept) */
     char device_name[64];

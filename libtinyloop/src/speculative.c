@@ -90,7 +90,7 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     fed[0] = g->generated[g->n_generated - 1];
     tl_status st = TL_OK;
     for (size_t i = 0; i < k && st == TL_OK; i++) {
-        tl_forward_out out = { .last_token = &fed[i + 1] };
+        tl_forward_out out = { .last_token = &fed[i + 1], .draft = 1 };
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
     }
     tl_context_set_length(ctx, n);
@@ -119,7 +119,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
     tl_status st = TL_OK;
     /* the penalty's history of the position after fed[i]: the sequence, then fed[0..i] */
     for (size_t i = 0; i < k && st == TL_OK; i++) {
-        tl_forward_out out = { .last_logits = g->logits };
+        tl_forward_out out = { .last_logits = g->logits, .draft = 1 };
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
         if (st != TL_OK) break;
         double *q = g->spec_q + i * V;

@@ -52,3 +52,15 @@ tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n
 int32_t tl_testing_cpu_level(int32_t which) {
     return (int32_t)(which ? tl_cpu_built_level() : tl_cpu_best_level());
 }
+
+tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_depth,
+                                  float *logits, int32_t *argmax) {
+    if (!ctx || !logits || !argmax)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_testing_draft_logits: bad arguments");
+    size_t n = ctx->n_tokens;
+    tl_forward_out out = { .last_logits = logits, .last_token = argmax, .draft = 1 };
+    tl_status st = tl_context_eval_draft(ctx, &token, 1, draft_depth, &out);
+    if (st == TL_OK) st = ctx->be->ops->status(ctx->ex);
+    tl_context_set_length(ctx, n);
+    return st;
+}

@@ -24,4 +24,10 @@ TL_API tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, in
  * (which 1). */
 TL_API int32_t tl_testing_cpu_level(int32_t which);
 
+/* A speculative draft of `token` at draft_depth after ctx's sequence (which stays as it
+ * was): its vocab logits, -inf outside the model's draft vocabulary when it has one, and
+ * the token the draft picks. */
+TL_API tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_depth,
+                                         float *logits, int32_t *argmax);
+
 #endif

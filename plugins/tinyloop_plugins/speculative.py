@@ -10,6 +10,10 @@ mode only switches it on from TOML:
     [modes.speculative]
     draft_depth = 1
     n_draft = 4
+    draft_vocab = -1    # drafts score the file's N most frequent tokens; 0 = all of them
+
+draft_vocab is a load option (tl_load_options.draft_vocab): the drafts' rows of the
+output head are copied once when the model loads.
 """
 
 from tinyloop.plugins import Option, Plugin
@@ -20,6 +24,10 @@ def _strategy(model, prompt_ids, generate_options, config):
                         n_draft=config["n_draft"])
 
 
+def _configure_load(config, load_options):
+    load_options["draft_vocab"] = config["draft_vocab"]
+
+
 PLUGIN = Plugin(
     name="speculative",
     description="drafts at a shallow loop depth, verified at the full depth",
@@ -27,7 +35,11 @@ PLUGIN = Plugin(
         Option("draft_depth", int, 1, "loop depth of the drafts (at most the generation's)",
                minimum=1),
         Option("n_draft", int, 4, "tokens drafted per verification", minimum=1, maximum=32),
+        Option("draft_vocab", int, -1, "drafts score only this many of the most frequent tokens "
+               "(the file's vocab.frequency); -1 = the file's draft.vocab_size, 0 = every token",
+               minimum=-1),
     ),
+    configure_load=_configure_load,
     conflicts=frozenset({"tree_speculative"}),
     strategy=_strategy,
 )

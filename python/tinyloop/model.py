@@ -51,6 +51,8 @@ class ModelInfo:
     device_index: int
     device_name: str
     name: str
+    #: tokens speculative drafts score (the draft vocabulary); 0 = the whole vocabulary
+    draft_vocab: int
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
     metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -343,11 +345,15 @@ def _default_model_path() -> str:
 
 
 class Model(_Scoring, _OwnsHandle):
-    """A loaded .tinyloop model. Weights are mmapped and shared by all contexts."""
+    """A loaded .tinyloop model. Weights are mmapped and shared by all contexts.
+
+    draft_vocab: speculative drafts score only the N most frequent tokens of the file's
+    vocab.frequency (N > 0), every token (0), or the file's draft.vocab_size (-1, the
+    default; every token when the file has no frequencies). Output is unaffected."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, draft_vocab: int = -1):
         self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
@@ -363,6 +369,7 @@ class Model(_Scoring, _OwnsHandle):
         opts.default_depth = _args.max_int32("default_depth", default_depth)
         opts.prefill_chunk = _args.max_int32("prefill_chunk", prefill_chunk)
         opts.verify_checksums = 1 if verify_checksums else 0
+        opts.draft_vocab = _args.integer("draft_vocab", draft_vocab, minimum=-1, maximum=2**31 - 1)
         out = ffi.new("tl_model **")
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]

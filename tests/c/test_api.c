@@ -554,7 +554,7 @@ static void test_speculative(fixture *f) {
                   r.n_tokens);
             CHECK(r.n_accepted <= r.n_drafted && r.n_drafted > 0, "counters %u of %u", r.n_accepted,
                   r.n_drafted);
-            if (draft == depth)
+            if (draft == depth && f->info.draft_vocab == 0)   /* a draft vocabulary may miss */
                 CHECK(r.n_accepted == r.n_drafted, "full-depth drafts all kept (%u of %u)",
                       r.n_accepted, r.n_drafted);
         }
@@ -601,6 +601,53 @@ static void test_speculative(fixture *f) {
     CHECK(memcmp(spec, plain, sizeof plain) == 0, "a first-release options struct decodes plainly");
     CHECK(short_result.r.n_drafted == 0x5a5a5a5au && short_result.guard == 0x5a5a5a5au,
           "nothing written past a first-release result struct");
+}
+
+/* A file with token frequencies: drafts over any draft vocabulary give plain greedy
+ * decoding's tokens, and the load option's sizes resolve as documented. */
+static void test_draft_vocab(fixture *f, const char *path) {
+    enum { N = 24 };
+    if (f->info.n_core == 0 || f->info.draft_vocab == 0) return;
+    int32_t plain[N], spec[N];
+    tl_generate_options o = greedy_options(N);
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, plain, N, NULL));
+    const int32_t V = f->info.vocab_size;
+    const int32_t sizes[][2] = { { 0, 0 }, { 1, 1 }, { 5, 5 }, { V - 1, V - 1 }, { V, 0 }, { V + 9, 0 } };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        tl_load_options lo;
+        tl_load_options_default(&lo);
+        lo.n_threads = 2;
+        lo.draft_vocab = sizes[i][0];
+        tl_model *m = NULL;
+        CHECK_OK(tl_load_model(path, &lo, &m));
+        if (!m) continue;
+        tl_model_info info;
+        tl_model_info_default(&info);
+        CHECK_OK(tl_model_get_info(m, &info));
+        CHECK(info.draft_vocab == sizes[i][1], "draft_vocab %d gives %d tokens, not %d",
+              sizes[i][0], info.draft_vocab, sizes[i][1]);
+        for (int n_draft = 1; n_draft <= 4; n_draft += 3) {
+            memset(spec, 0xff, sizeof spec);
+            CHECK_OK(tl_generate_speculative(m, f->tokens, 5, &o, 1, n_draft, spec, N, NULL));
+            CHECK(memcmp(spec, plain, sizeof plain) == 0, "draft_vocab %d, %d drafts: not plain greedy's",
+                  sizes[i][0], n_draft);
+        }
+        CHECK_OK(tl_free_model(m));
+    }
+    /* a first-release caller's struct ends before draft_vocab: the default applies */
+    tl_load_options older;
+    tl_load_options_default(&older);
+    older.struct_size = (uint32_t)offsetof(tl_load_options, draft_vocab);
+    older.draft_vocab = 3;
+    tl_model *m = NULL;
+    CHECK_OK(tl_load_model(path, &older, &m));
+    if (!m) return;
+    tl_model_info info;
+    tl_model_info_default(&info);
+    CHECK_OK(tl_model_get_info(m, &info));
+    CHECK(info.draft_vocab == f->info.draft_vocab, "a first-release struct: %d draft tokens, not %d",
+          info.draft_vocab, f->info.draft_vocab);
+    CHECK_OK(tl_free_model(m));
 }
 
 static void test_memory_report(fixture *f) {
@@ -704,6 +751,7 @@ static void run_model(const char *path) {
     test_stream_and_callback(&f);
     test_errors(&f, path);
     test_speculative(&f);
+    test_draft_vocab(&f, path);
     test_memory_report(&f);
     test_two_threads(&f);
     CHECK_OK(tl_free_model(f.model));

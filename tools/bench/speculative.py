@@ -14,8 +14,10 @@ time), which bounds what a draft can save.
 
     python tools/bench/speculative.py --threads 2 --repeat 5 --drafts 1:3,2:3,1:2 --json out.json
     python tools/bench/speculative.py --device cuda --repeat 5 --drafts 1:1,1:2 --json gpu.json
+    python tools/bench/speculative.py --model m.tinyloop --drafts 1:2,1:2:8192 --json vocab.json
 """
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -46,6 +48,19 @@ def step_seconds(model, prompt_ids, depth, steps):
     return statistics.median(times)
 
 
+def parse_draft(item: str) -> tuple:
+    """DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] -> (depth, n, vocab); vocab 0 = the whole vocabulary."""
+    values = [int(v) for v in item.split(":")]
+    if len(values) not in (2, 3):
+        raise SystemExit(f"--drafts item {item!r}: expected DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB]")
+    return tuple(values) if len(values) == 3 else (*values, 0)
+
+
+def draft_name(depth: int, n: int, model) -> str:
+    vocab = model.info.draft_vocab
+    return f"draft depth {depth}, {n} drafts" + (f", {vocab} tokens" if vocab else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help=".tinyloop file (default: the packaged model)")
@@ -53,30 +68,37 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (the CPU device)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--depth", type=int, default=0, help="generation depth (0: the model's default)")
-    ap.add_argument("--drafts", default="1:3,2:3", help="comma list of DRAFT_DEPTH:N_DRAFT")
+    ap.add_argument("--drafts", default="1:3,2:3",
+                    help="comma list of DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] (the draft_vocab load "
+                         "option: drafts score the N most frequent tokens; -1 = the file's choice)")
     ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tokens checked equal)")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
-    pairs = [tuple(int(v) for v in item.split(":")) for item in args.drafts.split(",")]
+    drafts = [parse_draft(item) for item in args.drafts.split(",")]
     path = args.model or str(default_model_path())
 
-    with tinyloop.Model(path, device=args.device, threads=args.threads) as model:
+    with contextlib.ExitStack() as stack:
+        # the draft vocabulary is a load option: one model per size asked for
+        models = {v: stack.enter_context(tinyloop.Model(path, device=args.device, threads=args.threads,
+                                                        draft_vocab=v))
+                  for v in sorted({0} | {v for _, _, v in drafts})}
+        model = models[0]
         depth = args.depth or model.info.default_depth
         options = dict(max_tokens=args.new_tokens, depth=depth, temperature=args.temperature, eos=False)
         prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-        configs = [("plain", {})] + [(f"draft depth {d}, {n} drafts", dict(draft_depth=d, n_draft=n))
-                                      for d, n in pairs]
-        speed = {name: [] for name, _ in configs}
-        kept = {name: [0, 0, 0, 0] for name, _ in configs}  # accepted, drafted, tokens, rounds
+        configs = [("plain", model, {})] + [
+            (draft_name(d, n, models[v]), models[v], dict(draft_depth=d, n_draft=n)) for d, n, v in drafts]
+        speed = {name: [] for name, _, _ in configs}
+        kept = {name: [0, 0, 0, 0] for name, _, _ in configs}  # accepted, drafted, tokens, rounds
         for round_index in range(args.repeat):
             # each round starts with another config, so no config always runs first
             shift = round_index % len(configs)
             order = configs[shift:] + configs[:shift]
             for ids in prompts:
                 reference = None
-                for name, extra in order:
-                    r = model.generate(ids, **options, **extra, seed=round_index)
+                for name, config_model, extra in order:
+                    r = config_model.generate(ids, **options, **extra, seed=round_index)
                     if args.temperature == 0:   # greedy: every config gives the same tokens
                         reference = r.tokens if reference is None else reference
                         if r.tokens != reference:
@@ -88,11 +110,11 @@ def main(argv=None) -> int:
                     k[2] += len(r.tokens) - 1          # tokens after the prompt's own
                     k[3] += len(r.tokens) - 1 - r.accepted_tokens  # full-depth passes
         device_name = model.info.device_name
-        steps = {d: step_seconds(model, prompts[0], d, 40) for d in sorted({d for d, _ in pairs} | {depth})}
+        steps = {d: step_seconds(model, prompts[0], d, 40) for d in sorted({d for d, _, _ in drafts} | {depth})}
 
     rows = []
     plain = statistics.median(speed["plain"])
-    for name, _ in configs:
+    for name, _, _ in configs:
         acc, drafted, tokens, passes = kept[name]
         tps = statistics.median(speed[name])
         rows.append(dict(config=name, decode_tokens_per_s=round(tps, 1),
@@ -104,11 +126,11 @@ def main(argv=None) -> int:
                   prompts=len(PROMPTS), repeat=args.repeat, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   step_ms={str(d): round(s * 1e3, 3) for d, s in steps.items()}, rows=rows)
-    print(f"{'config':<26} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
+    print(f"{'config':<40} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
     for row in rows:
         acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         tpp = "" if row["tokens_per_full_pass"] is None else f"{row['tokens_per_full_pass']:.2f}"
-        print(f"{row['config']:<26} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
+        print(f"{row['config']:<40} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
     print("one decode step (ms): " + ", ".join(f"depth {d}: {ms}" for d, ms in report["step_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:

@@ -80,6 +80,12 @@ typedef struct tl_load_options {
     int32_t prefill_chunk;     /* tokens per prefill chunk; 0 = 256 (CPU), 512 (GPU) */
     int32_t verify_checksums;  /* 1 = check every tensor's CRC-32 at load            */
     int32_t default_depth;     /* loop depth when a call passes 0; 0 = model default */
+    int64_t draft_vocab;       /* speculative drafts score only the N most frequent
+                                  tokens (the file's vocab.frequency): N > 0; 0 = the
+                                  whole vocabulary; -1 = the file's draft.vocab_size, or
+                                  the whole vocabulary without one (default). 64-bit so
+                                  that it lies past the first release's struct, whose
+                                  tail padding a caller may have left unset          */
 } tl_load_options;
 
 TL_API void tl_load_options_default(tl_load_options *opts);
@@ -107,6 +113,7 @@ typedef struct tl_model_info {
     char device_name[64];      /* "cpu (avx512vnni)", "cpu (avx2)", "cpu (generic)",
                                   "cuda:0 (...)"                                  */
     char name[128];            /* general.name metadata, may be empty          */
+    int32_t draft_vocab;       /* tokens the drafts score; 0 = the whole vocabulary */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);
