@@ -172,16 +172,18 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
 
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
+        /* the whole request for the last chunk (every field of the last row, whatever
+         * fields come later); the per-row fields from row c0 on for every chunk */
         tl_forward_out chunk_out = { 0 };
+        if (out && c0 + (size_t)rows == n) chunk_out = *out;
+        chunk_out.targets = NULL;
+        chunk_out.logprobs = chunk_out.entropies = chunk_out.entropy_row = NULL;
+        chunk_out.n_targets = 0;
+        chunk_out.row_tokens = NULL;
+        chunk_out.n_row_tokens = 0;
+        chunk_out.row_logits = NULL;
+        chunk_out.n_row_logits = 0;
         if (out) {
-            if (c0 + (size_t)rows == n) {
-                chunk_out.last_logits = out->last_logits;
-                chunk_out.last_token = out->last_token;
-                chunk_out.sample = out->sample;
-                chunk_out.token_on_device = out->token_on_device;
-                chunk_out.chain_token = out->chain_token;
-                chunk_out.draft = out->draft;
-            }
             if (out->n_targets > c0) {
                 chunk_out.targets = out->targets + c0;
                 chunk_out.logprobs = out->logprobs + c0;
@@ -228,6 +230,22 @@ tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, s
                        "a draft at depth %d needs a sequence of a deeper depth (length %zu, depth %d)",
                        draft_depth, ctx->n_tokens, ctx->depth);
     return eval_chunks(ctx, tokens, n, draft_depth, out);
+}
+
+tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                 int from, const tl_forward_out *out, tl_act kept_e, tl_act kept_s) {
+    size_t start = ctx->n_tokens;
+    if (n < 2 || n > (size_t)ctx->chunk_rows || from < 1 || from > ctx->depth ||
+        ctx->model->hp.state_init == TL_INIT_WARM || n > (size_t)ctx->max_seq - start)
+        return tl_fail(TL_ERR_INTERNAL, "a resumed verification of %zu rows from iteration %d "
+                       "(sequence of %zu at depth %d)", n, from, start, ctx->depth);
+    tl_status st = tl_context_check_tokens(ctx, tokens, n);
+    if (st == TL_OK)
+        st = tl_forward_resume(ctx, tokens, (int)n, (int)start, from, ctx->depth, kept_e, kept_s, out);
+    if (st != TL_OK) return st;
+    memcpy(ctx->tokens + start, tokens, n * sizeof *tokens);
+    ctx->n_tokens = start + n;
+    return TL_OK;
 }
 
 tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,

@@ -68,6 +68,11 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
  * these positions (tl_context_set_length) before the sequence goes on at its depth. */
 tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int draft_depth, const tl_forward_out *out);
+/* Append tokens[0..n) at the sequence's depth as a speculative verification whose first
+ * n - 1 rows resume from their drafts at depth `from` (tl_forward_resume: n <= the chunk
+ * rows, no warm state init), and produce `out`. */
+tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens, size_t n,
+                                 int from, const tl_forward_out *out, tl_act kept_e, tl_act kept_s);
 /* The last position's logits of `tokens` (a fresh sequence) at every depth 1..max_depth,
  * out[(depth-1) * vocab ..]; the prelude and the loop iterations are shared between
  * depths when the tokens fit one chunk and the state init is not warm. The context is

@@ -37,6 +37,11 @@ typedef struct tl_forward_out {
                                   model's draft vocabulary when it has one (draft_vocab.h;
                                   last_logits then holds -inf at the other tokens); not
                                   with sample or chain_token                          */
+    tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
+                                  state before the coda go (.buf NULL: not kept), for
+                                  tl_forward_resume; through `stage`, 2 rows at the same
+                                  address every step, so a recorded step stays the same */
+    tl_act stage;
 } tl_forward_out;
 
 /* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already
@@ -44,6 +49,17 @@ typedef struct tl_forward_out {
  * Writes K/V of those positions; does not change the context's length. */
 tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                            int depth, const tl_forward_out *out);
+
+/* A speculative verification of tokens[0..n) at positions [pos0, pos0 + n), n <= the
+ * chunk rows, that resumes rows 0..n-2 from their drafts: rows kept_e / kept_s hold each
+ * one's injection source and loop state after iteration `from` (tl_forward_out.keep_e /
+ * keep_s), and their K/V up to that iteration is in the cache already. The last row runs
+ * from the embedding to iteration `from`; then all n run iterations from+1..depth, the
+ * coda and `out`. Not for a warm state init (a draft's state then depends on the previous
+ * draft's, not the full depth's). */
+tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                            int from, int depth, tl_act kept_e, tl_act kept_s,
+                            const tl_forward_out *out);
 
 /* The logit lens of a fresh sequence in one chunk (n <= the context's chunk rows, a
  * state init other than warm): prelude once, then after each loop iteration 1..max_depth

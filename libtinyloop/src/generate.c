@@ -287,6 +287,7 @@ void tl_stream_detach(struct tl_stream *g) {
         g->finished = 1;
         g->stop_reason = TL_STOP_ABORTED;
     }
+    tl_speculative_release_states(g);
     g->ctx->stream = NULL;
     g->ctx = NULL;
 }

@@ -7,9 +7,13 @@
  * depth (every iteration has its own K/V slot), so only the coda's rows are the draft's
  * own; they attend to the coda rows the full depth wrote for earlier positions.
  * Verification: the drafts' positions are dropped and p with the k drafts is evaluated
- * at the stream's depth in one pass, which overwrites every row the drafts wrote. The
- * first j drafts are kept; p and those j stay in the context, and the j drafts plus one
- * more token are returned.
+ * at the stream's depth in one pass, which overwrites every row the drafts wrote from
+ * iteration draft_depth + 1 on. The rows of p and of the first k - 1 drafts resume where
+ * their drafts left them (each draft keeps its injection source and loop state), so
+ * only the last draft runs the prelude and the first draft_depth iterations there;
+ * with a warm state init a draft's state follows the previous draft's, not the full
+ * depth's, and every row runs from the start. The first j drafts are kept; p and those j
+ * stay in the context, and the j drafts plus one more token are returned.
  *
  * Greedy: a draft is its argmax, kept while it equals the full pass's argmax at the same
  * position, and the token after the kept ones is that argmax: plain greedy decoding's
@@ -27,6 +31,7 @@
 
 #include <stdlib.h>
 
+#include "backend.h"
 #include "error.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
@@ -61,7 +66,31 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     }
     if (!g->spec_fed || !g->spec_ready)
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative decoding buffers");
-    return TL_OK;
+    if (ctx->model->hp.state_init == TL_INIT_WARM) return TL_OK;
+    size_t rows = 2 * (size_t)g->n_draft + 2;
+    return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)ctx->model->hp.d, &g->spec_states);
+}
+
+/* Draft i's outputs: `out` and, when verification resumes, where its states go. */
+static tl_forward_out draft_out(const struct tl_stream *g, size_t i, tl_forward_out out) {
+    out.draft = 1;
+    if (g->spec_states) {
+        size_t d = (size_t)g->ctx->model->hp.d, k = (size_t)g->n_draft;
+        out.keep_e = tl_act_at(g->spec_states, i * d);
+        out.keep_s = tl_act_at(g->spec_states, (k + i) * d);
+        out.stage = tl_act_at(g->spec_states, 2 * k * d);
+    }
+    return out;
+}
+
+/* The verification pass over fed[0..k] at the stream's depth. */
+static tl_status verify(struct tl_stream *g, const int32_t *fed, size_t k, const tl_forward_out *out) {
+    struct tl_context *ctx = g->ctx;
+    if (!g->spec_states || k == 0) return tl_context_eval(ctx, fed, k + 1, g->depth, out);
+    size_t d = (size_t)ctx->model->hp.d;
+    return tl_context_eval_resumed(ctx, fed, k + 1, g->draft_depth, out,
+                                   tl_act_at(g->spec_states, 0),
+                                   tl_act_at(g->spec_states, (size_t)g->n_draft * d));
 }
 
 /* Drafts this round: at most as many as tokens may still follow the one the round
@@ -90,13 +119,13 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     fed[0] = g->generated[g->n_generated - 1];
     tl_status st = TL_OK;
     for (size_t i = 0; i < k && st == TL_OK; i++) {
-        tl_forward_out out = { .last_token = &fed[i + 1], .draft = 1 };
+        tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_token = &fed[i + 1] });
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
     }
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
     tl_forward_out out = { .row_tokens = verified, .n_row_tokens = k + 1 };
-    st = tl_context_eval(ctx, fed, k + 1, g->depth, &out);
+    st = verify(g, fed, k, &out);
     if (st != TL_OK) return st;
     size_t j = 0;
     while (j < k && fed[j + 1] == verified[j]) j++;
@@ -119,7 +148,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
     tl_status st = TL_OK;
     /* the penalty's history of the position after fed[i]: the sequence, then fed[0..i] */
     for (size_t i = 0; i < k && st == TL_OK; i++) {
-        tl_forward_out out = { .last_logits = g->logits, .draft = 1 };
+        tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_logits = g->logits });
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
         if (st != TL_OK) break;
         double *q = g->spec_q + i * V;
@@ -130,7 +159,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
     tl_forward_out out = { .row_logits = g->spec_rows, .n_row_logits = k + 1 };
-    st = tl_context_eval(ctx, fed, k + 1, g->depth, &out);
+    st = verify(g, fed, k, &out);
     if (st != TL_OK) return st;
     double *p = g->spec_p;
     size_t j = 0;
@@ -181,7 +210,13 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
     g->n_ready = g->ready_at = 0;
 }
 
+void tl_speculative_release_states(struct tl_stream *g) {
+    if (g->spec_states && g->ctx) g->ctx->be->ops->buf_free(g->spec_states);
+    g->spec_states = NULL;
+}
+
 void tl_speculative_free(struct tl_stream *g) {
+    tl_speculative_release_states(g);
     free(g->spec_fed);
     free(g->spec_ready);
     free(g->spec_q);

@@ -24,6 +24,9 @@ int tl_speculative_pending(const struct tl_stream *g);
 /* At the end of the stream: drop what a round put in the context past what plain
  * decoding would hold (the generated tokens but the last, or all of them after EOS). */
 void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason);
+/* Frees the drafts' states, which live in the context's backend: before the stream
+ * loses its context (tl_stream_detach), and from tl_speculative_free. */
+void tl_speculative_release_states(struct tl_stream *g);
 void tl_speculative_free(struct tl_stream *g);
 
 #endif
