@@ -601,6 +601,27 @@ static void test_speculative(fixture *f) {
     CHECK(memcmp(spec, plain, sizeof plain) == 0, "a first-release options struct decodes plainly");
     CHECK(short_result.r.n_drafted == 0x5a5a5a5au && short_result.guard == 0x5a5a5a5au,
           "nothing written past a first-release result struct");
+
+    /* a drafting stream whose context is freed first: the drafts' states, kept in the
+     * context's backend, go with it (the sanitizers watch the rest) */
+    tl_context *ctx = NULL;
+    tl_stream *s = NULL;
+    tl_generate_options drafting = o;
+    drafting.draft_depth = 1;
+    drafting.n_draft = 3;
+    CHECK_OK(tl_context_create(f->model, NULL, &ctx));
+    if (ctx) CHECK_OK(tl_stream_start(f->model, ctx, f->tokens, 5, &drafting, &s));
+    if (s) {
+        int32_t tok;
+        tl_stop_reason why = TL_STOP_NONE;
+        for (int i = 0; i < 3; i++) CHECK_OK(tl_stream_next(s, &tok, &why));
+        tl_context_free(ctx);
+        ctx = NULL;
+        CHECK_OK(tl_stream_next(s, &tok, &why));
+        CHECK(tok == -1 && why == TL_STOP_ABORTED, "drafting stream after its context: %d, %d", tok, why);
+        tl_stream_free(s);
+    }
+    tl_context_free(ctx);
 }
 
 /* A file with token frequencies: drafts over any draft vocabulary give plain greedy
