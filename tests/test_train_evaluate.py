@@ -58,3 +58,37 @@ def test_by_document_needs_the_default_depth(evaluate, tmp_path):
     with pytest.raises(SystemExit, match="default depth \\(2\\)"):
         evaluate.main(["--model", str(path), "--tokens", str(held_out), "--depths", "1",
                        "--agree-windows", "0", "--by-document"])
+
+
+def test_agreement_of_drafts_among_a_draft_vocabulary(evaluate, tmp_path):
+    """With a draft vocabulary of one token, a draft always picks that token, so its
+    agreement is the share of default-depth greedy tokens that are that token."""
+    from tinyloop import Model
+    from tinyloop.format import copy_file, read_file
+
+    plain = tmp_path / "plain.tinyloop"
+    make_text_model(plain, add_bos=False)
+    with read_file(plain) as f:
+        vocab = f.dims["vocab_size"]
+    with Model(plain) as model:
+        ids = model.tokenizer.encode("the cat sat on the mat and the dog sat on the log " * 3,
+                                     add_bos=False)[:model.info.max_seq_len - 1]
+        depth = model.info.default_depth
+        with model.context() as ctx:   # the default depth's greedy tokens after the prefix
+            ref = [int(np.argmax(ctx.append(ids[:8], depth)))]
+            ref += [int(np.argmax(ctx.append([t], depth))) for t in ids[8:]]
+    favourite = max(set(ref), key=ref.count)
+    frequency = np.full(vocab, 1e-4, dtype=np.float32)
+    frequency[favourite] = 0.5
+    path = tmp_path / "counted.tinyloop"
+    copy_file(plain, path, metadata={"draft.vocab_size": 1}, tensors={"vocab.frequency": frequency})
+    held_out = tmp_path / "held.u16"
+    np.array(ids, dtype=np.uint16).tofile(held_out)
+    out = tmp_path / "eval.json"
+    evaluate.main(["--model", str(path), "--tokens", str(held_out), "--n-tokens", "0", "--ctx", "32",
+                   "--depths", f"1,{depth}", "--agree-windows", "1", "--agree-prefix", "8",
+                   "--agree-span", str(len(ids) - 8), "--threads", "1", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["draft_vocab"] == 1
+    assert res["agreement_draft_vocab"]["1"] == pytest.approx(ref.count(favourite) / len(ref))
+    assert "most frequent tokens" in res["markdown"]

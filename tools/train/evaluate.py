@@ -4,7 +4,9 @@ Per loop depth: perplexity on the held-out SOTU 2001+ tokens (.traindata/tokens/
 scored in windows of --ctx tokens, each from a fresh context), the ratio to the teacher's
 perplexity on the same tokens (a converted teacher .tinyloop), and the greedy draft
 agreement: the share of positions where the argmax next token at depth d equals the one at
-the default depth (token-by-token decode through a context, as speculative decoding sees it).
+the default depth (token-by-token decode through a context, as speculative decoding sees it),
+and, for a file with a draft vocabulary (vocab.frequency), the same for drafts that pick
+only among its tokens, as the runtime's drafts do.
 Writes JSON and prints a markdown table for docs/models.md; --by-document also scores each
 address (in the order of eval_sotu.txt, 2001 first) at the default depth, from the same pass.
 
@@ -28,6 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
 from tinyloop import Model  # noqa: E402
+from tinyloop.format import read_file  # noqa: E402
 
 
 def heldout_tokens(path: Path, n: int) -> np.ndarray:
@@ -37,28 +40,45 @@ def heldout_tokens(path: Path, n: int) -> np.ndarray:
     return tokens[:n] if n > 0 else tokens
 
 
-def greedy_tokens(model: Model, tokens: np.ndarray, depth: int, prefix: int) -> np.ndarray:
-    """Argmax next token after each of tokens[prefix-1:], decoding one token at a time."""
+def greedy_logits(model: Model, tokens: np.ndarray, depth: int, prefix: int) -> np.ndarray:
+    """Next-token logits after each of tokens[prefix-1:], decoding one token at a time."""
     out = []
     with model.context(max_seq_len=len(tokens) + 1) as ctx:
-        out.append(int(np.argmax(ctx.append(tokens[:prefix], depth))))
+        out.append(ctx.append(tokens[:prefix], depth))
         for t in tokens[prefix:]:
-            out.append(int(np.argmax(ctx.append(t[None], depth))))
-    return np.array(out)
+            out.append(ctx.append(t[None], depth))
+    return np.stack(out)
+
+
+def draft_vocabulary(path: str, n: int) -> np.ndarray | None:
+    """The tokens a draft vocabulary of n scores (the runtime's rule: the file's
+    vocab.frequency, highest first, ties to the lower id), ascending; None without one."""
+    with read_file(path) as f:
+        if n <= 0 or "vocab.frequency" not in f.tensors:
+            return None
+        frequency = f.tensor("vocab.frequency").astype(np.float64)
+    return np.sort(np.lexsort((np.arange(len(frequency)), -frequency))[:n])
 
 
 def draft_agreement(model: Model, tokens: np.ndarray, depths: list, default_depth: int,
-                    windows: int, prefix: int, span: int) -> dict:
+                    windows: int, prefix: int, span: int, among: np.ndarray | None = None) -> tuple:
+    """Agreement per draft depth; with `among` (a draft vocabulary) also the agreement of
+    drafts that pick only among those tokens."""
     starts = np.linspace(0, len(tokens) - prefix - span, windows).astype(int)
     agree = {d: 0 for d in depths}
+    agree_among = {d: 0 for d in depths}
     total = 0
     for s in starts:
         piece = tokens[s:s + prefix + span]
-        ref = greedy_tokens(model, piece, default_depth, prefix)
+        ref = greedy_logits(model, piece, default_depth, prefix).argmax(axis=1)
         for d in depths:
-            agree[d] += int((greedy_tokens(model, piece, d, prefix) == ref).sum())
+            logits = greedy_logits(model, piece, d, prefix)
+            agree[d] += int((logits.argmax(axis=1) == ref).sum())
+            if among is not None:
+                agree_among[d] += int((among[logits[:, among].argmax(axis=1)] == ref).sum())
         total += len(ref)
-    return {d: a / total for d, a in agree.items()}
+    return ({d: a / total for d, a in agree.items()},
+            {d: a / total for d, a in agree_among.items()} if among is not None else None)
 
 
 def document_spans(tokens: np.ndarray, is_break: np.ndarray) -> list:
@@ -94,11 +114,15 @@ def markdown(res: dict) -> str:
     if res.get("teacher_ppl"):
         lines.append("| ratio to teacher | " + " | ".join(f"{res['ppl'][d] / res['teacher_ppl']:.2f}"
                                                         for d in depths) + " | 1.00 |")
-    if res.get("agreement"):
-        lines.append("| greedy agreement with the default depth | "
-                     + " | ".join(f"{res['agreement'][d]:.2f}" if d in res["agreement"] else
-                                  ("1" if int(d) == res["default_depth"] else "") for d in depths)
-                     + (" | |" if res.get("teacher_ppl") else " |"))
+    rows = [("greedy agreement with the default depth", res.get("agreement")),
+            (f"the same, drafts among the {res.get('draft_vocab')} most frequent tokens",
+             res.get("agreement_draft_vocab"))]
+    for label, agreement in rows:
+        if agreement:
+            lines.append(f"| {label} | "
+                         + " | ".join(f"{agreement[d]:.2f}" if d in agreement else
+                                      ("1" if int(d) == res["default_depth"] else "") for d in depths)
+                         + (" | |" if res.get("teacher_ppl") else " |"))
     return "\n".join(lines)
 
 
@@ -146,9 +170,13 @@ def main(argv=None) -> None:
         print(f"teacher: perplexity {res['teacher_ppl']:.2f}", flush=True)
     if args.agree_windows > 0:
         drafts = [d for d in depths if d < default_depth]
-        agreement = draft_agreement(model, tokens, drafts, default_depth, args.agree_windows,
-                                    args.agree_prefix, args.agree_span)
+        among = draft_vocabulary(args.model, info.draft_vocab)
+        agreement, agreement_among = draft_agreement(model, tokens, drafts, default_depth, args.agree_windows,
+                                                     args.agree_prefix, args.agree_span, among)
         res["agreement"] = {str(d): a for d, a in agreement.items()}
+        if agreement_among:
+            res["draft_vocab"] = info.draft_vocab
+            res["agreement_draft_vocab"] = {str(d): a for d, a in agreement_among.items()}
         res["agreement_positions"] = args.agree_windows * (args.agree_span + 1)
     if str(default_depth) in res["ppl"]:
         res["depth1_over_default"] = res["ppl"].get("1", math.nan) / res["ppl"][str(default_depth)]
