@@ -49,11 +49,12 @@ def step_seconds(model, prompt_ids, depth, steps):
 
 
 def parse_draft(item: str) -> tuple:
-    """DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] -> (depth, n, vocab); vocab 0 = the whole vocabulary."""
+    """DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] -> (depth, n, vocab); vocab as the load option
+    draft_vocab: 0 = the whole vocabulary, -1 (the default) = the file's choice."""
     values = [int(v) for v in item.split(":")]
     if len(values) not in (2, 3):
         raise SystemExit(f"--drafts item {item!r}: expected DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB]")
-    return tuple(values) if len(values) == 3 else (*values, 0)
+    return tuple(values) if len(values) == 3 else (*values, -1)
 
 
 def draft_name(depth: int, n: int, model) -> str:
@@ -70,7 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=0, help="generation depth (0: the model's default)")
     ap.add_argument("--drafts", default="1:3,2:3",
                     help="comma list of DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] (the draft_vocab load "
-                         "option: drafts score the N most frequent tokens; -1 = the file's choice)")
+                         "option: drafts score the N most frequent tokens; 0 = every token; "
+                         "-1, the default, = the file's choice)")
     ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tokens checked equal)")
     ap.add_argument("--json", help="write the report here")
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
         # the draft vocabulary is a load option: one model per size asked for
         models = {v: stack.enter_context(tinyloop.Model(path, device=args.device, threads=args.threads,
                                                         draft_vocab=v))
-                  for v in sorted({0} | {v for _, _, v in drafts})}
-        model = models[0]
+                  for v in sorted({-1} | {v for _, _, v in drafts})}
+        model = models[-1]
         depth = args.depth or model.info.default_depth
         options = dict(max_tokens=args.new_tokens, depth=depth, temperature=args.temperature, eos=False)
         prompts = [model.tokenizer.encode(p) for p in PROMPTS]
