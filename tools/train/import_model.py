@@ -70,7 +70,8 @@ def file_grid(f, name: str) -> dict:
 def import_model(model: Path, out: Path) -> dict:
     with read_file(str(model)) as f:
         dims, cfg = file_config(f)
-        names = sorted(n for n in f.tensors if n != "embed.weight")
+        # vocab.frequency is no weight: token_frequency.py adds it to an export again
+        names = sorted(n for n in f.tensors if n not in ("embed.weight", "vocab.frequency"))
         state = {n: torch.from_numpy(f.tensor(n).astype(np.float32)).to(torch.float16) for n in names}
         for n in names + ["embed.weight"]:  # the embedding's grid too (train.py --qat-learn-embed-grid)
             state.update(file_grid(f, n))
