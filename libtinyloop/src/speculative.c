@@ -12,7 +12,7 @@
  * their drafts left them (each draft keeps its injection source and loop state), so
  * only the last draft runs the prelude and the first draft_depth iterations there;
  * with a warm state init a draft's state follows the previous draft's, not the full
- * depth's, and every row runs from the start. The first j drafts are kept; p and those j
+ * depth's, and every row runs from the start (as on a backend that records steps). The first j drafts are kept; p and those j
  * stay in the context, and the j drafts plus one more token are returned.
  *
  * Greedy: a draft is its argmax, kept while it equals the full pass's argmax at the same
@@ -66,7 +66,11 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     }
     if (!g->spec_fed || !g->spec_ready)
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative decoding buffers");
-    if (ctx->model->hp.state_init == TL_INIT_WARM) return TL_OK;
+    /* Resuming trades the drafted rows' first iterations in the verification for a
+     * one-row pass of the last draft. That pays where rows cost compute (the CPU), not
+     * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
+     * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
+    if (ctx->model->hp.state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
     size_t rows = 2 * (size_t)g->n_draft + 2;
     return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)ctx->model->hp.d, &g->spec_states);
 }
