@@ -172,6 +172,20 @@ def test_info(model_path):
     assert report["memory"]["weights_bytes"] > 0
     plain = run("info", model_path, "--threads", 1)
     assert "dtype f32" in plain.stdout and "memory:" in plain.stdout
+    assert report["draft_vocab"] == 0 and "drafts:       score every token" in plain.stdout
+
+
+def test_info_shows_the_draft_vocabulary(tmp_path, model_path):
+    """Token frequencies are no parameters; the drafts' vocabulary is reported."""
+    with read_file(model_path) as f:
+        vocab = f.dims["vocab_size"]
+    counted = tmp_path / "counted.tinyloop"
+    copy_file(model_path, counted, metadata={"draft.vocab_size": 5},
+              tensors={"vocab.frequency": np.linspace(1, 0, vocab, dtype=np.float32)})
+    before = last_json(run("info", model_path, "--threads", 1, "--json"))
+    after = last_json(run("info", counted, "--threads", 1, "--json"))
+    assert after["parameters"] == before["parameters"] and after["draft_vocab"] == 5
+    assert "score the 5 most frequent tokens" in run("info", counted, "--threads", 1).stdout
 
 
 def test_missing_model_names_the_pull_command(tmp_path):

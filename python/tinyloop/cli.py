@@ -254,13 +254,14 @@ def _tensor_summary(path: str) -> tuple[dict, int]:
     dtypes: dict = {}
     parameters = 0
     with read_file(path) as f:
-        for entry in f.tensors.values():
+        for name, entry in f.tensors.items():
             row = dtypes.setdefault(entry.dtype, {"tensors": 0, "bytes": 0, "parameters": 0})
             count = int(np.prod(entry.shape, dtype=np.int64))
             row["tensors"] += 1
             row["bytes"] += entry.size
             row["parameters"] += count
-            parameters += count
+            if name != "vocab.frequency":   # token statistics, not a weight
+                parameters += count
     return dtypes, parameters
 
 
@@ -291,7 +292,7 @@ def cmd_info(args) -> dict:
                "architecture": architecture, "metadata": other, "dtypes": dtypes,
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
-               "threads": info.n_threads, "memory": memory}
+               "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -312,6 +313,8 @@ def cmd_info(args) -> dict:
         print(f"tokenizer:    {'yes' if has_tokenizer else 'no'} (bos {info.bos_token}, "
               f"eos {info.eos_token})")
         print(f"device:       {info.device_name}, {info.n_threads} threads")
+        print("drafts:       " + (f"score the {info.draft_vocab} most frequent tokens (draft_vocab)"
+                                   if info.draft_vocab else "score every token"))
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
                                            for k, v in memory.items()))
         if default is not None:
