@@ -1,29 +1,11 @@
-"""The library's test-only sampling entry point (libtinyloop/src/testing.h), through a
-cffi cdef of its own on the loaded library, and the logit rows and sampler settings
-the sampling tests run through it."""
+"""The library's test-only sampling entry point (libtinyloop/src/testing.h, declared in
+testing_hooks.py), and the logit rows and sampler settings the sampling tests run
+through it."""
 
-import cffi
 import numpy as np
 
+from testing_hooks import hooks_of
 from tinyloop.model import _GenerateOptions
-
-_CDEF = """
-tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n_rows,
-                                 int32_t vocab, const tl_generate_options *opts,
-                                 const int32_t *history, size_t n_history,
-                                 uint32_t first_step, int32_t use_op, int32_t *tokens);
-"""
-_opened = {}
-
-
-def _testing_lib(native):
-    key = str(native.library_path)
-    if key not in _opened:
-        ffi = cffi.FFI()
-        ffi.include(native.ffi)
-        ffi.cdef(_CDEF)
-        _opened[key] = (ffi, ffi.dlopen(key))
-    return _opened[key]
 
 
 def sample_rows(ctx, rows, *, history=(), first_step=0, use_op=True, **options):
@@ -32,7 +14,7 @@ def sample_rows(ctx, rows, *, history=(), first_step=0, use_op=True, **options):
     (use_op) or the host sampler."""
     model = ctx._model
     native = model._native
-    ffi, lib = _testing_lib(native)
+    ffi, lib = hooks_of(native)
     rows = np.ascontiguousarray(np.atleast_2d(rows), dtype=np.float32)
     hist = np.ascontiguousarray(history, dtype=np.int32)
     out = np.full(rows.shape[0], -1, dtype=np.int32)

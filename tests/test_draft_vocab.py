@@ -7,13 +7,13 @@ is the float64 oracle at the draft depth; greedy speculative decoding still give
 greedy tokens; the load option's values and the file's bad frequencies give clear errors.
 (Sampled drafts with a draft vocabulary: tests/test_speculative.py.)"""
 
-import cffi
 import numpy as np
 import pytest
 
 import tinyloop
 from reference import ReferenceModel
 from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, assert_close, case_config
+from testing_hooks import hooks_of
 from tinyloop.errors import FormatError, InvalidArgumentError
 from tinyloop.format import copy_file, read_file, tensor_nbytes
 from tinyloop.random_model import make_random_model
@@ -57,23 +57,10 @@ def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("draft_vocab")
 
 
-_TESTING_CDEF = """
-tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_depth,
-                                  float *logits, int32_t *argmax);
-"""
-_testing = {}
-
-
 def draft_logits(ctx, token: int, draft_depth: int):
     """A draft of `token` after ctx's sequence: (vocab logits, the token it picks)."""
     native = ctx._model._native
-    key = str(native.library_path)
-    if key not in _testing:
-        ffi = cffi.FFI()
-        ffi.include(native.ffi)
-        ffi.cdef(_TESTING_CDEF)
-        _testing[key] = (ffi, ffi.dlopen(key))
-    ffi, lib = _testing[key]
+    ffi, lib = hooks_of(native)
     logits = np.empty(ctx._model.info.vocab_size, dtype=np.float32)
     picked = ffi.new("int32_t *")
     native.check(lib.tl_testing_draft_logits(ctx._require_open(), token, draft_depth,

@@ -210,11 +210,9 @@ def _cpu_levels() -> tuple:
     """(best, built): the names of the CPU kernel level this CPU and the loaded library
     run at best (before TINYLOOP_CPU) and of the highest one the library has kernels for
     (the test-only tl_testing_cpu_level, libtinyloop/src/testing.h)."""
-    import cffi
+    from testing_hooks import hooks_of
     from tinyloop import _native
-    ffi = cffi.FFI()
-    ffi.cdef("int32_t tl_testing_cpu_level(int32_t which);")
-    lib = ffi.dlopen(str(_native.get().library_path))
+    _, lib = hooks_of(_native.get())
     return LEVEL_NAMES[lib.tl_testing_cpu_level(0)], LEVEL_NAMES[lib.tl_testing_cpu_level(1)]
 
 
