@@ -156,6 +156,9 @@ def test_sampling_is_seeded(server):
     replies = [server.post("/v1/completions", request) for _ in "ab"]
     assert [status for status, _ in replies] == [200, 200], replies
     assert replies[0][1]["choices"][0]["text"] == replies[1][1]["choices"][0]["text"]
+    request.update(draft_p_min=0.3)
+    status, reply = server.post("/v1/completions", request)
+    assert status == 200, reply
 
 
 def test_chat(chat_server):
@@ -207,6 +210,7 @@ def test_chat_without_template_is_refused(server):
     ({"prompt": {"text": "x"}}, "prompt", "must be a non-empty string"),
     ({"prompt": "x" * 200}, "prompt", "context"),
     ({"prompt": "x", "depth": 1, "draft_depth": 2}, None, "deeper than the generation's depth"),
+    ({"prompt": "x", "draft_depth": 1, "draft_p_min": 1.5}, "draft_p_min", "must be in"),
     ({}, "prompt", "must be a non-empty string"),
 ])
 def test_bad_completion_requests(server, body, param, words):

@@ -148,11 +148,32 @@ def test_bad_speculative_options(model_dir):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=-1)
         with pytest.raises(TypeError, match="draft_depth"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1.5)
+        for bad in (-0.1, 1.5, float("nan")):
+            with pytest.raises(ValueError, match="draft_p_min"):
+                model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1, draft_p_min=bad)
         # the model stays usable after each refusal
         assert len(model.generate(PROMPT, max_tokens=3, **GREEDY).tokens) == 3
     with tinyloop.Model(dense, device=DEVICE) as model:
         with pytest.raises(tinyloop.UnsupportedError, match="no loop"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1)
+
+
+@pytest.mark.parametrize("name", ["base", "init-warm", "huginn-q4"])
+def test_unsure_drafts_are_not_proposed(model_dir, name):
+    """draft_p_min stops a round's drafting at a draft whose top token is less likely
+    than it: the tokens stay plain greedy decoding's, fewer drafts are proposed as it
+    rises, and at 1 none (no random model's softmax puts all its mass on one token)."""
+    depth = case_config(name)["max_depth"]
+    greedy = dict(max_tokens=30, depth=depth, **GREEDY)
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        plain = model.generate(PROMPT, **greedy).tokens
+        drafted = []
+        for p_min in (0.0, 0.2, 0.6, 1.0):
+            spec = model.generate(PROMPT, draft_depth=1, n_draft=4, draft_p_min=p_min, **greedy)
+            assert spec.tokens == plain, (name, p_min)
+            assert 0 <= spec.accepted_tokens <= spec.drafted_tokens, (name, p_min)
+            drafted.append(spec.drafted_tokens)
+        assert drafted[0] > drafted[-1] == 0 and drafted[1] > 0, drafted
 
 
 SAMPLED_CASES = ["base", "init-warm", "injection-concat", "sliding_window", "coda2", "huginn-q4"]
@@ -232,9 +253,10 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("n_draft,sampling,draft_vocab",
-                         [(n, s, 0) for n in (1, 3) for s in SAMPLING] + [(3, s, 30) for s in SAMPLING])
-def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draft_vocab):
+@pytest.mark.parametrize("n_draft,sampling,draft_vocab,p_min",
+                         [(n, s, 0, 0.0) for n in (1, 3) for s in SAMPLING]
+                         + [(3, s, 30, 0.0) for s in SAMPLING] + [(3, s, 0, 0.2) for s in SAMPLING])
+def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draft_vocab, p_min):
     """Speculative sampling returns tokens distributed as plain sampling's. The first
     generated token comes from the prefill; the second is the first round's (a kept draft
     or a draw from the residual) and the third its second draft or the next round's (four
@@ -243,16 +265,21 @@ def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draf
     token's marginal over the first; the third's after the most frequent first token),
     which the draft depth's are far from (so drafts kept without the test would fail).
     With a draft vocabulary, drafts never propose the other tokens, which only the
-    residual draw can then give."""
+    residual draw can then give; with draft_p_min, a round stops drafting where the
+    draft's distribution is flat (a rule on q alone, before its draw)."""
     name = "base"
     config = case_config(name)
     depth, vocab = config["max_depth"], config["vocab_size"]
     options, n_runs = SAMPLING[sampling], 8000
     path = with_frequencies(model_dir, name, tied=False) if draft_vocab else model_file(model_dir, name)
     with tinyloop.Model(path, device=DEVICE, draft_vocab=draft_vocab) as model:
-        runs = np.array([model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, max_tokens=4,
-                                        depth=depth, eos=False, **options).tokens
-                         for seed in range(n_runs)])
+        results = [model.generate(PROMPT, seed=seed, draft_depth=1, n_draft=n_draft, max_tokens=4,
+                                  depth=depth, eos=False, draft_p_min=p_min, **options)
+                   for seed in range(n_runs)]
+        runs = np.array([r.tokens for r in results])
+        if p_min:   # the rule ran: some rounds stopped early, some drafted
+            drafted = sum(r.drafted_tokens for r in results)
+            assert 0 < drafted < n_runs * min(n_draft, 3), drafted
         first = _processed(model.score_last_token(PROMPT, depth=depth), PROMPT, options)
         t1 = int(np.bincount(runs[:, 0]).argmax())
         after_t1 = _processed(model.score_last_token(PROMPT + [t1], depth=depth), PROMPT + [t1], options)

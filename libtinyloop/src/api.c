@@ -575,6 +575,8 @@ static tl_status read_generate_options(const tl_generate_options *opts, tl_gener
     if (opts) memcpy(&size, opts, sizeof size);
     if (opts && size < offsetof(tl_generate_options, n_draft) + sizeof o->n_draft)
         o->draft_depth = o->n_draft = 0;
+    if (opts && size < offsetof(tl_generate_options, draft_p_min) + sizeof o->draft_p_min)
+        o->draft_p_min = 0.0;   /* a struct from before it: its tail padding is no value */
     return st;
 }
 

@@ -240,6 +240,17 @@ static float softmax_entropy(const float *x, int n) {
     return (float)(log(sum) - weighted / sum);
 }
 
+/* The softmax probability of the largest of n logits, in double; 0 when none is finite. */
+static float top_probability(const float *x, int n) {
+    float max = -INFINITY;
+    for (int i = 0; i < n; i++) max = fmaxf(max, x[i]);
+    if (!isfinite(max)) return 0.0f;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++)
+        if (x[i] > -INFINITY) sum += exp((double)x[i] - max);
+    return (float)(1.0 / sum);
+}
+
 /* Final norm and head for the rows the caller asked for; h holds the coda output (rows
  * at positions pos0 ..). */
 static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
@@ -256,6 +267,10 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
         size_t ld_logits = (size_t)n_logits;
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
+        if (out->last_top_prob) {
+            F->ops->download(F->ex, out->top_prob_row, logits, (size_t)n_logits);
+            *out->last_top_prob = top_probability(out->top_prob_row, n_logits);
+        }
         if (out->last_logits) {
             F->ops->download(F->ex, out->last_logits, logits, (size_t)n_logits);
             if (dv) tl_draft_vocab_scatter(dv, out->last_logits, V);

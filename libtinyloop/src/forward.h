@@ -37,6 +37,10 @@ typedef struct tl_forward_out {
                                   model's draft vocabulary when it has one (draft_vocab.h;
                                   last_logits then holds -inf at the other tokens); not
                                   with sample or chain_token                          */
+    float *last_top_prob;      /* host: softmax probability of the last row's largest
+                                  logit (over the draft vocabulary for a draft); its
+                                  logits pass through `top_prob_row` (vocab floats)   */
+    float *top_prob_row;
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
                                   state before the coda go (.buf NULL: not kept), for
                                   tl_forward_resume; through `stage`, 2 rows at the same

@@ -34,6 +34,7 @@ struct tl_stream {
     /* self-speculative decoding (draft_depth > 0; docs/api.md) */
     int32_t draft_depth;           /* loop depth of the drafts                          */
     int32_t n_draft;               /* tokens drafted per verification at most           */
+    double draft_p_min;            /* drafting stops below this top probability         */
     int32_t *spec_fed;             /* [n_draft + 1]: the pending token, then the drafts */
     int32_t *spec_ready;           /* [n_draft + 1]: verified tokens, returned in order */
     double *spec_q;                /* sampling: [n_draft][vocab] the drafts' distributions */

@@ -51,8 +51,12 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     if (o->n_draft < 0 || o->n_draft > TL_MAX_DRAFT)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d is out of range [0, %d] (0 = %d)",
                        o->n_draft, TL_MAX_DRAFT, TL_DEFAULT_DRAFT);
+    if (!(o->draft_p_min >= 0.0 && o->draft_p_min <= 1.0))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_p_min %g is outside [0, 1] (0 = draft "
+                                                "n_draft tokens every round)", o->draft_p_min);
     g->draft_depth = o->draft_depth;
     g->n_draft = o->n_draft ? o->n_draft : TL_DEFAULT_DRAFT;
+    g->draft_p_min = o->draft_p_min;
     g->spec_fed = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_fed);
     g->spec_ready = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_ready);
     if (!g->greedy) {   /* the distributions of a round: drafts, verification rows */
@@ -123,8 +127,14 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     fed[0] = g->generated[g->n_generated - 1];
     tl_status st = TL_OK;
     for (size_t i = 0; i < k && st == TL_OK; i++) {
+        float top = 1.0f;
         tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_token = &fed[i + 1] });
+        if (g->draft_p_min > 0.0) {
+            out.last_top_prob = &top;
+            out.top_prob_row = g->logits;
+        }
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
+        if (st == TL_OK && top < g->draft_p_min) k = i;   /* an unsure draft is not proposed */
     }
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
@@ -135,6 +145,14 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     while (j < k && fed[j + 1] == verified[j]) j++;
     end_round(g, n, k, j);
     return TL_OK;
+}
+
+/* The largest of a distribution's V probabilities. */
+static double top_weight(const double *q, size_t V) {
+    double top = 0.0;
+    for (size_t v = 0; v < V; v++)
+        if (q[v] > top) top = q[v];
+    return top;
 }
 
 /* A number in [0, 1) from the stream's generator. */
@@ -158,6 +176,11 @@ static tl_status round_of_samples(struct tl_stream *g) {
         double *q = g->spec_q + i * V;
         tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, i + 1, &step);
         tl_sample_distribution(g->logits, (int)V, &step, q);
+        /* unsure: stop before drawing; a rule on q alone keeps the draws exact */
+        if (g->draft_p_min > 0.0 && top_weight(q, V) < g->draft_p_min) {
+            k = i;
+            break;
+        }
         fed[i + 1] = tl_sample_from(q, (int)V, 1.0, step.random);
     }
     tl_context_set_length(ctx, n);

@@ -10,6 +10,7 @@ mode only switches it on from TOML:
     [modes.speculative]
     draft_depth = 1
     n_draft = 4
+    draft_p_min = 0.0   # stop drafting at a draft less sure than this; 0 = never
     draft_vocab = -1    # drafts score the file's N most frequent tokens; 0 = all of them
 
 draft_vocab is a load option (tl_load_options.draft_vocab): the drafts' rows of the
@@ -21,7 +22,7 @@ from tinyloop.plugins import Option, Plugin
 
 def _strategy(model, prompt_ids, generate_options, config):
     return model.stream(prompt_ids, **generate_options, draft_depth=config["draft_depth"],
-                        n_draft=config["n_draft"])
+                        n_draft=config["n_draft"], draft_p_min=config["draft_p_min"])
 
 
 def _configure_load(config, load_options):
@@ -35,6 +36,8 @@ PLUGIN = Plugin(
         Option("draft_depth", int, 1, "loop depth of the drafts (at most the generation's)",
                minimum=1),
         Option("n_draft", int, 4, "tokens drafted per verification", minimum=1, maximum=32),
+        Option("draft_p_min", float, 0.0, "a round stops drafting at a draft whose most likely "
+               "token is less likely than this (0 = never)", minimum=0.0, maximum=1.0),
         Option("draft_vocab", int, -1, "drafts score only this many of the most frequent tokens "
                "(the file's vocab.frequency); -1 = the file's draft.vocab_size, 0 = every token",
                minimum=-1),

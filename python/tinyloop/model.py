@@ -104,11 +104,11 @@ class _GenerateOptions:
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
-               "n_draft")
+               "n_draft", "draft_p_min")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None, draft_depth=0, n_draft=0):
+                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -128,6 +128,7 @@ class _GenerateOptions:
         opts.eos_token = self._eos(model, eos)
         opts.draft_depth = _args.max_int32("draft_depth", draft_depth)
         opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
+        opts.draft_p_min = _args.real("draft_p_min", draft_p_min, minimum=0.0, maximum=1.0)
         self._keepalive = self._set_stop(model, opts, stop)
         self.c = opts
 
@@ -307,8 +308,9 @@ class _Scoring:
         repetition_penalty, repetition_window, seed, eos (None: the model's, an id, or
         False: never stop on EOS), stop (strings or token lists), draft_depth and
         n_draft (self-speculative decoding: drafts of n_draft tokens, 0 = 4, at loop
-        depth draft_depth, verified at `depth`; 0 = off; greedy or sampled). `text` is
-        set when the prompt was a str."""
+        depth draft_depth, verified at `depth`; 0 = off; greedy or sampled), draft_p_min
+        (a round stops drafting at a draft whose most likely token is less likely than
+        this; 0 = never). `text` is set when the prompt was a str."""
         model = self._model
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)

@@ -20,7 +20,8 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed",
                   "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
                   "user",
                   # TinyLoop extensions (docs/server.md)
-                  "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft"}
+                  "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft",
+                  "draft_p_min"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 _ROLES = ("system", "user", "assistant")
@@ -127,6 +128,7 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
         depth=_number(body, "depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
         draft_depth=_number(body, "draft_depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
         n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
+        draft_p_min=_number(body, "draft_p_min", 0.0, lo=0.0, hi=1.0),
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")

@@ -602,6 +602,22 @@ static void test_speculative(fixture *f) {
     CHECK(short_result.r.n_drafted == 0x5a5a5a5au && short_result.guard == 0x5a5a5a5au,
           "nothing written past a first-release result struct");
 
+    /* draft_p_min: outside [0, 1] refused; a struct from before it (whose tail padding
+     * lies where it sits) never reads it */
+    tl_generate_options unsure = o;
+    const double bad_p_min[] = { -0.5, 1.5, NAN };
+    for (size_t i = 0; i < sizeof bad_p_min / sizeof bad_p_min[0]; i++) {
+        unsure.draft_p_min = bad_p_min[i];
+        CHECK_STATUS(tl_generate_speculative(f->model, f->tokens, 5, &unsure, 1, 3, out, 4, NULL),
+                     TL_ERR_INVALID_ARGUMENT);
+    }
+    unsure.struct_size = (uint32_t)offsetof(tl_generate_options, draft_p_min);
+    unsure.draft_p_min = 7.0;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate_speculative(f->model, f->tokens, 5, &unsure, 1, 3, spec, N, &r));
+    CHECK(memcmp(spec, plain, sizeof plain) == 0 && r.n_drafted > 0,
+          "a struct from before draft_p_min drafts as without it (%u drafts)", r.n_drafted);
+
     /* a drafting stream whose context is freed first: the drafts' states, kept in the
      * context's backend, go with it (the sanitizers watch the rest) */
     tl_context *ctx = NULL;

@@ -236,6 +236,11 @@ typedef struct tl_generate_options {
     int32_t draft_depth;           /* self-speculative decoding: loop depth of the
                                       drafts, 1..depth; 0 = off                        */
     int32_t n_draft;               /* tokens drafted per verification, 0..32; 0 = 4    */
+    double draft_p_min;            /* a round stops drafting at a draft whose most likely
+                                      token has a probability below this (softmax of its
+                                      logits; sampling: of its distribution); 0..1, 0 =
+                                      never (default). 8 bytes: past the end of the struct
+                                      before it, whose tail padding may be unset        */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
