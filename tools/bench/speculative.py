@@ -15,6 +15,7 @@ time), which bounds what a draft can save.
     python tools/bench/speculative.py --threads 2 --repeat 5 --drafts 1:3,2:3,1:2 --json out.json
     python tools/bench/speculative.py --device cuda --repeat 5 --drafts 1:1,1:2 --json gpu.json
     python tools/bench/speculative.py --model m.tinyloop --drafts 1:2,1:2:8192 --json vocab.json
+    python tools/bench/speculative.py --drafts 2:2,2:6 --draft-p-min 0,0.3,0.5
 """
 import argparse
 import contextlib
@@ -57,9 +58,10 @@ def parse_draft(item: str) -> tuple:
     return tuple(values) if len(values) == 3 else (*values, -1)
 
 
-def draft_name(depth: int, n: int, model) -> str:
+def draft_name(depth: int, n: int, model, p_min: float) -> str:
     vocab = model.info.draft_vocab
-    return f"draft depth {depth}, {n} drafts" + (f", {vocab} tokens" if vocab else "")
+    return (f"draft depth {depth}, {n} drafts" + (f", {vocab} tokens" if vocab else "")
+            + (f", p_min {p_min:g}" if p_min else ""))
 
 
 def main(argv=None) -> int:
@@ -73,11 +75,14 @@ def main(argv=None) -> int:
                     help="comma list of DRAFT_DEPTH:N_DRAFT[:DRAFT_VOCAB] (the draft_vocab load "
                          "option: drafts score the N most frequent tokens; 0 = every token; "
                          "-1, the default, = the file's choice)")
+    ap.add_argument("--draft-p-min", default="0",
+                    help="comma list: each draft config runs with each draft_p_min")
     ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tokens checked equal)")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
     drafts = [parse_draft(item) for item in args.drafts.split(",")]
+    p_mins = [float(v) for v in args.draft_p_min.split(",")]
     path = args.model or str(default_model_path())
 
     with contextlib.ExitStack() as stack:
@@ -90,7 +95,8 @@ def main(argv=None) -> int:
         options = dict(max_tokens=args.new_tokens, depth=depth, temperature=args.temperature, eos=False)
         prompts = [model.tokenizer.encode(p) for p in PROMPTS]
         configs = [("plain", model, {})] + [
-            (draft_name(d, n, models[v]), models[v], dict(draft_depth=d, n_draft=n)) for d, n, v in drafts]
+            (draft_name(d, n, models[v], p_min), models[v], dict(draft_depth=d, n_draft=n, draft_p_min=p_min))
+            for d, n, v in drafts for p_min in p_mins]
         speed = {name: [] for name, _, _ in configs}
         kept = {name: [0, 0, 0, 0] for name, _, _ in configs}  # accepted, drafted, tokens, rounds
         for round_index in range(args.repeat):
@@ -128,11 +134,11 @@ def main(argv=None) -> int:
                   prompts=len(PROMPTS), repeat=args.repeat, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   step_ms={str(d): round(s * 1e3, 3) for d, s in steps.items()}, rows=rows)
-    print(f"{'config':<40} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
+    print(f"{'config':<50} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
     for row in rows:
         acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         tpp = "" if row["tokens_per_full_pass"] is None else f"{row['tokens_per_full_pass']:.2f}"
-        print(f"{row['config']:<40} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
+        print(f"{row['config']:<50} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
     print("one decode step (ms): " + ", ".join(f"depth {d}: {ms}" for d, ms in report["step_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:
