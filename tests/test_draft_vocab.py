@@ -138,6 +138,27 @@ def test_greedy_drafts_give_plain_greedy_tokens(model_dir, name, tied):
                 assert 0 <= spec.accepted_tokens <= spec.drafted_tokens and spec.drafted_tokens > 0, label
 
 
+def test_generation_drafts_among_the_draft_vocabulary(model_dir):
+    """Drafts at the full depth are all kept, unless the draft vocabulary is one token
+    the output never holds: then none is."""
+    config = case_config("base")
+    depth, vocab = config["max_depth"], config["vocab_size"]
+    greedy = dict(max_tokens=30, depth=depth, temperature=0, eos=False)
+    plain_path = with_frequencies(model_dir, "base")
+    with tinyloop.Model(plain_path, device=DEVICE, draft_vocab=0) as model:
+        plain = model.generate(PROMPT, **greedy)
+        every = model.generate(PROMPT, draft_depth=depth, n_draft=3, **greedy)
+    assert every.tokens == plain.tokens and every.accepted_tokens == every.drafted_tokens > 0
+    absent = min(set(range(vocab)) - set(plain.tokens))
+    frequency = np.full(vocab, 1e-3, dtype=np.float32)
+    frequency[absent] = 0.5
+    path = model_dir / "one-absent-token.tinyloop"
+    copy_file(plain_path, path, tensors={"vocab.frequency": frequency})
+    with tinyloop.Model(path, device=DEVICE, draft_vocab=1) as model:
+        spec = model.generate(PROMPT, draft_depth=depth, n_draft=3, **greedy)
+    assert spec.tokens == plain.tokens and spec.drafted_tokens > 0 and spec.accepted_tokens == 0
+
+
 def test_load_option_values(model_dir):
     vocab = case_config("base")["vocab_size"]
     bare = model_dir / "bare.tinyloop"

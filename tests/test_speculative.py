@@ -158,6 +158,20 @@ def test_bad_speculative_options(model_dir):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1)
 
 
+@pytest.mark.parametrize("prefill_chunk", [1, 2, 3])
+def test_rounds_longer_than_a_prefill_chunk(model_dir, prefill_chunk):
+    """A round's k + 1 verification rows may exceed the context's chunk: they are then
+    verified in chunks, from the start, with the same tokens."""
+    depth = case_config("base")["max_depth"]
+    greedy = dict(max_tokens=24, depth=depth, **GREEDY)
+    with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE) as model:
+        plain = model.generate(PROMPT, **greedy).tokens
+    with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE, prefill_chunk=prefill_chunk) as model:
+        for draft_depth, n_draft in ((1, 4), (2, 2), (depth - 1, 8)):
+            spec = model.generate(PROMPT, draft_depth=draft_depth, n_draft=n_draft, **greedy)
+            assert spec.tokens == plain and spec.drafted_tokens > 0, (prefill_chunk, draft_depth, n_draft)
+
+
 @pytest.mark.parametrize("name", ["base", "init-warm", "huginn-q4"])
 def test_unsure_drafts_are_not_proposed(model_dir, name):
     """draft_p_min stops a round's drafting at a draft whose top token is less likely

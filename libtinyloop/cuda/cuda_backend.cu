@@ -90,8 +90,10 @@ void cuda_destroy(tl_backend *be) {
 
 void cuda_memory(const tl_backend *be, uint64_t *weights, uint64_t *repacked, uint64_t *device) {
     const cuda_backend *impl = impl_of(be);
-    *weights = impl->weight_bytes;
-    *repacked = 0;   // the kernels read the file's layout
+    // the kernels read the file's layout; only the draft vocabulary's rows are a copy
+    const uint64_t draft = impl->model ? impl->model->draft.head_bytes : 0;
+    *weights = impl->weight_bytes - draft;
+    *repacked = draft;
     *device = impl->device_bytes.load();
 }
 

@@ -199,8 +199,10 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
     NEED(path, "path");
     tl_load_options o;
     tl_load_options_default(&o);
-    /* the first release's struct ends before draft_vocab */
-    tl_status st = read_struct(&o, sizeof o, opts, offsetof(tl_load_options, draft_vocab),
+    /* the first release's struct ends with default_depth (and, where int64 is 8-aligned,
+     * 4 bytes of padding before draft_vocab) */
+    tl_status st = read_struct(&o, sizeof o, opts,
+                               offsetof(tl_load_options, default_depth) + sizeof o.default_depth,
                                "tl_load_options");
     if (st == TL_OK) st = check_load_options(&o);
     if (st != TL_OK) return st;
@@ -252,7 +254,8 @@ tl_status tl_free_model(tl_model *model) {
 tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     NEED(model, "model");
     NEED(info, "info");
-    tl_status st = check_struct_size(info, sizeof *info, "tl_model_info");
+    /* a first-release struct ends before draft_vocab */
+    tl_status st = check_struct_size(info, offsetof(tl_model_info, draft_vocab), "tl_model_info");
     if (st != TL_OK) return st;
     const tl_hparams *hp = &model->hp;
     tl_model_info full;

@@ -367,20 +367,16 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
     if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
     embed_and_prelude(&F, tokens, n, pos0);
     run_loop(&F, n, pos0, F.hp->n_core > 0 ? depth : 0);
-    int keep = out && out->keep_s.buf && n == 1;
-    if (keep) {   /* e and s of this draft, before the coda overwrites s */
-        F.ops->copy_rows(F.ex, out->stage, F.d, buf0(ctx->e), F.d, 1, F.d);
-        F.ops->copy_rows(F.ex, tl_act_add(out->stage, F.d), F.d, buf0(ctx->h), F.d, 1, F.d);
+    if (out && out->keep_s.buf && n == 1) {   /* this draft's e and s, before the coda */
+        if (F.hp->injection != TL_INJECT_NONE)
+            F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, 1, F.d);
+        F.ops->copy_rows(F.ex, out->keep_s, F.d, buf0(ctx->h), F.d, 1, F.d);
     }
     coda(&F, n, pos0);
     /* A chained token is the step's last op: head and argmax are recorded with it. Other
      * outputs come back to the host, which ends a recording, so they follow the step. */
     int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
     if (step && !outputs_in_step) F.ops->step_end(F.ex);
-    if (keep) {   /* outside the recorded step: the destination moves from draft to draft */
-        F.ops->copy_rows(F.ex, out->keep_e, F.d, out->stage, F.d, 1, F.d);
-        F.ops->copy_rows(F.ex, out->keep_s, F.d, tl_act_add(out->stage, F.d), F.d, 1, F.d);
-    }
     if (out) outputs(&F, n, pos0, out);
     if (outputs_in_step) F.ops->step_end(F.ex);
     return F.ops->status(F.ex);

@@ -43,9 +43,8 @@ typedef struct tl_forward_out {
     float *top_prob_row;
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
                                   state before the coda go (.buf NULL: not kept), for
-                                  tl_forward_resume; through `stage`, 2 rows at the same
-                                  address every step, so a recorded step stays the same */
-    tl_act stage;
+                                  tl_forward_resume; not on a backend that records steps
+                                  (the destinations move from draft to draft)          */
 } tl_forward_out;
 
 /* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already

@@ -41,8 +41,8 @@ struct tl_stream {
     double *spec_p;                /* sampling: [vocab] a verification row's distribution */
     float *spec_rows;              /* sampling: [n_draft + 1][vocab] verification logits   */
     struct tl_buf *spec_states;    /* backend rows: the drafts' injection sources [n_draft],
-                                      their loop states [n_draft], 2 staging rows; NULL when
-                                      verification cannot resume (warm state init)       */
+                                      then their loop states [n_draft]; NULL when the
+                                      verification does not resume (speculative.c)       */
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
     size_t base;                   /* the sequence's length after the prompt            */
     uint32_t n_drafted, n_accepted;

@@ -340,7 +340,7 @@ static tl_status claim_tensors(builder *b)
 
 static void copy_load_options(tl_model *m, const tl_load_options *opts)
 {
-    memset(&m->load_opts, 0, sizeof m->load_opts);
+    tl_load_options_default(&m->load_opts);
     if (opts) {
         /* an older caller's struct may be shorter: copy only what it has */
         size_t n = opts->struct_size < sizeof m->load_opts ? opts->struct_size : sizeof m->load_opts;
@@ -354,6 +354,8 @@ static void copy_load_options(tl_model *m, const tl_load_options *opts)
 static tl_status build_draft_vocab(tl_model *m, const char *path)
 {
     int64_t n = m->load_opts.draft_vocab;
+    if (m->hp.n_core == 0)   /* no loop, no drafts */
+        return TL_OK;
     if (n == -1)
         n = m->token_frequency.data ? m->hp.draft_vocab_size : 0;
     if (n == 0)

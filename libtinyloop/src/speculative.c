@@ -75,7 +75,7 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
      * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
      * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
     if (ctx->model->hp.state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
-    size_t rows = 2 * (size_t)g->n_draft + 2;
+    size_t rows = 2 * (size_t)g->n_draft;
     return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)ctx->model->hp.d, &g->spec_states);
 }
 
@@ -86,7 +86,6 @@ static tl_forward_out draft_out(const struct tl_stream *g, size_t i, tl_forward_
         size_t d = (size_t)g->ctx->model->hp.d, k = (size_t)g->n_draft;
         out.keep_e = tl_act_at(g->spec_states, i * d);
         out.keep_s = tl_act_at(g->spec_states, (k + i) * d);
-        out.stage = tl_act_at(g->spec_states, 2 * k * d);
     }
     return out;
 }
@@ -94,7 +93,9 @@ static tl_forward_out draft_out(const struct tl_stream *g, size_t i, tl_forward_
 /* The verification pass over fed[0..k] at the stream's depth. */
 static tl_status verify(struct tl_stream *g, const int32_t *fed, size_t k, const tl_forward_out *out) {
     struct tl_context *ctx = g->ctx;
-    if (!g->spec_states || k == 0) return tl_context_eval(ctx, fed, k + 1, g->depth, out);
+    /* resuming is one pass: more rows than a chunk holds go through the chunked path */
+    if (!g->spec_states || k == 0 || k + 1 > (size_t)ctx->chunk_rows)
+        return tl_context_eval(ctx, fed, k + 1, g->depth, out);
     size_t d = (size_t)ctx->model->hp.d;
     return tl_context_eval_resumed(ctx, fed, k + 1, g->draft_depth, out,
                                    tl_act_at(g->spec_states, 0),

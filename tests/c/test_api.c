@@ -684,6 +684,14 @@ static void test_draft_vocab(fixture *f, const char *path) {
     CHECK_OK(tl_model_get_info(m, &info));
     CHECK(info.draft_vocab == f->info.draft_vocab, "a first-release struct: %d draft tokens, not %d",
           info.draft_vocab, f->info.draft_vocab);
+    /* a first-release tl_model_info ends before draft_vocab: filled, nothing written past */
+    struct { tl_model_info info; } first;
+    memset(&first, 0x5a, sizeof first);
+    first.info.struct_size = (uint32_t)offsetof(tl_model_info, draft_vocab);
+    CHECK_OK(tl_model_get_info(m, &first.info));
+    CHECK(first.info.vocab_size == f->info.vocab_size && first.info.draft_vocab == 0x5a5a5a5a,
+          "a first-release tl_model_info: vocab %d, draft_vocab field %d", first.info.vocab_size,
+          first.info.draft_vocab);
     CHECK_OK(tl_free_model(m));
 }
 

@@ -94,9 +94,12 @@ def main(argv=None) -> int:
         depth = args.depth or model.info.default_depth
         options = dict(max_tokens=args.new_tokens, depth=depth, temperature=args.temperature, eos=False)
         prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-        configs = [("plain", model, {})] + [
-            (draft_name(d, n, models[v], p_min), models[v], dict(draft_depth=d, n_draft=n, draft_p_min=p_min))
-            for d, n, v in drafts for p_min in p_mins]
+        configs = [("plain", model, {})]
+        for d, n, v in drafts:
+            for p_min in p_mins:
+                name = draft_name(d, n, models[v], p_min)
+                if name not in {c[0] for c in configs}:   # two sizes may resolve to the same one
+                    configs.append((name, models[v], dict(draft_depth=d, n_draft=n, draft_p_min=p_min)))
         speed = {name: [] for name, _, _ in configs}
         kept = {name: [0, 0, 0, 0] for name, _, _ in configs}  # accepted, drafted, tokens, rounds
         for round_index in range(args.repeat):
