@@ -21,6 +21,7 @@ from test_draft_vocab import with_frequencies
 from test_parity import DEVICE, ON_CPU, case_config
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
+from tinyloop.format import copy_file
 from tinyloop.random_model import make_random_model
 
 # loop options that change what a draft shares with the full pass: warm and noise state
@@ -145,7 +146,7 @@ def test_bad_speculative_options(model_dir):
         with pytest.raises(ValueError, match="n_draft"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1, n_draft=33)
         with pytest.raises(ValueError, match="draft_depth"):
-            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=-1)
+            model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=-2)
         with pytest.raises(TypeError, match="draft_depth"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1.5)
         for bad in (-0.1, 1.5, float("nan")):
@@ -156,6 +157,39 @@ def test_bad_speculative_options(model_dir):
     with tinyloop.Model(dense, device=DEVICE) as model:
         with pytest.raises(tinyloop.UnsupportedError, match="no loop"):
             model.generate(PROMPT, max_tokens=4, temperature=0, draft_depth=1)
+
+
+def test_the_model_files_recommended_drafting(model_dir):
+    """draft_depth -1 and n_draft 0 take the file's draft.depth and draft.n_draft (the
+    depth at most the generation's); without them, 1 and 4. Out-of-range values in the
+    file are format errors."""
+    config = case_config("base")
+    depth = config["max_depth"]
+    greedy = dict(max_tokens=30, **GREEDY)
+    bare = model_file(model_dir, "base")
+    advised = model_dir / "advised.tinyloop"
+    copy_file(bare, advised, metadata={"draft.depth": 2, "draft.n_draft": 3})
+
+    def counts(result):
+        return result.tokens, result.drafted_tokens, result.accepted_tokens
+
+    with tinyloop.Model(advised, device=DEVICE) as model:
+        chosen = model.generate(PROMPT, depth=depth, draft_depth=-1, **greedy)
+        assert counts(chosen) == counts(model.generate(PROMPT, depth=depth, draft_depth=2, n_draft=3, **greedy))
+        assert chosen.drafted_tokens > 0
+        # n_draft alone, and a generation shallower than the advised depth
+        assert counts(model.generate(PROMPT, depth=depth, draft_depth=1, **greedy)) == \
+            counts(model.generate(PROMPT, depth=depth, draft_depth=1, n_draft=3, **greedy))
+        assert counts(model.generate(PROMPT, depth=1, draft_depth=-1, **greedy)) == \
+            counts(model.generate(PROMPT, depth=1, draft_depth=1, n_draft=3, **greedy))
+    with tinyloop.Model(bare, device=DEVICE) as model:
+        assert counts(model.generate(PROMPT, depth=depth, draft_depth=-1, **greedy)) == \
+            counts(model.generate(PROMPT, depth=depth, draft_depth=1, n_draft=4, **greedy))
+    for key, value in (("draft.depth", depth + 1), ("draft.n_draft", 33)):
+        bad = model_dir / "bad-advice.tinyloop"
+        copy_file(bare, bad, metadata={key: value})
+        with pytest.raises(tinyloop.FormatError, match=key):
+            tinyloop.Model(bad, device=DEVICE)
 
 
 @pytest.mark.parametrize("prefill_chunk", [1, 2, 3])

@@ -103,8 +103,18 @@ def test_an_id_outside_the_vocabulary_is_refused(tool, model, tmp_path):
     assert not out.exists()
 
 
+def test_recommended_drafting_is_written_when_given(tool, model, tmp_path):
+    ids = token_file(tmp_path / "t.u16", [1, 2, 3])
+    out = tmp_path / "f.tinyloop"
+    tool.main([str(model), str(out), "--tokens", str(ids), "--draft-depth", "2", "--n-draft", "3"])
+    with read_file(out) as b:
+        assert b.metadata["draft.depth"] == 2 and b.metadata["draft.n_draft"] == 3
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(draft_vocab=-1), r"--draft-vocab must be >= 0, got -1"),
+    (dict(n_draft=33), r"--n-draft in 0\.\.32"),
+    (dict(draft_depth=99), r"--draft-depth 99 is deeper than the file's max_depth"),
     (dict(dtype="u32"), r"size is not a whole number of u32 token ids"),   # 3 u16 = 6 bytes
 ])
 def test_bad_arguments_are_refused(tool, model, tmp_path, args, message):

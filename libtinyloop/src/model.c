@@ -198,6 +198,10 @@ static tl_status read_options(builder *b)
     hp->eos_id = (int32_t)v;
     TRY(meta_int(b, "draft.vocab_size", 0, 0, hp->vocab, &v));
     hp->draft_vocab_size = (int32_t)v;
+    TRY(meta_int(b, "draft.depth", 0, 0, hp->max_depth, &v));
+    hp->draft_depth = (int32_t)v;
+    TRY(meta_int(b, "draft.n_draft", 0, 0, 32, &v));   /* speculative.h TL_MAX_DRAFT */
+    hp->n_draft = (int32_t)v;
     return TL_OK;
 }
 

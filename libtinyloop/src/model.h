@@ -44,6 +44,7 @@ typedef struct tl_hparams {
     int32_t loop_norm;
     int32_t bos_id, eos_id;
     int32_t draft_vocab_size;  /* the file's recommended draft vocabulary; 0 = none */
+    int32_t draft_depth, n_draft; /* the file's recommended drafting; 0 = none */
 } tl_hparams;
 
 /* A norm: weight always, bias for layernorm. */

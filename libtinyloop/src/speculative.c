@@ -37,25 +37,30 @@
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
     if (o->draft_depth == 0) return TL_OK;
     const struct tl_context *ctx = g->ctx;
-    if (o->draft_depth < 0)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_depth %d is negative (0 = no speculation)",
-                       o->draft_depth);
-    if (ctx->model->hp.n_core == 0)
+    const tl_hparams *hp = &ctx->model->hp;
+    if (o->draft_depth < -1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_depth %d is out of range (-1 = the model's "
+                       "draft.depth, 0 = no speculation)", o->draft_depth);
+    if (hp->n_core == 0)
         return tl_fail(TL_ERR_UNSUPPORTED,
                        "speculative decoding drafts at a shallower loop depth, and this model has "
                        "no loop (n_core = 0)");
-    if (o->draft_depth > g->depth)
+    int32_t depth = o->draft_depth;
+    if (depth == -1) {   /* the file's choice, at most the generation's depth */
+        depth = hp->draft_depth ? hp->draft_depth : 1;
+        if (depth > g->depth) depth = g->depth;
+    }
+    if (depth > g->depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
-                       "draft_depth %d is deeper than the generation's depth %d", o->draft_depth,
-                       g->depth);
+                       "draft_depth %d is deeper than the generation's depth %d", depth, g->depth);
     if (o->n_draft < 0 || o->n_draft > TL_MAX_DRAFT)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d is out of range [0, %d] (0 = %d)",
-                       o->n_draft, TL_MAX_DRAFT, TL_DEFAULT_DRAFT);
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d is out of range [0, %d] (0 = the "
+                       "model's draft.n_draft, else %d)", o->n_draft, TL_MAX_DRAFT, TL_DEFAULT_DRAFT);
     if (!(o->draft_p_min >= 0.0 && o->draft_p_min <= 1.0))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_p_min %g is outside [0, 1] (0 = draft "
                                                 "n_draft tokens every round)", o->draft_p_min);
-    g->draft_depth = o->draft_depth;
-    g->n_draft = o->n_draft ? o->n_draft : TL_DEFAULT_DRAFT;
+    g->draft_depth = depth;
+    g->n_draft = o->n_draft ? o->n_draft : hp->n_draft ? hp->n_draft : TL_DEFAULT_DRAFT;
     g->draft_p_min = o->draft_p_min;
     g->spec_fed = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_fed);
     g->spec_ready = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_ready);

@@ -8,8 +8,8 @@ sampling). The library does the work (tl_generate_options.draft_depth / n_draft)
 mode only switches it on from TOML:
 
     [modes.speculative]
-    draft_depth = 1
-    n_draft = 4
+    draft_depth = -1    # the model file's draft.depth (2 for the shipped model), else 1
+    n_draft = 0         # the model file's draft.n_draft (2 for the shipped model), else 4
     draft_p_min = 0.0   # stop drafting at a draft less sure than this; 0 = never
     draft_vocab = -1    # drafts score the file's N most frequent tokens; 0 = all of them
 
@@ -33,9 +33,10 @@ PLUGIN = Plugin(
     name="speculative",
     description="drafts at a shallow loop depth, verified at the full depth",
     options=(
-        Option("draft_depth", int, 1, "loop depth of the drafts (at most the generation's)",
-               minimum=1),
-        Option("n_draft", int, 4, "tokens drafted per verification", minimum=1, maximum=32),
+        Option("draft_depth", int, -1, "loop depth of the drafts (at most the generation's); "
+               "-1 = the model file's draft.depth, else 1", minimum=-1),
+        Option("n_draft", int, 0, "tokens drafted per verification; 0 = the model file's "
+               "draft.n_draft, else 4", minimum=0, maximum=32),
         Option("draft_p_min", float, 0.0, "a round stops drafting at a draft whose most likely "
                "token is less likely than this (0 = never)", minimum=0.0, maximum=1.0),
         Option("draft_vocab", int, -1, "drafts score only this many of the most frequent tokens "

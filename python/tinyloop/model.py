@@ -126,7 +126,7 @@ class _GenerateOptions:
                                                minimum=0, maximum=2**31 - 1)
         opts.seed = _args.integer("seed", seed, minimum=0, maximum=2**64 - 1)
         opts.eos_token = self._eos(model, eos)
-        opts.draft_depth = _args.max_int32("draft_depth", draft_depth)
+        opts.draft_depth = _args.integer("draft_depth", draft_depth, minimum=-1, maximum=2**31 - 1)
         opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
         opts.draft_p_min = _args.real("draft_p_min", draft_p_min, minimum=0.0, maximum=1.0)
         self._keepalive = self._set_stop(model, opts, stop)
@@ -307,8 +307,9 @@ class _Scoring:
         Options: max_tokens, depth, temperature (0 = greedy), top_k, top_p, min_p,
         repetition_penalty, repetition_window, seed, eos (None: the model's, an id, or
         False: never stop on EOS), stop (strings or token lists), draft_depth and
-        n_draft (self-speculative decoding: drafts of n_draft tokens, 0 = 4, at loop
-        depth draft_depth, verified at `depth`; 0 = off; greedy or sampled), draft_p_min
+        n_draft (self-speculative decoding: drafts of n_draft tokens at loop depth
+        draft_depth, verified at `depth`; draft_depth 0 = off, -1 = the model file's
+        recommendation (else 1); n_draft 0 = the file's, else 4; greedy or sampled), draft_p_min
         (a round stops drafting at a draft whose most likely token is less likely than
         this; 0 = never). `text` is set when the prompt was a str."""
         model = self._model

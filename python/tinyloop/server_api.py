@@ -126,7 +126,7 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
         seed=(secrets.randbits(63) if seed is None
               else _number(body, "seed", 0, lo=0, hi=2**63 - 1, integer=True)),
         depth=_number(body, "depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
-        draft_depth=_number(body, "draft_depth", 0, lo=0, hi=max(info.max_depth, 0), integer=True),
+        draft_depth=_number(body, "draft_depth", 0, lo=-1, hi=max(info.max_depth, 0), integer=True),
         n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
         draft_p_min=_number(body, "draft_p_min", 0.0, lo=0.0, hi=1.0),
     )

@@ -60,7 +60,8 @@ def parse_draft(item: str) -> tuple:
 
 def draft_name(depth: int, n: int, model, p_min: float) -> str:
     vocab = model.info.draft_vocab
-    return (f"draft depth {depth}, {n} drafts" + (f", {vocab} tokens" if vocab else "")
+    return (("the file's draft depth" if depth == -1 else f"draft depth {depth}")
+            + (", the file's n_draft" if n == 0 else f", {n} drafts") + (f", {vocab} tokens" if vocab else "")
             + (f", p_min {p_min:g}" if p_min else ""))
 
 
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
                     k[2] += len(r.tokens) - 1          # tokens after the prompt's own
                     k[3] += len(r.tokens) - 1 - r.accepted_tokens  # full-depth passes
         device_name = model.info.device_name
-        steps = {d: step_seconds(model, prompts[0], d, 40) for d in sorted({d for d, _, _ in drafts} | {depth})}
+        steps = {d: step_seconds(model, prompts[0], d, 40)
+                 for d in sorted({d for d, _, _ in drafts if d > 0} | {depth})}
 
     rows = []
     plain = statistics.median(speed["plain"])
@@ -137,11 +139,11 @@ def main(argv=None) -> int:
                   prompts=len(PROMPTS), repeat=args.repeat, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   step_ms={str(d): round(s * 1e3, 3) for d, s in steps.items()}, rows=rows)
-    print(f"{'config':<50} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
+    print(f"{'config':<56} {'tok/s':>8} {'speedup':>8} {'kept':>6} {'tok/pass':>9}")
     for row in rows:
         acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         tpp = "" if row["tokens_per_full_pass"] is None else f"{row['tokens_per_full_pass']:.2f}"
-        print(f"{row['config']:<50} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
+        print(f"{row['config']:<56} {row['decode_tokens_per_s']:>8.1f} {row['speedup']:>8.3f} {acc:>6} {tpp:>9}")
     print("one decode step (ms): " + ", ".join(f"depth {d}: {ms}" for d, ms in report["step_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:

@@ -234,8 +234,10 @@ typedef struct tl_generate_options {
     const uint32_t *stop_lengths;  /* length of each stop sequence                     */
     uint32_t n_stop_sequences;
     int32_t draft_depth;           /* self-speculative decoding: loop depth of the
-                                      drafts, 1..depth; 0 = off                        */
-    int32_t n_draft;               /* tokens drafted per verification, 0..32; 0 = 4    */
+                                      drafts, 1..depth; 0 = off; -1 = the model's
+                                      draft.depth (at most depth), else 1              */
+    int32_t n_draft;               /* tokens drafted per verification, 0..32; 0 = the
+                                      model's draft.n_draft, else 4                    */
     double draft_p_min;            /* a round stops drafting at a draft whose most likely
                                       token has a probability below this (softmax of its
                                       logits; sampling: of its distribution); 0..1, 0 =
