@@ -10,10 +10,11 @@
  * at the stream's depth in one pass, which overwrites every row the drafts wrote from
  * iteration draft_depth + 1 on. The rows of p and of the first k - 1 drafts resume where
  * their drafts left them (each draft keeps its injection source and loop state), so
- * only the last draft runs the prelude and the first draft_depth iterations there;
- * with a warm state init a draft's state follows the previous draft's, not the full
- * depth's, and every row runs from the start (as on a backend that records steps). The first j drafts are kept; p and those j
- * stay in the context, and the j drafts plus one more token are returned.
+ * only the last draft runs the prelude and the first draft_depth iterations there.
+ * Every row runs from the start instead with a warm state init (a draft's state then
+ * follows the previous draft's, not the full depth's), on a backend that records steps,
+ * and for more rows than a chunk. The first j drafts are kept; p and those j stay in the
+ * context, and the j drafts plus one more token are returned.
  *
  * Greedy: a draft is its argmax, kept while it equals the full pass's argmax at the same
  * position, and the token after the kept ones is that argmax: plain greedy decoding's
@@ -79,9 +80,9 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
      * one-row pass of the last draft. That pays where rows cost compute (the CPU), not
      * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
      * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
-    if (ctx->model->hp.state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
+    if (hp->state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
     size_t rows = 2 * (size_t)g->n_draft;
-    return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)ctx->model->hp.d, &g->spec_states);
+    return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)hp->d, &g->spec_states);
 }
 
 /* Draft i's outputs: `out` and, when verification resumes, where its states go. */
