@@ -192,6 +192,23 @@ def test_the_model_files_recommended_drafting(model_dir):
             tinyloop.Model(bad, device=DEVICE)
 
 
+@pytest.mark.skipif(not ON_CPU, reason="the drafts' states exist only where one-row steps are "
+                                       "not recorded (the CPU backend)")
+def test_the_drafts_states_count_in_the_memory_report(model_dir):
+    """A drafting stream keeps its drafts' states (2 x n_draft rows of d floats) on the
+    context's backend while it is open, counted in buffers_bytes."""
+    config = case_config("base")
+    with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE) as model, model.context() as ctx:
+        ctx.append(PROMPT)
+        before = model.memory_report()["buffers_bytes"]
+        stream = ctx.stream([7], max_tokens=8, draft_depth=1, n_draft=5, **GREEDY)
+        next(stream)
+        held = model.memory_report()["buffers_bytes"] - before
+        stream.close()
+        assert model.memory_report()["buffers_bytes"] == before
+    assert held == 2 * 5 * config["d_model"] * 4
+
+
 @pytest.mark.parametrize("prefill_chunk", [1, 2, 3])
 def test_rounds_longer_than_a_prefill_chunk(model_dir, prefill_chunk):
     """A round's k + 1 verification rows may exceed the context's chunk: they are then

@@ -22,6 +22,11 @@ static void stats_add(struct tl_model *m, int64_t buffers, int64_t kv) {
     pthread_mutex_unlock(&m->stats_lock);
 }
 
+void tl_context_count_buffer(struct tl_context *ctx, int64_t bytes) {
+    ctx->buffer_bytes += (uint64_t)bytes;
+    stats_add(ctx->model, bytes, 0);
+}
+
 /* Allocate one activation buffer (skipped when count is 0) and count its bytes. */
 static tl_status alloc_buf(struct tl_context *ctx, size_t count, tl_buf **out) {
     *out = NULL;

@@ -79,6 +79,9 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
  * empty afterwards. */
 tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int max_depth, float *logits_per_depth);
+/* Counts `bytes` (negative: frees) of a buffer the context's user holds on its backend
+ * (a stream's drafts' states) in the context's share of the memory report. */
+void tl_context_count_buffer(struct tl_context *ctx, int64_t bytes);
 /* Length counters used by the API calls of the same names. */
 void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
 tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);

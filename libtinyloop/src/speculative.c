@@ -81,8 +81,10 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
      * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
      * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
     if (hp->state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
-    size_t rows = 2 * (size_t)g->n_draft;
-    return ctx->be->ops->buf_alloc(ctx->be, rows * (size_t)hp->d, &g->spec_states);
+    size_t floats = 2 * (size_t)g->n_draft * (size_t)hp->d;
+    tl_status st = ctx->be->ops->buf_alloc(ctx->be, floats, &g->spec_states);
+    if (st == TL_OK) tl_context_count_buffer(g->ctx, (int64_t)(floats * sizeof(float)));
+    return st;
 }
 
 /* Draft i's outputs: `out` and, when verification resumes, where its states go. */
@@ -245,7 +247,11 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
 }
 
 void tl_speculative_release_states(struct tl_stream *g) {
-    if (g->spec_states && g->ctx) g->ctx->be->ops->buf_free(g->spec_states);
+    if (g->spec_states && g->ctx) {
+        g->ctx->be->ops->buf_free(g->spec_states);
+        size_t floats = 2 * (size_t)g->n_draft * (size_t)g->ctx->model->hp.d;
+        tl_context_count_buffer(g->ctx, -(int64_t)(floats * sizeof(float)));
+    }
     g->spec_states = NULL;
 }
 
