@@ -33,16 +33,8 @@ static float vector_value(const tl_tensor *t, int64_t i) {
 
 /* Bytes of one row in each plane of the file's layout: values / codes, scales, mins. */
 static void row_plane_bytes(const tl_tensor *t, size_t bytes[3]) {
-    const size_t cols = (size_t)t->cols;
-    const size_t groups = t->group > 0 ? cols / (size_t)t->group : 0;
-    switch (t->dtype) {
-    case TL_DTYPE_F32: bytes[0] = 4 * cols; break;
-    case TL_DTYPE_F16:
-    case TL_DTYPE_BF16: bytes[0] = 2 * cols; break;
-    case TL_DTYPE_Q8: bytes[0] = cols; break;
-    case TL_DTYPE_Q4: bytes[0] = cols / 2; break;
-    default: bytes[0] = cols / 4; break;   /* q2 */
-    }
+    const size_t groups = t->group > 0 ? (size_t)t->cols / (size_t)t->group : 0;
+    bytes[0] = (size_t)tl_dtype_values_bytes(t->dtype, (uint64_t)t->cols);
     bytes[1] = t->scales ? 2 * groups : 0;
     bytes[2] = t->mins ? 2 * groups : 0;
 }

@@ -410,8 +410,7 @@ static tl_status parse_tensor(tl_file *f, cursor *c, tl_tensor *t)
     t->nbytes = size;
     if (tl_dtype_is_quantized(t->dtype)) {
         uint64_t n = (uint64_t)t->rows * (uint64_t)t->cols;
-        uint64_t qs_bytes = t->dtype == TL_DTYPE_Q8 ? n : t->dtype == TL_DTYPE_Q4 ? n / 2 : n / 4;
-        t->scales = (const uint16_t *)(const void *)(data + qs_bytes);
+        t->scales = (const uint16_t *)(const void *)(data + tl_dtype_values_bytes(t->dtype, n));
         t->mins = t->dtype == TL_DTYPE_Q8 ? NULL : t->scales + n / (uint64_t)group;
     }
     return TL_OK;

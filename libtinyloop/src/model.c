@@ -369,9 +369,9 @@ static tl_status build_draft_vocab(tl_model *m, const char *path)
                        "(tensor vocab.frequency) to choose the drafts' tokens by; add them with "
                        "tools/train/token_frequency.py, or pass 0 (the whole vocabulary)",
                        (long long)n, path);
-    if (n >= m->hp.vocab)   /* every token: the drafts use the head itself */
-        return TL_OK;
-    return tl_draft_vocab_build(&m->output, &m->token_frequency, (int32_t)n, &m->draft);
+    /* n >= the vocabulary: every token, so the drafts use the head itself */
+    return tl_draft_vocab_build(&m->output, &m->token_frequency,
+                                n < m->hp.vocab ? (int32_t)n : m->hp.vocab, &m->draft);
 }
 
 tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, struct tl_model **out)

@@ -20,6 +20,19 @@ int tl_dtype_is_quantized(tl_dtype dtype)
     return dtype == TL_DTYPE_Q8 || dtype == TL_DTYPE_Q4 || dtype == TL_DTYPE_Q2;
 }
 
+uint64_t tl_dtype_values_bytes(tl_dtype dtype, uint64_t n)
+{
+    switch (dtype) {
+    case TL_DTYPE_F32: return 4 * n;
+    case TL_DTYPE_F16:
+    case TL_DTYPE_BF16: return 2 * n;
+    case TL_DTYPE_Q8: return n;
+    case TL_DTYPE_Q4: return n / 2;
+    case TL_DTYPE_Q2: return n / 4;
+    default: return 0;
+    }
+}
+
 uint64_t tl_dtype_nbytes(tl_dtype dtype, int64_t rows, int64_t cols, int32_t group)
 {
     if (rows < 1 || cols < 1)
@@ -27,23 +40,13 @@ uint64_t tl_dtype_nbytes(tl_dtype dtype, int64_t rows, int64_t cols, int32_t gro
     uint64_t n;
     if (__builtin_mul_overflow((uint64_t)rows, (uint64_t)cols, &n) || n > TL_MAX_ELEMENTS)
         return 0;
-    switch (dtype) {
-    case TL_DTYPE_F32: return group == 0 ? 4 * n : 0;
-    case TL_DTYPE_F16:
-    case TL_DTYPE_BF16: return group == 0 ? 2 * n : 0;
-    case TL_DTYPE_Q8:
-    case TL_DTYPE_Q4:
-    case TL_DTYPE_Q2:
-        break;
-    default:
-        return 0;
-    }
+    if (!tl_dtype_is_quantized(dtype))   /* an unknown dtype has 0 value bytes: invalid */
+        return group == 0 ? tl_dtype_values_bytes(dtype, n) : 0;
     if ((group != 32 && group != 64 && group != 128) || cols % group != 0)
         return 0;
+    /* f16 scales per group, and f16 mins too but for q8 */
     uint64_t groups = n / (uint64_t)group;
-    if (dtype == TL_DTYPE_Q8)
-        return n + 2 * groups;
-    return (dtype == TL_DTYPE_Q4 ? n / 2 : n / 4) + 4 * groups;
+    return tl_dtype_values_bytes(dtype, n) + (dtype == TL_DTYPE_Q8 ? 2 : 4) * groups;
 }
 
 static uint32_t float_bits(float f)

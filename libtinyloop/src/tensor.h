@@ -34,6 +34,9 @@ typedef struct tl_tensor {
 
 const char *tl_dtype_name(tl_dtype dtype);
 int tl_dtype_is_quantized(tl_dtype dtype);
+/* Bytes of n elements' values (f32/f16/bf16) or codes (q8/q4/q2): a tensor's first plane,
+ * before the quantized dtypes' f16 scales and mins. */
+uint64_t tl_dtype_values_bytes(tl_dtype dtype, uint64_t n);
 /* Bytes a tensor of this dtype and 2-D shape takes in the file; 0 if the shape is
  * invalid for the dtype (e.g. cols not a multiple of group). */
 uint64_t tl_dtype_nbytes(tl_dtype dtype, int64_t rows, int64_t cols, int32_t group);
