@@ -328,6 +328,19 @@ static void test_stop_conditions(fixture *f) {
     free(big);
 }
 
+/* Frees a stream's context first: the stream then ends (aborted) without touching it,
+ * and is freed after. */
+static void free_context_then_stream(tl_context **ctx, tl_stream *s, const char *what) {
+    int32_t tok;
+    tl_stop_reason why = TL_STOP_NONE;
+    tl_context_free(*ctx);
+    *ctx = NULL;
+    CHECK_OK(tl_stream_next(s, &tok, &why));
+    CHECK(tok == -1 && why == TL_STOP_ABORTED, "%s after its context was freed: %d, stop %d", what,
+          tok, why);
+    tl_stream_free(s);
+}
+
 typedef struct abort_state {
     int seen;
     int stop_after;
@@ -380,11 +393,7 @@ static void test_stream_and_callback(fixture *f) {
         tl_stream *second = NULL;
         CHECK_STATUS(tl_stream_start(f->model, ctx, f->tokens, 5, &o, &second), TL_ERR_INVALID_ARGUMENT);
         CHECK(second == NULL, "no second stream");
-        tl_context_free(ctx);
-        ctx = NULL;
-        CHECK_OK(tl_stream_next(s, &tok, &why));
-        CHECK(tok == -1 && why == TL_STOP_ABORTED, "stream after its context was freed: %d, stop %d", tok, why);
-        tl_stream_free(s);
+        free_context_then_stream(&ctx, s, "a stream");
     }
     tl_context_free(ctx);
 
@@ -631,13 +640,18 @@ static void test_speculative(fixture *f) {
         int32_t tok;
         tl_stop_reason why = TL_STOP_NONE;
         for (int i = 0; i < 3; i++) CHECK_OK(tl_stream_next(s, &tok, &why));
-        tl_context_free(ctx);
-        ctx = NULL;
-        CHECK_OK(tl_stream_next(s, &tok, &why));
-        CHECK(tok == -1 && why == TL_STOP_ABORTED, "drafting stream after its context: %d, %d", tok, why);
-        tl_stream_free(s);
+        free_context_then_stream(&ctx, s, "a drafting stream");
     }
     tl_context_free(ctx);
+}
+
+/* The model at path loaded with lo, and its info; NULL (a failed check) if it fails. */
+static tl_model *load_with_info(const char *path, const tl_load_options *lo, tl_model_info *info) {
+    tl_model *m = NULL;
+    CHECK_OK(tl_load_model(path, lo, &m));
+    tl_model_info_default(info);
+    if (m) CHECK_OK(tl_model_get_info(m, info));
+    return m;
 }
 
 /* A file with token frequencies: drafts over any draft vocabulary give plain greedy
@@ -655,12 +669,9 @@ static void test_draft_vocab(fixture *f, const char *path) {
         tl_load_options_default(&lo);
         lo.n_threads = 2;
         lo.draft_vocab = sizes[i][0];
-        tl_model *m = NULL;
-        CHECK_OK(tl_load_model(path, &lo, &m));
-        if (!m) continue;
         tl_model_info info;
-        tl_model_info_default(&info);
-        CHECK_OK(tl_model_get_info(m, &info));
+        tl_model *m = load_with_info(path, &lo, &info);
+        if (!m) continue;
         CHECK(info.draft_vocab == sizes[i][1], "draft_vocab %d gives %d tokens, not %d",
               sizes[i][0], info.draft_vocab, sizes[i][1]);
         for (int n_draft = 1; n_draft <= 4; n_draft += 3) {
@@ -676,12 +687,9 @@ static void test_draft_vocab(fixture *f, const char *path) {
     tl_load_options_default(&older);
     older.struct_size = (uint32_t)offsetof(tl_load_options, draft_vocab);
     older.draft_vocab = 3;
-    tl_model *m = NULL;
-    CHECK_OK(tl_load_model(path, &older, &m));
-    if (!m) return;
     tl_model_info info;
-    tl_model_info_default(&info);
-    CHECK_OK(tl_model_get_info(m, &info));
+    tl_model *m = load_with_info(path, &older, &info);
+    if (!m) return;
     CHECK(info.draft_vocab == f->info.draft_vocab, "a first-release struct: %d draft tokens, not %d",
           info.draft_vocab, f->info.draft_vocab);
     /* a first-release tl_model_info ends before draft_vocab: filled, nothing written past */

@@ -61,8 +61,8 @@ def parse_draft(item: str) -> tuple:
 def draft_name(depth: int, n: int, model, p_min: float) -> str:
     vocab = model.info.draft_vocab
     return (("the file's draft depth" if depth == -1 else f"draft depth {depth}")
-            + (", the file's n_draft" if n == 0 else f", {n} drafts") + (f", {vocab} tokens" if vocab else "")
-            + (f", p_min {p_min:g}" if p_min else ""))
+            + (", the file's n_draft" if n == 0 else f", {n} drafts")
+            + (f", {vocab} tokens" if vocab else "") + (f", p_min {p_min:g}" if p_min else ""))
 
 
 def main(argv=None) -> int:
