@@ -373,6 +373,7 @@ REQUIRED = ["--teacher", "T.gguf", "--out", "RUN", "--max-steps", "1"]
     (["--grids-only", "--qat-learn-grid", "--qat-start", "1e-6"], "--grids-only"),  # no weights to keep
     (["--grids-only", "--qat-learn-grid", "--qat-start", "1e-6", "--init-weights", "RUN0", "--train-embed"],
      "--grids-only"),
+    (["--train-norms", "--qat-learn-grid", "--qat-start", "0.4"], "--train-norms"),  # every weight trains
     (["--qat-learn-embed-grid", "--qat-start", "0.4"], "--qat-learn-embed-grid"),   # no --qat-learn-grid
     (["--qat-learn-grid", "--qat-learn-embed-grid", "--qat-start", "0.4", "--train-embed"],
      "--qat-learn-embed-grid"),
@@ -384,11 +385,13 @@ def test_grid_flags_that_cannot_work_are_usage_errors(flags, refused, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args([*REQUIRED, *flags])
     assert exit_.value.code == 2
-    assert f"error: {refused} needs" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {refused} " in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_grids_only_and_the_embedding_grid_parse_together():
     from train import parse_args
     args = parse_args([*REQUIRED, "--qat-start", "1e-6", "--qat-learn-grid", "--qat-learn-embed-grid",
                        "--grids-only", "--init-weights", "RUN0"])
-    assert args.grids_only and args.qat_learn_embed_grid
+    assert args.grids_only and args.qat_learn_embed_grid and not args.train_norms
+    assert parse_args([*REQUIRED, "--qat-start", "1e-6", "--qat-learn-grid", "--grids-only",
+                       "--init-weights", "RUN0", "--train-norms"]).train_norms

@@ -107,6 +107,9 @@ def parse_args(argv=None):
                     help="train only the learned q4 grids, every weight of --init-weights frozen, "
                          "QAT on from the first step (needs --qat-learn-grid, --qat-start <= 0.01, "
                          "no --train-embed)")
+    ap.add_argument("--train-norms", action="store_true",
+                    help="with --grids-only, also train the RMSNorm gains (the only float weights "
+                         "the export keeps as they are)")
     ap.add_argument("--qat-scale-lr-mult", type=float, default=10.0,
                     help="learning rate of the log scales relative to --lr (the mins take --lr)")
     # optimisation
@@ -166,6 +169,8 @@ def parse_args(argv=None):
                             or not args.init_weights or args.train_embed):
         ap.error(f"--grids-only needs --qat-learn-grid, --qat-start <= {INIT_GRID_MAX_PROGRESS}, "
                  f"--init-weights (the weights it keeps) and no --train-embed")
+    if args.train_norms and not args.grids_only:
+        ap.error("--train-norms goes with --grids-only (without it every weight trains)")
     if not 0.0 <= args.resample < 1.0:
         ap.error("--resample must be in [0, 1)")
     if not 0.0 <= args.synthetic_share <= 1.0 or bool(args.synthetic) != (args.synthetic_share > 0):
@@ -573,7 +578,8 @@ def main(argv=None) -> None:
                   compile_learned=args.compile, learn_embed_grid=args.qat_learn_embed_grid)
     if args.grids_only:
         for p in student.parameters():
-            p.requires_grad_(False)
+            # the norms' gains are the 1-D weights; the embedding stays frozen
+            p.requires_grad_(args.train_norms and p.ndim == 1)
 
     decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim == 2]
     no_decay = [p for n, p in student.named_parameters() if p.requires_grad and p.ndim < 2]
@@ -771,7 +777,8 @@ def main(argv=None) -> None:
                 results["val_nll_q4_rtn"] = per_depth_nll(student, val_windows, device, autocast)
         results["qat"] = {"start": args.qat_start, "group": args.qat_group, "embed": args.qat_embed,
                           "embed_group": args.qat_embed_group, "learned_grid": bool(qat.grid),
-                          "learned_embed_grid": EMBED in qat.grid, "grids_only": args.grids_only}
+                          "learned_embed_grid": EMBED in qat.grid, "grids_only": args.grids_only,
+                          "train_norms": args.train_norms}
     eval_path = data / "eval_sotu.u16"
     if args.final_eval_tokens > 0 and eval_path.exists():
         eval_tokens = load_tokens(eval_path)[:args.final_eval_tokens]
