@@ -344,9 +344,22 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
     NEED(model, "model");
     tl_context_options o;
     tl_context_options_default(&o);
-    tl_status st = read_struct(&o, sizeof o, opts, sizeof o, "tl_context_options");
+    /* a first-release struct ends before keep_loop_states */
+    tl_status st = read_struct(&o, sizeof o, opts, offsetof(tl_context_options, keep_loop_states),
+                               "tl_context_options");
     if (st != TL_OK) return st;
-    return tl_context_open(model, o.max_seq_len, o.max_depth, o.prefill_chunk, out);
+    if (o.keep_loop_states != 0 && o.keep_loop_states != 1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "keep_loop_states is %d, not 0 or 1",
+                       o.keep_loop_states);
+    tl_context *ctx = NULL;
+    st = tl_context_open(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &ctx);
+    if (st == TL_OK && o.keep_loop_states) st = tl_context_keep_loop_states(ctx, NULL);
+    if (st != TL_OK) {
+        tl_context_close(ctx);
+        return st;
+    }
+    *out = ctx;
+    return TL_OK;
 }
 
 tl_status tl_context_free(tl_context *ctx) {
@@ -371,6 +384,28 @@ tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_t n_tok
     if (st != TL_OK) return st;
     tl_forward_out out = { .last_logits = last_logits };
     return tl_context_eval(ctx, tokens, n_tokens, depth, &out);
+}
+
+tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logprobs, float *last_logits) {
+    NEED(ctx, "ctx");
+    tl_status st = tl_context_check_free(ctx);
+    if (st != TL_OK) return st;
+    if (!ctx->loop_s)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the context keeps no loop states to continue "
+                                                "from: create it with keep_loop_states = 1");
+    if (ctx->n_tokens == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the sequence is empty: nothing to deepen");
+    if (depth < ctx->depth || depth > ctx->max_depth)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "depth %d is out of range [%d, %d] (the sequence's depth, the context's "
+                       "max_depth)", depth, ctx->depth, ctx->max_depth);
+    tl_forward_out out = { .last_logits = last_logits };
+    if (logprobs && ctx->n_tokens > 1) {
+        out.targets = ctx->tokens + 1;
+        out.logprobs = logprobs;
+        out.n_targets = ctx->n_tokens - 1;
+    }
+    return tl_context_eval_deeper(ctx, depth, &out);
 }
 
 tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {

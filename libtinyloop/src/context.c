@@ -59,7 +59,8 @@ static tl_status alloc_buffers(struct tl_context *ctx) {
 void tl_context_close(struct tl_context *ctx) {
     if (!ctx) return;
     tl_buf *bufs[] = { ctx->h, ctx->e, ctx->xn, ctx->tmp, ctx->q, ctx->att, ctx->gate,
-                       ctx->up, ctx->kv_new, ctx->cat, ctx->logits, ctx->warm };
+                       ctx->up, ctx->kv_new, ctx->cat, ctx->logits, ctx->warm, ctx->loop_e,
+                       ctx->loop_s };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) ctx->be->ops->buf_free(bufs[i]);
     tl_kv_cache_free(&ctx->kv);
@@ -163,6 +164,41 @@ tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *t
     return TL_OK;
 }
 
+/* The part of `out` (NULL = nothing) for rows [c0, c0 + rows) of a pass over n rows in
+ * chunks: the whole request for the last chunk (every field of the last row, whatever
+ * fields come later); the per-row fields from row c0 on for every chunk. */
+static tl_forward_out chunk_request(const tl_forward_out *out, size_t c0, int rows, size_t n,
+                                    int vocab) {
+    tl_forward_out chunk_out = { 0 };
+    if (!out) return chunk_out;
+    if (c0 + (size_t)rows == n) chunk_out = *out;
+    chunk_out.targets = NULL;
+    chunk_out.logprobs = chunk_out.entropies = chunk_out.entropy_row = NULL;
+    chunk_out.n_targets = 0;
+    chunk_out.row_tokens = NULL;
+    chunk_out.n_row_tokens = 0;
+    chunk_out.row_logits = NULL;
+    chunk_out.n_row_logits = 0;
+    if (out->n_targets > c0) {
+        chunk_out.targets = out->targets + c0;
+        chunk_out.logprobs = out->logprobs + c0;
+        chunk_out.n_targets = out->n_targets - c0;
+        if (out->entropies) {
+            chunk_out.entropies = out->entropies + c0;
+            chunk_out.entropy_row = out->entropy_row;
+        }
+    }
+    if (out->n_row_tokens > c0) {
+        chunk_out.row_tokens = out->row_tokens + c0;
+        chunk_out.n_row_tokens = out->n_row_tokens - c0;
+    }
+    if (out->n_row_logits > c0) {
+        chunk_out.row_logits = out->row_logits + c0 * (size_t)vocab;
+        chunk_out.n_row_logits = out->n_row_logits - c0;
+    }
+    return chunk_out;
+}
+
 /* Run tokens after the sequence at loop depth L in chunks, producing `out`, and append
  * them. On failure the sequence keeps its previous length. */
 static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size_t n, int L,
@@ -177,36 +213,7 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
 
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
-        /* the whole request for the last chunk (every field of the last row, whatever
-         * fields come later); the per-row fields from row c0 on for every chunk */
-        tl_forward_out chunk_out = { 0 };
-        if (out && c0 + (size_t)rows == n) chunk_out = *out;
-        chunk_out.targets = NULL;
-        chunk_out.logprobs = chunk_out.entropies = chunk_out.entropy_row = NULL;
-        chunk_out.n_targets = 0;
-        chunk_out.row_tokens = NULL;
-        chunk_out.n_row_tokens = 0;
-        chunk_out.row_logits = NULL;
-        chunk_out.n_row_logits = 0;
-        if (out) {
-            if (out->n_targets > c0) {
-                chunk_out.targets = out->targets + c0;
-                chunk_out.logprobs = out->logprobs + c0;
-                chunk_out.n_targets = out->n_targets - c0;
-                if (out->entropies) {
-                    chunk_out.entropies = out->entropies + c0;
-                    chunk_out.entropy_row = out->entropy_row;
-                }
-            }
-            if (out->n_row_tokens > c0) {
-                chunk_out.row_tokens = out->row_tokens + c0;
-                chunk_out.n_row_tokens = out->n_row_tokens - c0;
-            }
-            if (out->n_row_logits > c0) {
-                chunk_out.row_logits = out->row_logits + c0 * (size_t)ctx->model->hp.vocab;
-                chunk_out.n_row_logits = out->n_row_logits - c0;
-            }
-        }
+        tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
         st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
         if (st != TL_OK) {
             tl_context_set_length(ctx, start);
@@ -250,6 +257,61 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
     if (st != TL_OK) return st;
     memcpy(ctx->tokens + start, tokens, n * sizeof *tokens);
     ctx->n_tokens = start + n;
+    return TL_OK;
+}
+
+tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added) {
+    const tl_hparams *hp = &ctx->model->hp;
+    if (added) *added = 0;
+    if (ctx->loop_s) return TL_OK;
+    if (hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "keeping loop states: this model has no loop (n_core = 0)");
+    if (hp->state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "keeping loop states: with a warm state init each position starts from the "
+                       "previous one's final state, which a deeper pass changes; append again at "
+                       "the deeper depth instead");
+    size_t count = (size_t)ctx->max_seq * hp->d;
+    int64_t before = (int64_t)ctx->buffer_bytes;
+    tl_status st = alloc_buf(ctx, count, &ctx->loop_s);
+    if (st == TL_OK && hp->injection != TL_INJECT_NONE) st = alloc_buf(ctx, count, &ctx->loop_e);
+    stats_add(ctx->model, (int64_t)ctx->buffer_bytes - before, 0);
+    if (st != TL_OK) {
+        tl_context_drop_loop_states(ctx);
+        return st;
+    }
+    if (added) *added = 1;
+    return TL_OK;
+}
+
+void tl_context_drop_loop_states(struct tl_context *ctx) {
+    tl_buf **bufs[] = { &ctx->loop_e, &ctx->loop_s };
+    for (size_t i = 0; i < 2; i++) {
+        if (!*bufs[i]) continue;
+        size_t bytes = (size_t)ctx->max_seq * ctx->model->hp.d * sizeof(float);
+        ctx->be->ops->buf_free(*bufs[i]);
+        *bufs[i] = NULL;
+        ctx->buffer_bytes -= bytes;
+        stats_add(ctx->model, -(int64_t)bytes, 0);
+    }
+}
+
+tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_forward_out *out) {
+    size_t n = ctx->n_tokens;
+    int from = ctx->depth;
+    if (!ctx->loop_s || n == 0 || depth < from || depth > ctx->max_depth)
+        return tl_fail(TL_ERR_INTERNAL, "deepening a sequence of %zu at depth %d to %d (states %s)",
+                       n, from, depth, ctx->loop_s ? "kept" : "not kept");
+    for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
+        int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
+        tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
+        tl_status st = tl_forward_deepen(ctx, rows, (int)c0, from, depth, &chunk_out);
+        if (st != TL_OK) {
+            tl_context_set_length(ctx, 0);
+            return st;
+        }
+    }
+    ctx->depth = depth;
     return TL_OK;
 }
 
@@ -308,6 +370,18 @@ tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out
     if (src->warm && n > 0)
         dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->warm, 0), 1, tl_act_at(src->warm, 0), 1,
                                 1, (int)(n * (size_t)src->model->hp.d));
+    if (src->loop_s) {
+        st = tl_context_keep_loop_states(dst, NULL);
+        tl_buf *from[] = { src->loop_e, src->loop_s }, *to[] = { dst->loop_e, dst->loop_s };
+        for (int i = 0; i < 2 && st == TL_OK && n > 0; i++)
+            if (from[i])
+                dst->be->ops->copy_rows(dst->ex, tl_act_at(to[i], 0), 1, tl_act_at(from[i], 0), 1,
+                                        1, (int)(n * (size_t)src->model->hp.d));
+        if (st != TL_OK) {
+            tl_context_close(dst);
+            return st;
+        }
+    }
     memcpy(dst->tokens, src->tokens, n * sizeof *src->tokens);
     dst->n_tokens = n;
     dst->depth = src->depth;

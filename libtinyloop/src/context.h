@@ -37,6 +37,9 @@ struct tl_context {
     tl_buf *cat;          /* concat injection input [s ; e], [rows, 2d]; or NULL */
     tl_buf *logits;       /* [logit_rows, V] */
     tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d] */
+    tl_buf *loop_e, *loop_s;  /* kept loop states (tl_context_keep_loop_states): every
+                                 position's injection source and its state after the
+                                 sequence's last iteration, [max_seq, d] each; or NULL */
 
     uint64_t buffer_bytes, kv_bytes;   /* as added to the model's stats */
     struct tl_stream *stream;   /* the generation stream over it while one is open: other
@@ -79,6 +82,18 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
  * empty afterwards. */
 tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int max_depth, float *logits_per_depth);
+/* Keep every position's loop state from the next pass on (a no-op when the context keeps
+ * them already): what tl_context_eval_deeper continues from. Sets *added when this call
+ * allocated them (added may be NULL). Not for a warm state init or a model without a loop. */
+tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added);
+void tl_context_drop_loop_states(struct tl_context *ctx);
+/* Run the whole sequence on from its depth to `depth` (from its kept loop states: the
+ * prelude and the iterations already run are not repeated), rewrite the coda's K/V and
+ * produce `out`, whose per-row fields cover the sequence's positions; the sequence's
+ * depth is then `depth`. The caller checks that the context keeps its states, holds
+ * tokens and that depth is in [its depth, max_depth]. On failure the context is emptied
+ * (positions would be left at two depths). */
+tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_forward_out *out);
 /* Counts `bytes` (negative: frees) of a buffer the context's user holds on its backend
  * (a stream's drafts' states) in the context's share of the memory report. */
 void tl_context_count_buffer(struct tl_context *ctx, int64_t bytes);

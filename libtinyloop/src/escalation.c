@@ -6,20 +6,23 @@
  * given share of the positions' greedy predictions still change between the two latest
  * depths. Every pass is an exact, whole-sequence pass at its depth (each loop iteration
  * has its own K/V, so nothing is mixed between depths); the scores returned are the
- * last depth's, the same numbers tl_score_with_uncertainty gives at that depth. The
- * doubling keeps the passes' total below about twice the last one's loop work. */
+ * last depth's, the same numbers tl_score_with_uncertainty gives at that depth. A deeper
+ * pass continues the previous one's loop states (tl_context_eval_deeper), so the prelude
+ * and the loop run once in all, up to the last depth; only a warm state init, whose
+ * states depend on the depth of the position before, starts every pass over. */
 #include "escalation.h"
 
 #include <stdlib.h>
 
 #include "error.h"
 
-/* One pass at `depth` from an empty sequence: the argmax of each of the n - 1
- * predictions and, when logprobs is not NULL, their log-probs and entropies. */
+/* One pass at `depth`: the argmax of each of the n - 1 predictions and, when logprobs is
+ * not NULL, their log-probs and entropies. `deepen`: the sequence holds the tokens at a
+ * shallower depth with its loop states kept, and goes on from there; else it starts
+ * from an empty sequence. */
 static tl_status score_pass(struct tl_context *ctx, const int32_t *tokens, size_t n, int depth,
-                            float *logprobs, float *entropies, float *entropy_row,
+                            int deepen, float *logprobs, float *entropies, float *entropy_row,
                             int32_t *argmax) {
-    tl_context_set_length(ctx, 0);
     tl_forward_out out = { .row_tokens = argmax, .n_row_tokens = n - 1 };
     if (logprobs) {
         out.targets = tokens + 1;
@@ -28,6 +31,8 @@ static tl_status score_pass(struct tl_context *ctx, const int32_t *tokens, size_
         out.entropies = entropies;
         out.entropy_row = entropy_row;
     }
+    if (deepen) return tl_context_eval_deeper(ctx, depth, &out);
+    tl_context_set_length(ctx, 0);
     return tl_context_eval(ctx, tokens, n, depth, &out);
 }
 
@@ -57,12 +62,14 @@ tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, siz
     int depth = min_depth;
     /* the first depth's scores are the answer only when it is the last one too */
     int first_is_last = min_depth == max_depth;
+    int resumable = !first_is_last && ctx->model->hp.state_init != TL_INIT_WARM, added = 0;
+    if (st == TL_OK && resumable) st = tl_context_keep_loop_states(ctx, &added);
     if (st == TL_OK)
-        st = score_pass(ctx, tokens, n, depth, first_is_last ? logprobs : NULL, entropies,
+        st = score_pass(ctx, tokens, n, depth, 0, first_is_last ? logprobs : NULL, entropies,
                         entropy_row, before);
     while (st == TL_OK && depth < max_depth) {
         depth = depth > max_depth / 2 ? max_depth : 2 * depth;
-        st = score_pass(ctx, tokens, n, depth, logprobs, entropies, entropy_row, now);
+        st = score_pass(ctx, tokens, n, depth, resumable, logprobs, entropies, entropy_row, now);
         if (st != TL_OK) break;
         int settled = share_changed(before, now, count) <= (double)max_changed;
         int32_t *swap = before;
@@ -71,6 +78,7 @@ tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, siz
         if (settled) break;
     }
     tl_context_set_length(ctx, 0);
+    if (added) tl_context_drop_loop_states(ctx);
     if (st == TL_OK) *depth_used = depth;
     free(entropy_row);
     free(before);

@@ -223,6 +223,19 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
     }
 }
 
+/* A context that keeps its loop states (context.h) gets rows' injection sources and
+ * states at their positions, from e and h after the loop. Every pass that extends the
+ * sequence stores them; a draft's, at its shallower depth, is overwritten by the
+ * verification of the same positions before the sequence goes on. */
+static void store_loop_states(const fwd *F, int n, int pos0) {
+    struct tl_context *ctx = F->ctx;
+    if (!ctx->loop_s) return;
+    size_t at = (size_t)pos0 * F->d;
+    if (F->hp->injection != TL_INJECT_NONE)
+        F->ops->copy_rows(F->ex, tl_act_add(buf0(ctx->loop_e), at), F->d, buf0(ctx->e), F->d, n, F->d);
+    F->ops->copy_rows(F->ex, tl_act_add(buf0(ctx->loop_s), at), F->d, buf0(ctx->h), F->d, n, F->d);
+}
+
 /* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with
  * e_i = exp(x_i - max) and S their sum. Logits of -inf have no mass (and add nothing);
  * NaN logits are skipped like them; NaN when no logit is finite. */
@@ -367,6 +380,7 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
     if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
     embed_and_prelude(&F, tokens, n, pos0);
     run_loop(&F, n, pos0, F.hp->n_core > 0 ? depth : 0);
+    store_loop_states(&F, n, pos0);
     if (out && out->keep_s.buf && n == 1) {   /* this draft's e and s, before the coda */
         if (F.hp->injection != TL_INJECT_NONE)
             F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, 1, F.d);
@@ -399,7 +413,23 @@ tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n
     F.ops->copy_rows(F.ex, h, F.d, kept_s, F.d, last, F.d);
     if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, e, F.d, kept_e, F.d, last, F.d);
     for (int it = from + 1; it <= depth; it++) core_iteration(&F, h, e, n, pos0, it);
+    store_loop_states(&F, n, pos0);
     coda(&F, n, pos0);
     outputs(&F, n, pos0, out);
+    return F.ops->status(F.ex);
+}
+
+tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
+                            const tl_forward_out *out) {
+    fwd F = fwd_for(ctx);
+    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
+    size_t at = (size_t)pos0 * F.d;
+    F.ops->copy_rows(F.ex, h, F.d, tl_act_add(buf0(ctx->loop_s), at), F.d, n, F.d);
+    if (F.hp->injection != TL_INJECT_NONE)
+        F.ops->copy_rows(F.ex, e, F.d, tl_act_add(buf0(ctx->loop_e), at), F.d, n, F.d);
+    for (int it = from + 1; it <= depth; it++) core_iteration(&F, h, e, n, pos0, it);
+    store_loop_states(&F, n, pos0);
+    coda(&F, n, pos0);
+    if (out) outputs(&F, n, pos0, out);
     return F.ops->status(F.ex);
 }

@@ -64,6 +64,13 @@ tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n
                             int from, int depth, tl_act kept_e, tl_act kept_s,
                             const tl_forward_out *out);
 
+/* Positions [pos0, pos0 + n), n <= the chunk rows, on from loop iteration `from` to
+ * `depth`, starting from the context's kept loop states (context.h: loop_e, loop_s), whose
+ * K/V up to iteration `from` is in the cache: the new iterations' K/V, the coda's K/V
+ * (rewritten), `out`, and the rows' states after `depth` kept in their place. */
+tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
+                            const tl_forward_out *out);
+
 /* The logit lens of a fresh sequence in one chunk (n <= the context's chunk rows, a
  * state init other than warm): prelude once, then after each loop iteration 1..max_depth
  * the coda and head on a copy of the state (kept in `saved`, n x d floats), so that

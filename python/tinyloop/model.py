@@ -574,9 +574,12 @@ class Model(_Scoring, _OwnsHandle):
             ffi.from_buffer("float[]", entropies, require_writable=True), depth))
         return logprobs, entropies, int(depth[0])
 
-    def context(self, max_seq_len: int = 0, max_depth: int = 0) -> "Context":
-        """A new sequence state (KV cache + buffers): one per thread for parallel use."""
-        return Context(self, max_seq_len=max_seq_len, max_depth=max_depth)
+    def context(self, max_seq_len: int = 0, max_depth: int = 0,
+                keep_loop_states: bool = False) -> "Context":
+        """A new sequence state (KV cache + buffers): one per thread for parallel use.
+        keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth."""
+        return Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
+                       keep_loop_states=keep_loop_states)
 
 
 class Context(_Scoring, _OwnsHandle):
@@ -584,14 +587,18 @@ class Context(_Scoring, _OwnsHandle):
 
     Not safe to share between threads; give each thread its own."""
 
-    def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0):
+    def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
+                 keep_loop_states: bool = False):
         self._handle = None
         self._model = model
+        if not isinstance(keep_loop_states, bool):
+            raise TypeError(f"keep_loop_states must be a bool, not {type(keep_loop_states).__name__}")
         native, ffi = model._native, model._native.ffi
         opts = ffi.new("tl_context_options *")
         native.lib.tl_context_options_default(opts)
         opts.max_seq_len = _args.max_int32("max_seq_len", max_seq_len)
         opts.max_depth = _args.max_int32("max_depth", max_depth)
+        opts.keep_loop_states = int(keep_loop_states)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
         self._handle = out[0]
@@ -635,6 +642,32 @@ class Context(_Scoring, _OwnsHandle):
             self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids),
             model._check_depth(depth), ffi.from_buffer("float[]", logits, require_writable=True)))
         return logits
+
+    def deepen(self, depth: int) -> np.ndarray:
+        """Continue the whole sequence at a deeper loop depth from where its loop stopped
+        (the context needs keep_loop_states=True); return the logits (float32, vocab)
+        after the last token, as a sequence appended at `depth` from the start would give
+        them. Later appends run at `depth`."""
+        logits = np.empty(self._model.info.vocab_size, dtype=np.float32)
+        self._deepen(depth, self._model._native.ffi.from_buffer("float[]", logits, require_writable=True),
+                     None)
+        return logits
+
+    def score_deeper(self, depth: int) -> np.ndarray:
+        """deepen(), returning instead log p(token[i+1] | tokens[..i]) for the whole
+        sequence at `depth` (float32, length - 1), as score() gives them at that depth."""
+        logprobs = np.empty(max(len(self) - 1, 0), dtype=np.float32)
+        self._deepen(depth, None, self._model._native.ffi.from_buffer("float[]", logprobs,
+                                                                         require_writable=True))
+        return logprobs
+
+    def _deepen(self, depth, last_logits, logprobs) -> None:
+        model = self._model
+        ffi = model._native.ffi
+        model._native.check(model._native.lib.tl_context_deepen(
+            self._require_open(), model._check_depth(depth),
+            ffi.NULL if logprobs is None else logprobs,
+            ffi.NULL if last_logits is None else last_logits))
 
     def truncate(self, n_keep: int) -> None:
         n_keep = _args.integer("n_keep", n_keep, minimum=0)

@@ -220,6 +220,78 @@ static void test_truncate_and_fork(fixture *f) {
     free(got);
 }
 
+/* A context that keeps its loop states continues its sequence at a deeper depth: the
+ * same logits and log-probs (bit for bit on the CPU) as the sequence appended at that
+ * depth from the start, over several chunks, after a fork, and decoding goes on from it.
+ * A first-release tl_context_options (before keep_loop_states) still creates contexts. */
+static tl_context *keeping_context(tl_model *model, int32_t prefill_chunk) {
+    tl_context_options o;
+    tl_context_options_default(&o);
+    o.prefill_chunk = prefill_chunk;
+    o.keep_loop_states = 1;
+    tl_context *ctx = NULL;
+    return tl_context_create(model, &o, &ctx) == TL_OK ? ctx : NULL;
+}
+
+static void test_deepen(fixture *f) {
+    int V = f->info.vocab_size, top = f->info.max_depth;
+    tl_context_options first;
+    tl_context_options_default(&first);
+    first.struct_size = (uint32_t)offsetof(tl_context_options, keep_loop_states);
+    tl_context *old = NULL;
+    CHECK_OK(tl_context_create(f->model, &first, &old));
+    tl_context_free(old);
+    if (f->info.n_core == 0) {
+        tl_context_options o;
+        tl_context_options_default(&o);
+        o.keep_loop_states = 1;
+        tl_context *none = NULL;
+        CHECK_STATUS(tl_context_create(f->model, &o, &none), TL_ERR_UNSUPPORTED);
+        CHECK(none == NULL, "no context on failure");
+        return;
+    }
+    float *ref = malloc((size_t)V * sizeof *ref), *got = malloc((size_t)V * sizeof *got);
+    float lp_ref[N_TOK - 1], lp_got[N_TOK - 1];
+    tl_context *plain = new_context(f->model, 3), *ctx = keeping_context(f->model, 3), *fork = NULL;
+    CHECK(plain && ctx, "context create");
+    if (plain && ctx) {
+        tl_score_options so;
+        tl_score_options_default(&so);
+        so.depth = top;
+        CHECK_OK(tl_context_score(plain, f->tokens, N_TOK, &so, lp_ref));
+        tl_context_reset(plain);
+        CHECK_OK(tl_context_append(plain, f->tokens, N_TOK, top, ref));
+
+        CHECK_STATUS(tl_context_deepen(ctx, top, NULL, got), TL_ERR_INVALID_ARGUMENT);  /* empty */
+        CHECK_OK(tl_context_append(ctx, f->tokens, N_TOK, 1, NULL));
+        CHECK_OK(tl_context_deepen(ctx, 2, NULL, NULL));
+        CHECK_STATUS(tl_context_deepen(ctx, 1, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_context_deepen(ctx, top + 1, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+        CHECK_OK(tl_context_fork(ctx, &fork));
+        CHECK_OK(tl_context_deepen(ctx, top, lp_got, got));
+        CHECK(memcmp(ref, got, (size_t)V * sizeof *ref) == 0, "deepened logits differ by %g",
+              max_abs_diff(ref, got, (size_t)V));
+        CHECK(memcmp(lp_ref, lp_got, sizeof lp_ref) == 0, "deepened log-probs differ by %g",
+              max_abs_diff(lp_ref, lp_got, N_TOK - 1));
+        if (fork) {
+            CHECK_OK(tl_context_deepen(fork, top, NULL, got));
+            CHECK(memcmp(ref, got, (size_t)V * sizeof *ref) == 0, "a fork deepens differently");
+        }
+        /* decoding goes on at the new depth as on the sequence run at it from the start */
+        CHECK_OK(tl_context_append(plain, f->tokens, 2, 0, ref));
+        CHECK_OK(tl_context_append(ctx, f->tokens, 2, 0, got));
+        CHECK(memcmp(ref, got, (size_t)V * sizeof *ref) == 0, "decoding after deepening differs by %g",
+              max_abs_diff(ref, got, (size_t)V));
+    }
+    CHECK_STATUS(tl_context_deepen(plain, top, NULL, NULL), TL_ERR_INVALID_ARGUMENT);  /* not kept */
+    CHECK_STATUS(tl_context_deepen(NULL, top, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    tl_context_free(fork);
+    tl_context_free(ctx);
+    tl_context_free(plain);
+    free(ref);
+    free(got);
+}
+
 /* ---- generation --------------------------------------------------------------- */
 
 static void test_greedy_matches_argmax(fixture *f) {
@@ -798,6 +870,7 @@ static void run_model(const char *path) {
     test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);
+    test_deepen(&f);
     test_greedy_matches_argmax(&f);
     test_sampling_determinism(&f);
     test_stop_conditions(&f);

@@ -147,6 +147,9 @@ typedef struct tl_context_options {
     int32_t max_seq_len;       /* 0 = the model's */
     int32_t max_depth;         /* deepest loop depth this context caches; 0 = model max */
     int32_t prefill_chunk;     /* 0 = the model's load option */
+    int32_t keep_loop_states;  /* 1: keep each position's loop state (2 x max_seq_len x
+                                  d_model floats) so that tl_context_deepen can continue the
+                                  sequence at a deeper depth; 0 = no (the default) */
 } tl_context_options;
 
 TL_API void tl_context_options_default(tl_context_options *opts);
@@ -162,6 +165,15 @@ TL_API tl_status tl_context_truncate(tl_context *ctx, size_t n_keep);
 TL_API tl_status tl_context_reset(tl_context *ctx);
 TL_API tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens);
 TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* copies the sequence */
+/* Continue the whole sequence at a deeper loop depth (at most the context's max_depth),
+ * from where its loop stopped: the prelude and the iterations already run are not
+ * repeated, and the result is the sequence computed at `depth` from the start. Needs a
+ * context created with keep_loop_states and a sequence of at least one token; appends
+ * then run at `depth`. logprobs (n_tokens - 1 floats, or NULL): as tl_context_score
+ * gives them for the sequence at `depth`; last_logits (vocab floats, or NULL): the
+ * logits after the last token. On failure the sequence is emptied. */
+TL_API tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logprobs,
+                                   float *last_logits);
 
 /* ---- scoring ---------------------------------------------------------------- */
 typedef struct tl_score_options {
