@@ -35,9 +35,10 @@ def paths(tmp_path_factory):
 class Running:
     """A ModelServer on a free port in a thread, and a small JSON client for it."""
 
-    def __init__(self, path, parallel=1):
+    def __init__(self, path, parallel=1, prompt_cache=None):
         self.model = tinyloop.Model(path, threads=1)
-        self.server = ModelServer(("127.0.0.1", 0), self.model, name="tiny", parallel=parallel)
+        self.server = ModelServer(("127.0.0.1", 0), self.model, name="tiny", parallel=parallel,
+                                  prompt_cache=prompt_cache)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -104,9 +105,12 @@ def test_completion_equals_the_python_api(server):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert choice["text"] == expected.text
     assert choice["finish_reason"] == {"max_tokens": "length", "eos": "stop"}[expected.stop_reason]
-    assert body["usage"] == {"prompt_tokens": len(server.model.tokenizer.encode("Hello")),
-                             "completion_tokens": len(expected.tokens),
-                             "total_tokens": len(server.model.tokenizer.encode("Hello")) + len(expected.tokens)}
+    n_prompt = len(server.model.tokenizer.encode("Hello"))
+    usage = body["usage"]
+    assert {key: usage[key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": n_prompt, "completion_tokens": len(expected.tokens),
+        "total_tokens": n_prompt + len(expected.tokens)}
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < n_prompt
     # token-id prompts, a batch of one, the per-request loop depth
     ids = server.model.tokenizer.encode("Hello")
     for prompt in (ids, [ids], ["Hello"]):
@@ -183,6 +187,38 @@ def test_chat(chat_server):
     status, body = chat_server.post("/v1/chat/completions", {"messages": parts,
                                                              "max_completion_tokens": 3, **GREEDY})
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
+
+
+def test_a_conversation_continues_its_kept_sequence(paths):
+    """A prompt that resends the one before and its answer reuses that request's sequence
+    (usage says how many prompt tokens), a deeper request deepens it, and every answer is
+    the uncached server's."""
+    cached_server, plain_server = Running(paths[0]), Running(paths[0], prompt_cache=0)
+    try:
+        prompt, turns = "Sea", []
+        for depth, stream in ((2, False), (2, True), (4, False), (3, False)):
+            body = {"prompt": prompt, "max_tokens": 8, "depth": depth, **GREEDY}
+            if stream:
+                events = cached_server.events("/v1/completions", dict(
+                    body, stream=True, stream_options={"include_usage": True}))
+                text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+                usage = events[-1]["usage"]
+            else:
+                status, answer = cached_server.post("/v1/completions", body)
+                assert status == 200, answer
+                text, usage = answer["choices"][0]["text"], answer["usage"]
+            status, expected = plain_server.post("/v1/completions", body)
+            assert text == expected["choices"][0]["text"], (depth, stream)
+            assert expected["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            turns.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
+            prompt = prompt + text + " more"
+        assert turns[0][1] == 0
+        assert turns[1][1] >= turns[0][0]        # the first prompt and its answer were kept
+        assert turns[2][1] >= turns[1][0]        # deepened from depth 2 to 4
+        assert turns[3][1] == 0                  # depth 3 after 4: started over
+    finally:
+        cached_server.close()
+        plain_server.close()
 
 
 def test_chat_without_template_is_refused(server):
@@ -289,7 +325,7 @@ def test_cli_serve(paths, stop):
     """The server starts, answers, and stops cleanly on Ctrl-C or SIGTERM."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", _CLI_WITH_DEFAULT_SIGINT, "serve", str(paths[0]),
-                             "--port", "0", "--threads", "1", "--name", "tiny"], stderr=subprocess.PIPE,
+                             "--port", "0", "--threads", "1", "--name", "tiny", "--prompt-cache", "2"], stderr=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()

@@ -340,7 +340,7 @@ def cmd_serve(args) -> dict:
     with _open_model(args) as model:
         name = args.name or Path(model.path).stem
         serve(model, host=args.host, port=args.port, name=name, parallel=args.parallel,
-              log=lambda line: print(line, file=sys.stderr, flush=True))
+              prompt_cache=args.prompt_cache, log=lambda line: print(line, file=sys.stderr, flush=True))
     return {"model": model.path, "name": name}
 
 
@@ -529,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="model name clients send (default: the file's stem)")
     p.add_argument("--parallel", type=_positive, default=1,
                    help="generations at once; others wait (1)")
+    p.add_argument("--prompt-cache", type=_non_negative, default=None, metavar="N",
+                   help="sequences kept between requests; a request continues the one sharing the "
+                        "longest start with its prompt (default: --parallel; 0 = off)")
     _add_runtime_flags(p)
 
     return parser

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from . import server_api
 from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
+from .prompt_cache import PromptCache
 from .server_api import RequestError
 from .text_generation import GenerationCancelled, TextGeneration, generate_text
 
@@ -32,9 +33,13 @@ READ_TIMEOUT_S = 30          # a client that sends nothing for this long is drop
 class ModelServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address, model, *, name: str, parallel: int = 1, log=None):
+    def __init__(self, address, model, *, name: str, parallel: int = 1,
+                 prompt_cache: int | None = None, log=None):
         super().__init__(address, _Handler)
         self.model = model
+        # sequences kept between requests: by default one per slot; 0 = none
+        kept = parallel if prompt_cache is None else prompt_cache
+        self.cache = PromptCache(model, kept) if kept > 0 else None
         self.name = name
         self.parallel = parallel
         self.slots = threading.BoundedSemaphore(parallel)
@@ -58,6 +63,8 @@ class ModelServer(ThreadingHTTPServer):
             self.slots.acquire()
         for _ in range(self.parallel):
             self.slots.release()
+        if self.cache is not None:
+            self.cache.close()
 
 
 class _ClientGone(Exception):
@@ -174,20 +181,34 @@ class _Handler(BaseHTTPRequestHandler):
         with server.slots:
             if server.stopping.is_set():
                 raise RequestError("the server is shutting down", status=503, kind="server_error")
-            pieces = generate_text(server.model, request.prompt_ids, request.stops,
-                                   request.options, record,
-                                   cancelled=lambda: server.stopping.is_set() or self._client_gone())
+            prompt, options, lease = request.prompt_ids, request.options, None
+            if server.cache is not None:
+                # a kept sequence has one depth: name it, so that 0 cannot mean another
+                options = dict(options, depth=options.get("depth") or server.model.info.default_depth)
+                try:
+                    lease = server.cache.acquire(prompt, options["depth"])
+                except TinyLoopError as e:
+                    raise _library_error(e) from None
+                prompt, record.cached_tokens = lease.rest, lease.cached
+            pieces = generate_text(server.model, prompt, request.stops, options, record,
+                                   cancelled=lambda: server.stopping.is_set() or self._client_gone(),
+                                   context=lease.context if lease else None)
+            ok = False
             try:
                 if request.stream:
                     self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
                 else:
                     text = "".join(pieces)
                     self._send_json(200, whole_body(rid, request.model, text, record.finish_reason,
-                                                    record.prompt_tokens, record.completion_tokens))
+                                                    record.prompt_tokens, record.completion_tokens,
+                                                    record.cached_tokens))
+                ok = True
             except TinyLoopError as e:
                 raise _library_error(e) from None
             finally:
                 pieces.close()
+                if lease is not None:
+                    server.cache.release(lease, request.prompt_ids + record.token_ids, ok)
 
     def _stream(self, rid, request, pieces, record, piece_chunk, last_chunk, first) -> None:
         started = False
@@ -222,7 +243,8 @@ class _Handler(BaseHTTPRequestHandler):
         send(last_chunk(rid, record.finish_reason))
         if request.include_usage:
             send(dict(last_chunk(rid, None), choices=[],
-                      usage=server_api.usage(record.prompt_tokens, record.completion_tokens)))
+                      usage=server_api.usage(record.prompt_tokens, record.completion_tokens,
+                                             record.cached_tokens)))
         send("[DONE]")
 
 
@@ -239,10 +261,12 @@ def _stop_on_sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve(model, *, host: str, port: int, name: str, parallel: int, log=None) -> None:
+def serve(model, *, host: str, port: int, name: str, parallel: int,
+          prompt_cache: int | None = None, log=None) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM, as service managers stop a process), then
     close the listening socket and let running generations end."""
-    server = ModelServer((host, port), model, name=name, parallel=parallel, log=log)
+    server = ModelServer((host, port), model, name=name, parallel=parallel,
+                         prompt_cache=prompt_cache, log=log)
     # only from the main thread (where signals are delivered), and only over the default
     # disposition: a SIGTERM handler or an ignore someone else set stays theirs
     take_sigterm = (threading.current_thread() is threading.main_thread()

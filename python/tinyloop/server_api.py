@@ -251,9 +251,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _envelope(rid, model_name, obj: str, choice: dict) -> dict:
@@ -270,13 +271,15 @@ def chat_chunk(rid, model_name, delta: dict, finish=None) -> dict:
                      {"delta": delta, "finish_reason": finish})
 
 
-def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
+                    cached_tokens=0) -> dict:
     return dict(completion_chunk(rid, model_name, text, finish),
-                usage=usage(prompt_tokens, completion_tokens))
+                usage=usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
-def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens) -> dict:
+def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
+              cached_tokens=0) -> dict:
     message = {"role": "assistant", "content": text}
     return dict(_envelope(rid, model_name, "chat.completion",
                           {"message": message, "finish_reason": finish}),
-                usage=usage(prompt_tokens, completion_tokens))
+                usage=usage(prompt_tokens, completion_tokens, cached_tokens))

@@ -6,7 +6,7 @@ a stop string is held back until the next token decides.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 # library stop reasons -> OpenAI finish reasons
@@ -21,6 +21,10 @@ class TextGeneration:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None
+    #: prompt tokens a cached sequence already held (not run again)
+    cached_tokens: int = 0
+    #: the generated token ids, as far as the generation got
+    token_ids: list = field(default_factory=list)
 
 
 class GenerationCancelled(Exception):
@@ -28,21 +32,23 @@ class GenerationCancelled(Exception):
 
 
 def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], options: dict,
-                  record: TextGeneration, cancelled=None) -> Iterator[str]:
+                  record: TextGeneration, cancelled=None, context=None) -> Iterator[str]:
     """Yield the new text in pieces; `record` is filled in when the generator ends (also
     when the consumer closes it early: the library stream is closed then). `cancelled`,
     when given, is asked after every token; True ends the generation with
-    GenerationCancelled."""
+    GenerationCancelled. With `context` the generation continues that context's sequence
+    (`prompt_ids` are then the tokens after it)."""
     tokenizer = model.tokenizer
     decoder = tokenizer.incremental_decoder()
     longest = max((len(s) for s in stops), default=0)
     text, sent = "", 0
-    stream = model.stream(prompt_ids, **options)
+    stream = (model if context is None else context).stream(prompt_ids, **options)
     try:
         for token in stream:
             if cancelled is not None and cancelled():
                 raise GenerationCancelled()
             record.completion_tokens += 1
+            record.token_ids.append(token)
             text += decoder.push(token)
             # a stop string can only end in what this token added (plus its overlap)
             found = _first_stop(text, stops, max(0, sent - longest))

@@ -1,0 +1,171 @@
+"""Sequences kept between requests, so that a request whose prompt starts like an earlier
+one (a chat resent with one more turn, a fixed system prompt, a retry) continues that
+sequence instead of prefilling from nothing: llama.cpp's `cache_prompt`, vLLM's prefix
+caching, here on whole contexts (docs/server.md, "Prompt cache").
+
+Exact by construction: a context truncated to the shared start and then extended gives
+the logits of a fresh prefill of the whole prompt (the library's cached decode equals
+full-sequence scoring), and a sequence kept at a shallower depth is first continued to
+the request's depth with Context.deepen, which equals running it at that depth from the
+start. So a cached request returns what an uncached one would, token for token.
+
+The cache keeps at most `capacity` contexts. A request takes the idle one sharing the
+longest start with its prompt and gives it back when it ends, so no two requests ever
+share a context. Below capacity, a request that would cut short or throw away the best
+match's sequence gets a new context instead, leaving that sequence for a later turn of its
+conversation; at capacity the best match is taken (the least recently used on a tie).
+Contexts beyond capacity (made while every one was busy) are closed on return, the least
+recently used first.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .errors import UnsupportedError
+
+
+@dataclass
+class CachedSequence:
+    """A context and what it holds: its tokens and the loop depth they ran at."""
+
+    context: object
+    tokens: list = field(default_factory=list)
+    depth: int = 0
+    keeps_loop_states: bool = False
+
+
+@dataclass
+class Lease:
+    """A context ready for one request: `rest` is the part of the prompt it still has to
+    run (never empty: the last prompt token's logits start the generation), `cached` the
+    number of prompt tokens it already holds."""
+
+    sequence: CachedSequence
+    rest: list
+    cached: int
+
+    @property
+    def context(self):
+        return self.sequence.context
+
+
+def shared_start(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PromptCache:
+    def __init__(self, model, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a prompt cache needs a capacity of at least 1, not {capacity}")
+        self._model = model
+        self._capacity = capacity
+        self._idle: list[CachedSequence] = []   # least recently used first
+        self._live = 0                          # contexts made and not closed
+        self._lock = threading.Lock()
+
+    def _reusable(self, seq: CachedSequence, prompt: list, depth: int) -> int:
+        """Prompt tokens `seq` can keep for a request at `depth`: its shared start with the
+        prompt, less the prompt's last token; none when its depth is deeper (a loop state
+        cannot be undone) or shallower without kept loop states."""
+        if not seq.tokens or (seq.depth != depth and not (seq.keeps_loop_states and seq.depth < depth)):
+            return 0
+        return min(shared_start(seq.tokens, prompt), len(prompt) - 1)
+
+    @staticmethod
+    def _extends(seq: CachedSequence, prompt: list, keep: int) -> bool:
+        """Whether a request may take `seq` while the cache has room for another context:
+        when `seq` is empty, or the request reuses it and neither it nor the prompt has
+        tokens the other lacks. Otherwise `seq` stays for a later turn of its conversation."""
+        if not seq.tokens:
+            return True
+        return keep > 0 and shared_start(seq.tokens, prompt) == min(len(seq.tokens), len(prompt))
+
+    def _new_sequence(self) -> CachedSequence:
+        try:
+            return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
+        except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
+            return CachedSequence(self._model.context())
+
+    def acquire(self, prompt, depth: int) -> Lease:
+        """A context for a request of `prompt` (token ids, at least one) at loop `depth`
+        (resolved: not 0), holding as much of the prompt as the cache has."""
+        prompt = list(prompt)
+        with self._lock:
+            best, keep = None, 0
+            for seq in self._idle:   # least recently used first: it wins a tie
+                n = self._reusable(seq, prompt, depth)
+                if best is None or n > keep or (n == keep and seq.depth == depth != best.depth):
+                    best, keep = seq, n
+            if best is not None and (self._live >= self._capacity or self._extends(best, prompt, keep)):
+                self._idle.remove(best)
+            else:
+                best, keep = None, 0
+                self._live += 1
+        if best is None:
+            try:
+                best = self._new_sequence()
+            except BaseException:
+                with self._lock:
+                    self._live -= 1
+                raise
+        try:
+            if keep == 0:
+                best.context.reset()
+                best.tokens = []
+            else:
+                best.context.truncate(keep)
+                best.tokens = best.tokens[:keep]
+                if best.depth != depth:
+                    best.context.deepen(depth)
+            best.depth = depth
+        except BaseException:
+            self._discard(best)
+            raise
+        return Lease(best, prompt[keep:], keep)
+
+    def _discard(self, seq: CachedSequence) -> None:
+        seq.context.close()
+        with self._lock:
+            self._live -= 1
+
+    def release(self, lease: Lease, tokens, ok: bool = True) -> None:
+        """Give the context back. `tokens`: the prompt and every token generated after
+        it; the context holds a prefix of them (a generation does not run its last token).
+        After a failure (`ok` False) the context is emptied rather than trusted."""
+        seq = lease.sequence
+        try:
+            if ok:
+                tokens = list(tokens)
+                held = len(seq.context)
+                if held > len(tokens):   # ran a token the caller did not see: drop it
+                    seq.context.truncate(len(tokens))
+                    held = len(tokens)
+                seq.tokens = tokens[:held]
+            else:
+                seq.context.reset()
+                seq.tokens = []
+        except BaseException:
+            self._discard(seq)
+            raise
+        with self._lock:
+            self._idle.append(seq)
+            extra = []
+            while self._live > self._capacity and self._idle:   # the least recently used go
+                extra.append(self._idle.pop(0))
+                self._live -= 1
+        for old in extra:
+            old.context.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._live -= len(idle)
+        for seq in idle:
+            seq.context.close()
