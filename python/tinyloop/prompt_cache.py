@@ -88,10 +88,16 @@ class PromptCache:
         return keep > 0 and shared_start(seq.tokens, prompt) == min(len(seq.tokens), len(prompt))
 
     def _new_sequence(self) -> CachedSequence:
-        try:
-            return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
-        except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
-            return CachedSequence(self._model.context())
+        # Loop states are kept on the CPU only: on CUDA, storing a decode step's state at its
+        # position's row changes the step from position to position, which turns the
+        # backend's CUDA graphs off and slows every decoded token, while a prefill from
+        # the start, all that deepening saves, is quick there.
+        if self._model.info.device_index < 0:
+            try:
+                return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
+            except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
+                pass
+        return CachedSequence(self._model.context())
 
     def acquire(self, prompt, depth: int) -> Lease:
         """A context for a request of `prompt` (token ids, at least one) at loop `depth`

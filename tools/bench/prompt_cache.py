@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--user", type=int, default=64)
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json")
@@ -89,7 +90,8 @@ def main() -> int:
     if len(tokens) < need * args.repeat:
         raise SystemExit(f"{args.tokens} holds {len(tokens)} tokens, fewer than {need * args.repeat}")
     path = args.model or str(default_model_path())
-    with tinyloop.Model(path, threads=args.threads) as model:
+    with tinyloop.Model(path, device=args.device, threads=args.threads) as model:
+        model_device = model.info.device_name
         if need + args.turns * args.answer > model.info.max_seq_len:
             raise SystemExit(f"the conversation outgrows the context ({model.info.max_seq_len})")
         servers = {"cached": ModelServer(("127.0.0.1", 0), model, name="m", prompt_cache=1),
@@ -111,10 +113,10 @@ def main() -> int:
     if texts["cached"] != texts["uncached"]:
         raise SystemExit("the cached server answered differently from the uncached one")
     res = {"model": Path(path).name, "machine": platform.processor() or platform.machine(),
-           "threads": args.threads, "first": args.first, "user": args.user, "answer": args.answer,
+           "device": model_device, "threads": args.threads, "first": args.first, "user": args.user, "answer": args.answer,
            "turns": args.turns, "repeat": args.repeat}
     print(f"{args.turns} turns from {args.first} tokens (+{args.user} text, {args.answer} answer "
-          f"per turn), {res['model']}, threads {args.threads}, median of {args.repeat}")
+          f"per turn), {res['model']} on {model_device}, threads {args.threads}, median of {args.repeat}")
     for name, r in runs.items():
         ttft = [statistics.median(run["turns"][i]["ttft_s"] for run in r) for i in range(args.turns)]
         res[name] = {"seconds": statistics.median(run["seconds"] for run in r), "ttft_s": ttft,
