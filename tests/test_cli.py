@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import textmodel
+import tinyloop
+from tinyloop.chat_template import load_chat_template
 from tinyloop.config import load_config
 from tinyloop.format import copy_file, read_file
 
@@ -219,6 +221,14 @@ def test_chat_keeps_the_conversation(tmp_path):
     # each reply is printed on its own line before the JSON line
     replies = [m["content"] for m in report["messages"] if m["role"] == "assistant"]
     assert all(replies) and proc.stdout.startswith(replies[0] + "\n" + replies[1] + "\n")
+    # the second turn continued the first one's sequence, with the answer of a fresh pass
+    assert report["cached_tokens"][0] == 0 and report["cached_tokens"][1] > report["prompt_tokens"][0]
+    with tinyloop.Model(path, threads=1) as model:
+        render = load_chat_template(model)
+        ids = model.tokenizer.encode(render(report["messages"][:4]), add_bos=False)
+        assert len(ids) == report["prompt_tokens"][1]
+        fresh = model.generate(ids, max_tokens=5, temperature=0)
+        assert model.tokenizer.decode(fresh.tokens) == replies[1]
 
 
 def test_chat_drops_old_turns_to_fit_the_context(tmp_path):

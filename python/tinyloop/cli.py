@@ -347,6 +347,7 @@ def cmd_serve(args) -> dict:
 # -- chat --------------------------------------------------------------------------------
 def cmd_chat(args) -> dict:
     from .chat_template import load_chat_template
+    from .prompt_cache import PromptCache
     from .text_generation import TextGeneration, generate_text
     config = _load_config(args)
     options, depth = _sampling(args, config)
@@ -357,31 +358,43 @@ def cmd_chat(args) -> dict:
                                "use `tinyloop generate`")
         messages = [{"role": "system", "content": args.system}] if args.system else []
         interactive = sys.stdin.isatty()
-        turns = 0
-        while True:
-            if interactive:
-                print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
-            text = line.rstrip("\n")
-            if not line or text.strip() in ("/exit", "/quit"):
-                break
-            if not text.strip():
-                continue
-            messages.append({"role": "user", "content": text})
-            ids = _fit_chat(model, render, messages)
-            if ids is None:
-                continue
-            record = TextGeneration(prompt_tokens=len(ids))
-            reply = []
-            for piece in generate_text(model, ids, [], dict(options, depth=depth), record):
-                reply.append(piece)
-                sys.stdout.write(piece)
+        # each turn continues the conversation's sequence: only the new message runs
+        cache, depth = PromptCache(model, 1), depth or model.info.default_depth
+        prompt_tokens, cached_tokens = [], []
+        try:
+            while True:
+                if interactive:
+                    print("> ", end="", file=sys.stderr, flush=True)
+                line = sys.stdin.readline()
+                text = line.rstrip("\n")
+                if not line or text.strip() in ("/exit", "/quit"):
+                    break
+                if not text.strip():
+                    continue
+                messages.append({"role": "user", "content": text})
+                ids = _fit_chat(model, render, messages)
+                if ids is None:
+                    continue
+                record = TextGeneration(prompt_tokens=len(ids))
+                lease, reply, ok = cache.acquire(ids, depth), [], False
+                try:
+                    for piece in generate_text(model, lease.rest, [], dict(options, depth=depth),
+                                               record, context=lease.context):
+                        reply.append(piece)
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                    ok = True
+                finally:
+                    cache.release(lease, ids + record.token_ids, ok)
+                sys.stdout.write("\n")
                 sys.stdout.flush()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            messages.append({"role": "assistant", "content": "".join(reply)})
-            turns += 1
-        return {"model": model.path, "turns": turns, "messages": messages}
+                messages.append({"role": "assistant", "content": "".join(reply)})
+                prompt_tokens.append(len(ids))
+                cached_tokens.append(lease.cached)
+        finally:
+            cache.close()
+        return {"model": model.path, "turns": len(prompt_tokens), "messages": messages,
+                "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
 
 
 def _fit_chat(model, render, messages: list):
