@@ -221,6 +221,31 @@ def test_a_conversation_continues_its_kept_sequence(paths):
         plain_server.close()
 
 
+def test_a_stream_failing_midway_empties_its_kept_sequence(paths, monkeypatch):
+    """A library error after the stream started goes out as the last event, and the
+    request's kept sequence is emptied rather than trusted."""
+    running = Running(paths[0])
+    try:
+        real_next, calls = tinyloop.model.TokenStream.__next__, []
+
+        def failing_next(stream):
+            calls.append(1)
+            if len(calls) == 4:
+                raise tinyloop.errors.TinyLoopError("injected failure")
+            return real_next(stream)
+
+        monkeypatch.setattr(tinyloop.model.TokenStream, "__next__", failing_next)
+        status, payload = running.request("POST", "/v1/completions", {
+            "prompt": "Hello", "max_tokens": 8, "stream": True, **GREEDY})
+        assert status == 200
+        last = json.loads([line for line in payload.decode().split("\n\n") if line][-1][6:])
+        assert "injected failure" in last["error"]["message"]
+        assert [seq.tokens for seq in running.server.cache._idle] == [[]]
+        assert [len(seq.context) for seq in running.server.cache._idle] == [0]
+    finally:
+        running.close()
+
+
 def test_chat_without_template_is_refused(server):
     status, body = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert status == 400 and "no chat template" in body["error"]["message"]

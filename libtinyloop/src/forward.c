@@ -226,14 +226,17 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
 /* A context that keeps its loop states (context.h) gets rows' injection sources and
  * states at their positions, from e and h after the loop. Every pass that extends the
  * sequence stores them; a draft's, at its shallower depth, is overwritten by the
- * verification of the same positions before the sequence goes on. */
+ * verification of the same positions before the sequence goes on. Stored as a key/value
+ * pair is: a backend that replays recorded decode steps (CUDA graphs) addresses those
+ * rows from the step's position, so every step stays the same step. Without injection
+ * the state is written to both slots of one buffer, the same values twice. */
 static void store_loop_states(const fwd *F, int n, int pos0) {
     struct tl_context *ctx = F->ctx;
     if (!ctx->loop_s) return;
-    size_t at = (size_t)pos0 * F->d;
-    if (F->hp->injection != TL_INJECT_NONE)
-        F->ops->copy_rows(F->ex, tl_act_add(buf0(ctx->loop_e), at), F->d, buf0(ctx->e), F->d, n, F->d);
-    F->ops->copy_rows(F->ex, tl_act_add(buf0(ctx->loop_s), at), F->d, buf0(ctx->h), F->d, n, F->d);
+    tl_act states = buf0(ctx->loop_s), h = buf0(ctx->h);
+    int inject = F->hp->injection != TL_INJECT_NONE;
+    F->ops->kv_store(F->ex, inject ? buf0(ctx->loop_e) : states, states, inject ? buf0(ctx->e) : h, h,
+                     n, pos0, F->d);
 }
 
 /* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with

@@ -7,7 +7,10 @@ Exact by construction: a context truncated to the shared start and then extended
 the logits of a fresh prefill of the whole prompt (the library's cached decode equals
 full-sequence scoring), and a sequence kept at a shallower depth is first continued to
 the request's depth with Context.deepen, which equals running it at that depth from the
-start. So a cached request returns what an uncached one would, token for token.
+start. So a cached request returns what an uncached one would, token for token, on the
+CPU, whose logits are the same bits either way. On CUDA a kept sequence's answer tokens
+were run one decode step at a time and an uncached request prefills them in chunks,
+through other kernels: equal up to float rounding, so a near-tie may go the other way.
 
 The cache keeps at most `capacity` contexts. A request takes the idle one sharing the
 longest start with its prompt and gives it back when it ends, so no two requests ever
@@ -81,23 +84,19 @@ class PromptCache:
     @staticmethod
     def _extends(seq: CachedSequence, prompt: list, keep: int) -> bool:
         """Whether a request may take `seq` while the cache has room for another context:
-        when `seq` is empty, or the request reuses it and neither it nor the prompt has
-        tokens the other lacks. Otherwise `seq` stays for a later turn of its conversation."""
+        when `seq` is empty, or the request reuses it and one of the two starts with the
+        other (a longer prompt extends it; a prompt it already holds, a retry, cuts it
+        back). Otherwise, when their tokens part somewhere or `seq` ran deeper, `seq`
+        stays for a later turn of its conversation."""
         if not seq.tokens:
             return True
         return keep > 0 and shared_start(seq.tokens, prompt) == min(len(seq.tokens), len(prompt))
 
     def _new_sequence(self) -> CachedSequence:
-        # Loop states are kept on the CPU only: on CUDA, storing a decode step's state at its
-        # position's row changes the step from position to position, which turns the
-        # backend's CUDA graphs off and slows every decoded token, while a prefill from
-        # the start, all that deepening saves, is quick there.
-        if self._model.info.device_index < 0:
-            try:
-                return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
-            except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
-                pass
-        return CachedSequence(self._model.context())
+        try:
+            return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
+        except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
+            return CachedSequence(self._model.context())
 
     def acquire(self, prompt, depth: int) -> Lease:
         """A context for a request of `prompt` (token ids, at least one) at loop `depth`

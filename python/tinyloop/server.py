@@ -196,13 +196,13 @@ class _Handler(BaseHTTPRequestHandler):
             ok = False
             try:
                 if request.stream:
-                    self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
+                    ok = self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
                 else:
                     text = "".join(pieces)
                     self._send_json(200, whole_body(rid, request.model, text, record.finish_reason,
                                                     record.prompt_tokens, record.completion_tokens,
                                                     record.cached_tokens))
-                ok = True
+                    ok = True
             except TinyLoopError as e:
                 raise _library_error(e) from None
             finally:
@@ -210,7 +210,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if lease is not None:
                     server.cache.release(lease, request.prompt_ids + record.token_ids, ok)
 
-    def _stream(self, rid, request, pieces, record, piece_chunk, last_chunk, first) -> None:
+    def _stream(self, rid, request, pieces, record, piece_chunk, last_chunk, first) -> bool:
+        """Send the generation as server-sent events; False when the library failed after
+        the stream had started (the error went out as the last event)."""
         started = False
 
         def send(payload: dict | str) -> None:
@@ -239,13 +241,14 @@ class _Handler(BaseHTTPRequestHandler):
                     send(piece_chunk(rid, piece))
         except TinyLoopError as e:   # after the 200: the error goes in the event stream
             send({"error": _library_error(e).body()["error"]})
-            return
+            return False
         send(last_chunk(rid, record.finish_reason))
         if request.include_usage:
             send(dict(last_chunk(rid, None), choices=[],
                       usage=server_api.usage(record.prompt_tokens, record.completion_tokens,
                                              record.cached_tokens)))
         send("[DONE]")
+        return True
 
 
 def _library_error(error: TinyLoopError) -> RequestError:
