@@ -399,6 +399,25 @@ tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n,
     return F.ops->status(F.ex);
 }
 
+/* `count` rows of h (and e) from rows kept elsewhere: loop states and injection sources. */
+static void load_loop_states(const fwd *F, tl_act kept_e, tl_act kept_s, int count) {
+    F->ops->copy_rows(F->ex, buf0(F->ctx->h), F->d, kept_s, F->d, count, F->d);
+    if (F->hp->injection != TL_INJECT_NONE)
+        F->ops->copy_rows(F->ex, buf0(F->ctx->e), F->d, kept_e, F->d, count, F->d);
+}
+
+/* Rows [pos0, pos0 + n) whose h and e hold their state and injection source after
+ * iteration `from`: iterations from+1..depth, their kept states, the coda and `out`. */
+static tl_status continue_loop(const fwd *F, int n, int pos0, int from, int depth,
+                               const tl_forward_out *out) {
+    tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
+    for (int it = from + 1; it <= depth; it++) core_iteration(F, h, e, n, pos0, it);
+    store_loop_states(F, n, pos0);
+    coda(F, n, pos0);
+    if (out) outputs(F, n, pos0, out);
+    return F->ops->status(F->ex);
+}
+
 tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                             int from, int depth, tl_act kept_e, tl_act kept_s,
                             const tl_forward_out *out) {
@@ -412,27 +431,15 @@ tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n
     F.ops->copy_rows(F.ex, tl_act_add(h, (size_t)last * F.d), F.d, h, F.d, 1, F.d);
     if (F.hp->injection != TL_INJECT_NONE)
         F.ops->copy_rows(F.ex, tl_act_add(e, (size_t)last * F.d), F.d, e, F.d, 1, F.d);
-    /* the drafted rows where their drafts left them */
-    F.ops->copy_rows(F.ex, h, F.d, kept_s, F.d, last, F.d);
-    if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, e, F.d, kept_e, F.d, last, F.d);
-    for (int it = from + 1; it <= depth; it++) core_iteration(&F, h, e, n, pos0, it);
-    store_loop_states(&F, n, pos0);
-    coda(&F, n, pos0);
-    outputs(&F, n, pos0, out);
-    return F.ops->status(F.ex);
+    load_loop_states(&F, kept_e, kept_s, last);   /* the drafted rows where their drafts left them */
+    return continue_loop(&F, n, pos0, from, depth, out);
 }
 
 tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
                             const tl_forward_out *out) {
     fwd F = fwd_for(ctx);
-    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
     size_t at = (size_t)pos0 * F.d;
-    F.ops->copy_rows(F.ex, h, F.d, tl_act_add(buf0(ctx->loop_s), at), F.d, n, F.d);
-    if (F.hp->injection != TL_INJECT_NONE)
-        F.ops->copy_rows(F.ex, e, F.d, tl_act_add(buf0(ctx->loop_e), at), F.d, n, F.d);
-    for (int it = from + 1; it <= depth; it++) core_iteration(&F, h, e, n, pos0, it);
-    store_loop_states(&F, n, pos0);
-    coda(&F, n, pos0);
-    if (out) outputs(&F, n, pos0, out);
-    return F.ops->status(F.ex);
+    load_loop_states(&F, ctx->loop_e ? tl_act_add(buf0(ctx->loop_e), at) : (tl_act){ 0 },
+                     tl_act_add(buf0(ctx->loop_s), at), n);
+    return continue_loop(&F, n, pos0, from, depth, out);
 }
