@@ -179,3 +179,9 @@ def test_shared_start_and_capacity_argument():
     assert shared_start([], [1]) == 0 and shared_start([1, 2], [1, 2, 3]) == 2
     with pytest.raises(ValueError, match="capacity"):
         PromptCache(None, 0)
+
+
+def test_a_negative_number_of_kept_sequences_is_refused(model):
+    from tinyloop.server import ModelServer
+    with pytest.raises(ValueError, match="prompt_cache is -1"):
+        ModelServer(("127.0.0.1", 0), model, name="m", prompt_cache=-1)

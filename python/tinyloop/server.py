@@ -35,10 +35,12 @@ class ModelServer(ThreadingHTTPServer):
 
     def __init__(self, address, model, *, name: str, parallel: int = 1,
                  prompt_cache: int | None = None, log=None):
-        super().__init__(address, _Handler)
-        self.model = model
         # sequences kept between requests: by default one per slot; 0 = none
         kept = parallel if prompt_cache is None else prompt_cache
+        if kept < 0:   # checked before the socket is bound, which a refusal would leave open
+            raise ValueError(f"prompt_cache is {kept}: the number of kept sequences, 0 = none")
+        super().__init__(address, _Handler)
+        self.model = model
         self.cache = PromptCache(model, kept) if kept > 0 else None
         self.name = name
         self.parallel = parallel
