@@ -102,6 +102,15 @@ def test_no_minutes_kept_means_every_gpu_trains(tmp_path):
     assert done == "0" and calls[-1].endswith("--gpus 0,1")
 
 
+def test_more_variants_than_gpus_share_them_in_turn(tmp_path):
+    variants = ["--variant", "b=", "--variant", "c="]
+    proc, done, calls = run(tmp_path, {"FAKE_GPUS": "1"}, pair_args=variants)
+    assert done == "0" and calls[-1].endswith("--variant c= --gpus 0,0,0"), proc.stdout + proc.stderr
+    (tmp_path / "two").mkdir()
+    proc, done, calls = run(tmp_path / "two", {"FAKE_GPUS": "2"}, pair_args=variants)
+    assert done == "0" and calls[-1].endswith("--variant c= --gpus 0,1,0"), proc.stdout + proc.stderr
+
+
 def test_keeping_a_sampler_needs_a_gpu_per_variant(tmp_path):
     proc, done, calls = run(tmp_path, {"KEEP_SAMPLING_MINUTES": "2"}, pair_args=["--variant", "b="])
     assert done == "94" and "1 GPU(s) left for 2 variant(s)" in proc.stdout

@@ -18,6 +18,7 @@
 # KEEP_SAMPLING_MINUTES=M (environment, default 0): GPU 0 goes on sampling for M minutes more
 # while pair.py trains on the other GPUs (--gpus 1,2,...); give train.py --synthetic-follow so
 # the training reads the records appended meanwhile. The sampler is stopped when pair.py ends.
+# More variants than training GPUs share them in turn (three runs fit one H200's memory).
 
 main() {
     set -u -f  # -f: GENERATE_ARGS is split into arguments, never expanded as file patterns
@@ -75,7 +76,11 @@ main() {
         stop_samplers "${pids[@]:0:first}"
         return 92
     fi
-    local gpu_list
+    local gpu_list variants i
+    variants=$(count_variants "$@")
+    for ((i = ${#train_gpus[@]}; i < variants; i++)); do  # more variants than GPUs: share them in turn
+        train_gpus+=("${train_gpus[$((i % ${#train_gpus[@]}))]}")
+    done
     gpu_list=$(IFS=,; echo "${train_gpus[*]}")
     echo "[pipeline] $(date -u +%T) training on GPU(s) $gpu_list"
     python3 "$code/tools/train/pair.py" --teacher "$TEACHER" "$@" --gpus "$gpu_list"
