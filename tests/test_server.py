@@ -35,10 +35,10 @@ def paths(tmp_path_factory):
 class Running:
     """A ModelServer on a free port in a thread, and a small JSON client for it."""
 
-    def __init__(self, path, parallel=1, prompt_cache=None):
+    def __init__(self, path, parallel=1, prompt_cache=None, batch_decode=None):
         self.model = tinyloop.Model(path, threads=1)
         self.server = ModelServer(("127.0.0.1", 0), self.model, name="tiny", parallel=parallel,
-                                  prompt_cache=prompt_cache)
+                                  prompt_cache=prompt_cache, batch_decode=batch_decode)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -313,18 +313,66 @@ def test_parallel_requests_give_the_sequential_answers(server):
     prompts = ["alpha", "beta", "gamma", "delta"]
     expected = {p: server.post("/v1/completions", {"prompt": p, "max_tokens": 10, **GREEDY})[1]
                 ["choices"][0]["text"] for p in prompts}
-    got = {}
+    assert stream_concurrently(server, prompts, {"max_tokens": 10, "stream": True, **GREEDY}) == expected
+
+
+def stream_concurrently(running, prompts, body) -> dict:
+    """The streamed completions of the prompts, each requested from its own thread, all at once."""
+    got, barrier = {}, threading.Barrier(len(prompts))
 
     def one(p):
-        got[p] = "".join(e["choices"][0]["text"] for e in server.events(
-            "/v1/completions", {"prompt": p, "max_tokens": 10, "stream": True, **GREEDY}))
+        barrier.wait()
+        got[p] = "".join(e["choices"][0]["text"] for e in running.events("/v1/completions", {"prompt": p, **body}))
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert got == expected
+    return got
+
+
+def test_concurrent_requests_share_their_decode_steps(paths, monkeypatch):
+    """With several slots on the CPU the decode steps of concurrent generations run
+    together (fewer batched steps than tokens), and each answer is the one it gets alone;
+    a stream failing inside a batched step ends only its own request, with the error as
+    its last event."""
+    running = Running(paths[0], parallel=4, prompt_cache=0)
+    try:
+        assert running.server.batcher is not None
+        prompts = ["alpha", "beta", "gamma", "delta"]
+        body = {"max_tokens": 24, "stream": True, **GREEDY}
+        expected = {p: running.model.generate(p, max_tokens=24, temperature=0).text for p in prompts}
+        assert stream_concurrently(running, prompts, body) == expected
+        batcher = running.server.batcher
+        assert batcher.stepped > batcher.steps, (batcher.stepped, batcher.steps)
+
+        real, calls = tinyloop.Model.next_batch, []
+
+        def failing(model, streams):
+            results = real(model, streams)
+            calls.append(1)
+            if len(calls) == 3:
+                results[0] = tinyloop.errors.TinyLoopError("injected failure")
+            return results
+
+        monkeypatch.setattr(tinyloop.Model, "next_batch", failing)
+        status, payload = running.request("POST", "/v1/completions", {"prompt": "Hello", **body})
+        assert status == 200
+        last = json.loads([line for line in payload.decode().split("\n\n") if line][-1][6:])
+        assert "injected failure" in last["error"]["message"]
+        monkeypatch.setattr(tinyloop.Model, "next_batch", real)
+        status, answer = running.post("/v1/completions", {"prompt": "alpha", "max_tokens": 24, **GREEDY})
+        assert status == 200 and answer["choices"][0]["text"] == expected["alpha"]
+    finally:
+        running.close()
+    single = Running(paths[0], parallel=1)
+    off = Running(paths[0], parallel=2, batch_decode=False)
+    try:
+        assert single.server.batcher is None and off.server.batcher is None
+    finally:
+        single.close()
+        off.close()
 
 
 def test_client_leaving_mid_stream(server):

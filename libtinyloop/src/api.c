@@ -408,6 +408,24 @@ tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logprobs, flo
     return tl_context_eval_deeper(ctx, depth, &out);
 }
 
+tl_status tl_context_append_batch(tl_context *const *contexts, const int32_t *tokens, size_t n,
+                                  float *logits) {
+    if (n == 0) return TL_OK;
+    NEED(contexts, "contexts");
+    NEED(tokens, "tokens");
+    tl_forward_out *outs = calloc(n, sizeof *outs);
+    if (!outs) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
+    tl_status st = TL_OK;
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        if (!contexts[i]) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "contexts[%zu] is NULL", i);
+        else st = tl_context_check_free(contexts[i]);
+        if (st == TL_OK && logits) outs[i].last_logits = logits + i * (size_t)contexts[0]->model->hp.vocab;
+    }
+    if (st == TL_OK) st = tl_context_eval_batch(contexts, tokens, n, outs);
+    free(outs);
+    return st;
+}
+
 tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
     NEED(ctx, "ctx");
     tl_status st = tl_context_check_free(ctx);
@@ -698,7 +716,7 @@ tl_status tl_stream_start(tl_model *model, tl_context *ctx, const int32_t *promp
             return st;
         }
     }
-    st = tl_stream_begin(s, ctx ? ctx : own, prompt, n_prompt, &o, SIZE_MAX);
+    st = tl_stream_begin(s, ctx ? ctx : own, prompt, n_prompt, &o, SIZE_MAX, 1);
     if (st != TL_OK) {
         tl_context_close(own);
         free(s);
@@ -715,6 +733,32 @@ tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reason *stop
     tl_stop_reason reason;
     tl_status st = tl_stream_step(stream, token, &reason);
     if (stop_reason) *stop_reason = reason;
+    return st;
+}
+
+tl_status tl_stream_next_batch(tl_stream *const *streams, size_t n, int32_t *tokens,
+                               tl_stop_reason *stop_reasons, tl_status *statuses) {
+    if (n == 0) return TL_OK;
+    NEED(streams, "streams");
+    NEED(tokens, "tokens");
+    NEED(stop_reasons, "stop_reasons");
+    NEED(statuses, "statuses");
+    struct tl_stream **gs = malloc(n * sizeof *gs);
+    if (!gs) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu streams", n);
+    tl_status st = TL_OK;
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        if (!streams[i]) {
+            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams[%zu] is NULL", i);
+            break;
+        }
+        gs[i] = streams[i];
+        for (size_t j = 0; j < i && st == TL_OK; j++)
+            if (streams[j] == streams[i]) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams %zu and %zu are the same", j, i);
+        if (st == TL_OK && gs[i]->ctx && gs[0]->ctx && gs[i]->ctx->model != gs[0]->ctx->model)
+            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams[%zu] belongs to another model", i);
+    }
+    if (st == TL_OK) tl_streams_step(gs, n, tokens, stop_reasons, statuses);
+    free(gs);
     return st;
 }
 
@@ -737,8 +781,20 @@ tl_status tl_stream_free(tl_stream *stream) {
     return TL_OK;
 }
 
-/* Each prompt runs as a fresh sequence, one after another, in a context owned by
- * this call: correct results, not yet batched compute. */
+/* The positions a batch member needs: its prompt and every token but the last (which
+ * is never fed), within the model's limit (0 = the model's whole length). */
+static int batch_member_seq(const tl_model *model, size_t n_prompt, const tl_generate_options *o,
+                            size_t out_capacity) {
+    size_t tokens = o->max_tokens > 0 ? (size_t)o->max_tokens : 0;
+    if (tokens > out_capacity) tokens = out_capacity;
+    size_t need = n_prompt + (tokens > 0 ? tokens - 1 : 0);
+    int model_seq = model->load_opts.max_seq_len > 0 ? model->load_opts.max_seq_len : model->hp.max_seq_len;
+    return need == 0 || need >= (size_t)model_seq ? 0 : (int)need;
+}
+
+/* Each prompt runs as its own sequence in a context owned by this call, sized for it;
+ * after the prompts' prefills, their decode steps run together (tl_streams_step: one
+ * forward pass for the sequences that step plainly). */
 tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
                             const size_t *prompt_lengths, size_t n_prompts,
                             const tl_generate_options *opts, int32_t *const *out_tokens,
@@ -748,27 +804,74 @@ tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
     NEED(prompts, "prompts");
     NEED(prompt_lengths, "prompt_lengths");
     NEED(out_tokens, "out_tokens");
-    tl_status st = check_result_arg(results);
+    tl_generate_options o;
+    tl_status st = read_generate_options(opts, &o);
+    if (st == TL_OK) st = check_result_arg(results);
     if (st != TL_OK) return st;
+    for (size_t i = 0; i < n_prompts; i++)
+        if (!out_tokens[i]) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens[%zu] is NULL", i);
     /* the caller's array stride is its own struct size */
     uint32_t stride = 0;
     if (results) memcpy(&stride, results, sizeof stride);
-    tl_context *ctx = NULL;
-    st = tl_context_open(model, 0, 0, 0, &ctx);
-    if (st != TL_OK) return st;
-    for (size_t i = 0; i < n_prompts && st == TL_OK; i++) {
-        if (!out_tokens[i]) {
-            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens[%zu] is NULL", i);
-            break;
+
+    struct tl_stream *streams = calloc(n_prompts, sizeof *streams);
+    struct tl_stream **live = calloc(n_prompts, sizeof *live);
+    size_t *member = calloc(n_prompts, sizeof *member);
+    int32_t *tokens = calloc(n_prompts, sizeof *tokens);
+    tl_stop_reason *reasons = calloc(n_prompts, sizeof *reasons);
+    tl_status *statuses = calloc(n_prompts, sizeof *statuses);
+    if (!streams || !live || !member || !tokens || !reasons || !statuses)
+        st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu generations", n_prompts);
+    size_t begun = 0;
+    for (; begun < n_prompts && st == TL_OK; begun++) {
+        tl_context *ctx = NULL;
+        st = tl_context_open(model, batch_member_seq(model, prompt_lengths[begun], &o, out_capacity), 0, 0, &ctx);
+        if (st == TL_OK) {
+            /* one prompt keeps a greedy stream's steps chained on the device */
+            st = tl_stream_begin(&streams[begun], ctx, prompts[begun], prompt_lengths[begun], &o, out_capacity,
+                                 n_prompts == 1);
+            if (st == TL_OK) streams[begun].owned_ctx = ctx;
+            else tl_context_close(ctx);
         }
-        tl_generate_result *r = results ? (tl_generate_result *)((char *)results + i * stride) : NULL;
-        if (r) memcpy(r, &stride, sizeof stride);
-        tl_context_set_length(ctx, 0);
-        st = generate_on(ctx, prompts[i], prompt_lengths[i], opts, out_tokens[i], out_capacity,
-                         NULL, NULL, r);
-        if (st != TL_OK) st = tl_fail(st, "prompt %zu: %s", i, tl_last_error());
+        if (st != TL_OK) st = tl_fail(st, "prompt %zu: %s", begun, tl_last_error());
     }
-    tl_context_close(ctx);
+    if (st != TL_OK && begun > 0) begun--;   /* the failed one holds nothing to end */
+    size_t n_live = 0;
+    for (size_t i = 0; st == TL_OK && i < n_prompts; i++) {
+        live[n_live] = &streams[i];
+        member[n_live++] = i;
+    }
+    while (st == TL_OK && n_live > 0) {
+        tl_streams_step(live, n_live, tokens, reasons, statuses);
+        size_t kept = 0;
+        for (size_t j = 0; j < n_live; j++) {
+            size_t i = member[j];
+            if (statuses[j] != TL_OK && st == TL_OK) st = tl_fail(statuses[j], "prompt %zu: %s", i, tl_last_error());
+            if (tokens[j] >= 0) out_tokens[i][streams[i].n_generated - 1] = tokens[j];
+            if (tokens[j] >= 0 || (statuses[j] == TL_OK && !streams[i].finished)) {
+                live[kept] = live[j];
+                member[kept++] = i;
+            }
+        }
+        n_live = kept;
+    }
+    for (size_t i = 0; i < begun; i++) {
+        if (results) {
+            tl_generate_result full;
+            tl_generate_result_default(&full);
+            tl_stream_fill_result(&streams[i], &full);
+            char *r = (char *)results + i * stride;
+            memcpy(r, &stride, sizeof stride);
+            write_struct(r, &full, sizeof full);
+        }
+        tl_stream_end(&streams[i]);
+    }
+    free(streams);
+    free(live);
+    free(member);
+    free(tokens);
+    free(reasons);
+    free(statuses);
     return st;
 }
 

@@ -235,6 +235,88 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
     return st;
 }
 
+/* Rows of one depth, at most lead's chunk rows, through one batched forward. */
+static tl_status eval_batch_group(struct tl_context *lead, struct tl_context *const *ctxs,
+                                  const int32_t *tokens, const size_t *pick, int n, int depth,
+                                  const tl_forward_out *outs, tl_batch_row *rows, int32_t *row_tokens,
+                                  tl_forward_out *row_outs) {
+    for (int r = 0; r < n; r++) {
+        size_t i = pick[r];
+        rows[r] = (tl_batch_row){ ctxs[i], (int)ctxs[i]->n_tokens };
+        row_tokens[r] = tokens[i];
+        row_outs[r] = outs ? outs[i] : (tl_forward_out){ 0 };
+    }
+    return tl_forward_batch(lead, rows, row_tokens, n, depth, row_outs);
+}
+
+tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *tokens, size_t n,
+                                const tl_forward_out *outs) {
+    if (n == 0) return TL_OK;
+    if (n == 1)   /* one row: the one-row step's path (fused kernels, recorded steps) */
+        return tl_context_eval(ctxs[0], tokens, 1, 0, outs);
+    struct tl_context *lead = ctxs[0];
+    int *depths = malloc(n * sizeof *depths);
+    if (!depths) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
+    tl_status st = TL_OK;
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        struct tl_context *ctx = ctxs[i];
+        if (ctx->model != lead->model) {
+            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "batch: context %zu belongs to another model", i);
+            break;
+        }
+        for (size_t j = 0; j < i && st == TL_OK; j++)
+            if (ctxs[j] == ctx) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "batch: contexts %zu and %zu are the same", j, i);
+        if (st == TL_OK) st = tl_context_resolve_depth(ctx, 0, &depths[i]);
+        if (st == TL_OK) st = tl_context_check_tokens(ctx, tokens + i, 1);
+        if (st == TL_OK && ctx->n_tokens >= (size_t)ctx->max_seq)
+            st = tl_fail(TL_ERR_CONTEXT_FULL, "batch: context %zu is full (max_seq_len %d)", i, ctx->max_seq);
+        if (ctx->max_seq > lead->max_seq) lead = ctx;   /* its attention scratch covers every row */
+    }
+    if (st == TL_OK && lead->model->hp.state_init == TL_INIT_WARM) {
+        /* a warm start chains each position to the previous one's state: one by one */
+        for (size_t i = 0; i < n && st == TL_OK; i++)
+            st = tl_context_eval(ctxs[i], tokens + i, 1, 0, outs ? &outs[i] : NULL);
+    }
+    if (st != TL_OK || lead->model->hp.state_init == TL_INIT_WARM) {
+        free(depths);
+        return st;
+    }
+    size_t cap = (size_t)lead->chunk_rows;
+    size_t *pick = malloc(n * sizeof *pick);
+    tl_batch_row *rows = malloc(cap * sizeof *rows);
+    int32_t *row_tokens = malloc(cap * sizeof *row_tokens);
+    tl_forward_out *row_outs = malloc(cap * sizeof *row_outs);
+    unsigned char *done = calloc(n, 1);
+    if (!pick || !rows || !row_tokens || !row_outs || !done)
+        st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
+    /* rows of one depth together, in groups of at most the lead's chunk rows */
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        if (done[i]) continue;
+        size_t count = 0;
+        for (size_t j = i; j < n && count < cap; j++)
+            if (!done[j] && depths[j] == depths[i]) {
+                pick[count++] = j;
+                done[j] = 1;
+            }
+        /* rows of i's depth past the cap wait for the first of them in this loop */
+        st = eval_batch_group(lead, ctxs, tokens, pick, (int)count, depths[i], outs, rows, row_tokens,
+                              row_outs);
+    }
+    if (st == TL_OK)
+        for (size_t i = 0; i < n; i++) {
+            struct tl_context *ctx = ctxs[i];
+            ctx->tokens[ctx->n_tokens++] = tokens[i];
+            ctx->depth = depths[i];
+        }
+    free(depths);
+    free(pick);
+    free(rows);
+    free(row_tokens);
+    free(row_outs);
+    free(done);
+    return st;
+}
+
 tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int draft_depth, const tl_forward_out *out) {
     if (ctx->n_tokens == 0 || ctx->depth == 0 || draft_depth < 1 || draft_depth > ctx->depth)

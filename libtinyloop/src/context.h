@@ -65,6 +65,14 @@ tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *t
  * failure the sequence keeps its previous length. */
 tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t n,
                           int32_t depth, const tl_forward_out *out);
+/* One decode step of several sequences at once: tokens[i] is appended to ctxs[i] (n
+ * distinct contexts of one model, each with room for it) at its sequence's depth (the
+ * model default for an empty one), producing outs[i] (last_logits / last_token with
+ * `sample` only; outs may be NULL). Rows of one depth share one forward pass
+ * (tl_forward_batch). On failure no sequence's length changes, except with a warm state
+ * init, whose rows run one by one (each position starts from the previous one's state). */
+tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *tokens, size_t n,
+                                const tl_forward_out *outs);
 /* Append tokens computed at draft_depth, shallower than (or equal to) the sequence's
  * depth, for a speculative draft: the prelude and the first draft_depth loop iterations
  * write what the sequence's depth would, the coda does not, so the caller must truncate

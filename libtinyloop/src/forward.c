@@ -22,7 +22,27 @@ typedef struct fwd {
     tl_norm_params norm;
     tl_rope_params rope;
     tl_attn_geom geom;
+    const tl_batch_row *batch;   /* a batched decode step: row r is one position of its own
+                                    sequence (tl_forward_batch); NULL: rows are consecutive
+                                    positions of ctx's sequence */
 } fwd;
+
+/* A KV slot by what it caches; its index depends on the context (the coda's slots sit
+ * after its deepest loop slot). */
+typedef enum { SLOT_PRE, SLOT_CORE, SLOT_POST } slot_kind;
+typedef struct slot_id {
+    slot_kind kind;
+    int block, iteration;   /* iteration: SLOT_CORE only (1-based) */
+} slot_id;
+
+static int slot_index(const fwd *F, const struct tl_context *ctx, slot_id id) {
+    switch (id.kind) {
+    case SLOT_PRE: return tl_kv_slot_pre(F->hp, id.block);
+    case SLOT_CORE: return tl_kv_slot_core(F->hp, id.iteration, id.block);
+    case SLOT_POST: break;
+    }
+    return tl_kv_slot_post(F->hp, ctx->max_depth, id.block);
+}
 
 static tl_act buf0(tl_buf *b) { return tl_act_at(b, 0); }
 
@@ -56,42 +76,80 @@ static tl_matmul_in normed(const fwd *F, const tl_norm_weights *w, tl_act x) {
     return in;
 }
 
-/* out (+)= Wo . attention(RoPE(Wq N1 x), RoPE(Wk N1 x), Wv N1 x) for n rows at pos0;
- * the new keys and values go to the cache rows of `slot` through kv_store (or the
- * fused rope_store / matmul_rope_store), which take the slot's row 0 and pos0, so no
- * op is given an address that depends on the position (see step_begin). */
-static void attention(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0,
-                      tl_act out, int accumulate) {
-    const tl_kv_cache *kv = &F->ctx->kv;
-    tl_act q = buf0(F->ctx->q), att = buf0(F->ctx->att);
-    tl_act k_new = buf0(F->ctx->kv_new);
-    tl_act v_new = tl_act_add(k_new, (size_t)F->ctx->chunk_rows * F->kvd);
-    tl_act k_cache = tl_kv_keys(kv, slot), v_cache = tl_kv_values(kv, slot);
-
+/* q, k_new, v_new = Wq N1 x, Wk N1 x, Wv N1 x (+ biases) for n rows. */
+static void qkv_rows(const fwd *F, const tl_block_weights *w, const tl_matmul_in *in, int n, tl_act q,
+                     tl_act k_new, tl_act v_new) {
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
-    tl_matmul_in in = normed(F, &w->attn_norm, x);
-    if (F->hp->qkv_bias || !F->ops->matmul_rope_store ||
-        !F->ops->matmul_rope_store(F->ex, ws, &in, n, q, pos0, &F->rope, &F->geom, k_cache, v_cache)) {
-        tl_act ys[3] = { q, k_new, v_new };
-        size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
-        matmul_in(F, ws, 3, &in, n, ys, lds, 0);
-        if (F->hp->qkv_bias) {
-            F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
-            F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
-            F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
-        }
-        if (!(F->ops->rope_store &&
-              F->ops->rope_store(F->ex, q, k_new, v_new, n, pos0, &F->rope, &F->geom, k_cache, v_cache))) {
-            F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
-            F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
-            F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
-        }
+    tl_act ys[3] = { q, k_new, v_new };
+    size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
+    matmul_in(F, ws, 3, in, n, ys, lds, 0);
+    if (F->hp->qkv_bias) {
+        F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
+        F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
+        F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
     }
-    F->ops->attention(F->ex, q, n, pos0, k_cache, v_cache, &F->geom, att);
+}
+
+/* RoPE on n rows of q and k_new at pos0.., then their keys and values into the cache
+ * rows pos0.. of the slot whose row 0 is k_cache / v_cache. */
+static void rope_and_store(const fwd *F, tl_act q, tl_act k_new, tl_act v_new, int n, int pos0,
+                           tl_act k_cache, tl_act v_cache) {
+    if (F->ops->rope_store &&
+        F->ops->rope_store(F->ex, q, k_new, v_new, n, pos0, &F->rope, &F->geom, k_cache, v_cache))
+        return;
+    F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
+    F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
+    F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+}
+
+/* out (+)= Wo . att for n rows. */
+static void output_projection(const fwd *F, const tl_block_weights *w, tl_act att, int n, tl_act out,
+                              int accumulate) {
     const tl_tensor *wo = &w->wo;
     tl_matmul_in o_in = { .kind = TL_MATMUL_IN_ROWS, .x = att, .ldx = (size_t)F->qd };
     size_t ld_out = (size_t)F->d;
     matmul_in(F, &wo, 1, &o_in, n, &out, &ld_out, accumulate);
+}
+
+/* out (+)= Wo . attention(RoPE(Wq N1 x), RoPE(Wk N1 x), Wv N1 x) for n rows at pos0;
+ * the new keys and values go to the cache rows of `slot` through kv_store (or the
+ * fused rope_store / matmul_rope_store), which take the slot's row 0 and pos0, so no
+ * op is given an address that depends on the position (see step_begin). In a batched
+ * step the projections run on every row at once and the rest row by row, each in its
+ * own sequence's cache. */
+static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_act x, int n, int pos0,
+                      tl_act out, int accumulate) {
+    tl_act q = buf0(F->ctx->q), att = buf0(F->ctx->att);
+    tl_act k_new = buf0(F->ctx->kv_new);
+    tl_act v_new = tl_act_add(k_new, (size_t)F->ctx->chunk_rows * F->kvd);
+    tl_matmul_in in = normed(F, &w->attn_norm, x);
+
+    if (F->batch) {
+        qkv_rows(F, w, &in, n, q, k_new, v_new);
+        for (int r = 0; r < n; r++) {
+            const struct tl_context *row_ctx = F->batch[r].ctx;
+            int index = slot_index(F, row_ctx, slot), pos = F->batch[r].pos;
+            tl_act k_cache = tl_kv_keys(&row_ctx->kv, index), v_cache = tl_kv_values(&row_ctx->kv, index);
+            tl_act q_row = tl_act_add(q, (size_t)r * F->qd);
+            rope_and_store(F, q_row, tl_act_add(k_new, (size_t)r * F->kvd), tl_act_add(v_new, (size_t)r * F->kvd),
+                           1, pos, k_cache, v_cache);
+            F->ops->attention(F->ex, q_row, 1, pos, k_cache, v_cache, &F->geom,
+                              tl_act_add(att, (size_t)r * F->qd));
+        }
+        output_projection(F, w, att, n, out, accumulate);
+        return;
+    }
+    const tl_kv_cache *kv = &F->ctx->kv;
+    int index = slot_index(F, F->ctx, slot);
+    tl_act k_cache = tl_kv_keys(kv, index), v_cache = tl_kv_values(kv, index);
+    const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
+    if (F->hp->qkv_bias || !F->ops->matmul_rope_store ||
+        !F->ops->matmul_rope_store(F->ex, ws, &in, n, q, pos0, &F->rope, &F->geom, k_cache, v_cache)) {
+        qkv_rows(F, w, &in, n, q, k_new, v_new);
+        rope_and_store(F, q, k_new, v_new, n, pos0, k_cache, v_cache);
+    }
+    F->ops->attention(F->ex, q, n, pos0, k_cache, v_cache, &F->geom, att);
+    output_projection(F, w, att, n, out, accumulate);
 }
 
 /* out (+)= W_down (act(W_gate N x) * W_up N x), N the block's mlp_norm */
@@ -121,7 +179,7 @@ static void mlp(const fwd *F, const tl_block_weights *w, tl_act x, int n, tl_act
  *   sandwich_branch: x += N2(A(N1 x));    x += N4(M(N3 x))
  * (N2 of pre and N3 of the sandwiches are both the tensor mlp_norm). With `pre` the
  * branches accumulate into x directly. */
-static void block(const fwd *F, const tl_block_weights *w, int slot, tl_act x, int n, int pos0) {
+static void block(const fwd *F, const tl_block_weights *w, slot_id slot, tl_act x, int n, int pos0) {
     tl_norm_placement place = F->hp->norm_placement;
     tl_act tmp = buf0(F->ctx->tmp);
     size_t count = (size_t)n * F->d;
@@ -168,7 +226,7 @@ static void inject(const fwd *F, tl_act s, tl_act e, int n) {
 static void core_iteration(const fwd *F, tl_act s, tl_act e, int n, int pos0, int it) {
     inject(F, s, e, n);
     for (int c = 0; c < F->hp->n_core; c++)
-        block(F, &F->m->core[c], tl_kv_slot_core(F->hp, it, c), s, n, pos0);
+        block(F, &F->m->core[c], (slot_id){ SLOT_CORE, c, it }, s, n, pos0);
     if (F->hp->loop_norm) F->ops->norm(F->ex, &F->m->loop_norm, &F->norm, s, n, F->d, s);
 }
 
@@ -188,7 +246,13 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
         F->ops->fill(F->ex, h, count, 0.0f);
         break;
     case TL_INIT_NOISE:
-        F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
+        if (!F->batch) {
+            F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
+            break;
+        }
+        for (int r = 0; r < n; r++)   /* each row's noise is its own position's */
+            F->ops->fill_noise(F->ex, tl_act_add(h, (size_t)r * F->d), 1, F->d, F->hp->noise_seed,
+                               F->batch[r].pos, F->hp->noise_sigma);
         break;
     }
 }
@@ -230,13 +294,20 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
  * pair is: a backend that replays recorded decode steps (CUDA graphs) addresses those
  * rows from the step's position, so every step stays the same step. Without injection
  * the state is written to both slots of one buffer, the same values twice. */
-static void store_loop_states(const fwd *F, int n, int pos0) {
-    struct tl_context *ctx = F->ctx;
+static void store_states_of(const fwd *F, struct tl_context *ctx, int row0, int n, int pos0) {
     if (!ctx->loop_s) return;
-    tl_act states = buf0(ctx->loop_s), h = buf0(ctx->h);
+    size_t at = (size_t)row0 * F->d;
+    tl_act states = buf0(ctx->loop_s), h = tl_act_add(buf0(F->ctx->h), at), e = tl_act_add(buf0(F->ctx->e), at);
     int inject = F->hp->injection != TL_INJECT_NONE;
-    F->ops->kv_store(F->ex, inject ? buf0(ctx->loop_e) : states, states, inject ? buf0(ctx->e) : h, h,
-                     n, pos0, F->d);
+    F->ops->kv_store(F->ex, inject ? buf0(ctx->loop_e) : states, states, inject ? e : h, h, n, pos0, F->d);
+}
+
+static void store_loop_states(const fwd *F, int n, int pos0) {
+    if (!F->batch) {
+        store_states_of(F, F->ctx, 0, n, pos0);
+        return;
+    }
+    for (int r = 0; r < n; r++) store_states_of(F, F->batch[r].ctx, r, 1, F->batch[r].pos);
 }
 
 /* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with
@@ -330,14 +401,14 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
 static void embed_and_prelude(const fwd *F, const int32_t *tokens, int n, int pos0) {
     tl_act h = buf0(F->ctx->h);
     F->ops->embed(F->ex, &F->m->embed, tokens, n, F->hp->embed_scale, h);
-    for (int b = 0; b < F->hp->n_pre; b++) block(F, &F->m->pre[b], tl_kv_slot_pre(F->hp, b), h, n, pos0);
+    for (int b = 0; b < F->hp->n_pre; b++) block(F, &F->m->pre[b], (slot_id){ SLOT_PRE, b, 0 }, h, n, pos0);
 }
 
 /* The coda blocks on the final loop state in h. */
 static void coda(const fwd *F, int n, int pos0) {
     tl_act h = buf0(F->ctx->h);
     for (int b = 0; b < F->hp->n_post; b++)
-        block(F, &F->m->post[b], tl_kv_slot_post(F->hp, F->ctx->max_depth, b), h, n, pos0);
+        block(F, &F->m->post[b], (slot_id){ SLOT_POST, b, 0 }, h, n, pos0);
 }
 
 static fwd fwd_for(struct tl_context *ctx) {
@@ -442,4 +513,38 @@ tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, i
     load_loop_states(&F, ctx->loop_e ? tl_act_add(buf0(ctx->loop_e), at) : (tl_act){ 0 },
                      tl_act_add(buf0(ctx->loop_s), at), n);
     return continue_loop(&F, n, pos0, from, depth, out);
+}
+
+/* A batched step's outputs: per row, its logits and/or its next token (argmax, or the
+ * row's sample step), from the same normed head matmul as a one-row step's. */
+static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
+    struct tl_context *ctx = F->ctx;
+    tl_act h = buf0(ctx->h), logits = buf0(ctx->logits);
+    const tl_tensor *head = &F->m->output;
+    int V = F->hp->vocab;
+    size_t ld_logits = (size_t)V;
+    for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
+        int rows = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
+        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        matmul_in(F, &head, 1, &in, rows, &logits, &ld_logits, 0);
+        for (int r = r0; r < r0 + rows; r++) {
+            const tl_forward_out *o = &outs[r];
+            tl_act row = tl_act_add(logits, (size_t)(r - r0) * V);
+            if (o->last_logits) F->ops->download(F->ex, o->last_logits, row, (size_t)V);
+            if (o->last_token)
+                *o->last_token = o->sample ? F->ops->sample(F->ex, row, V, o->sample) : F->ops->argmax(F->ex, row, V);
+        }
+    }
+}
+
+tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, const int32_t *tokens, int n,
+                           int depth, const tl_forward_out *outs) {
+    fwd F = fwd_for(lead);
+    F.batch = rows;
+    embed_and_prelude(&F, tokens, n, 0);
+    run_loop(&F, n, 0, F.hp->n_core > 0 ? depth : 0);
+    store_loop_states(&F, n, 0);
+    coda(&F, n, 0);
+    batch_outputs(&F, n, outs);
+    return F.ops->status(F.ex);
 }

@@ -79,4 +79,19 @@ tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, i
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth);
 
+/* One row of a batched decode step: a position of its own sequence. */
+typedef struct tl_batch_row {
+    struct tl_context *ctx;   /* whose KV cache (and kept loop states) the row uses */
+    int pos;                  /* the row's position in that sequence */
+} tl_batch_row;
+
+/* One decode step of n sequences at once, n <= lead's chunk rows: tokens[r] at position
+ * rows[r].pos of rows[r].ctx, all at loop depth `depth`, in lead's buffers and threads
+ * (lead holds the largest max_seq of them, its attention scratch bounds every row's).
+ * The matmuls run on all rows together, attention row by row in each sequence's cache.
+ * outs[r] may ask for last_logits and last_token (with `sample`) only. Not for a warm
+ * state init. Writes K/V; changes no sequence's length. */
+tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, const int32_t *tokens, int n,
+                           int depth, const tl_forward_out *outs);
+
 #endif

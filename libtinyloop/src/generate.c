@@ -133,7 +133,7 @@ static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens,
 
 tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
                           size_t n_prompt, const tl_generate_options *o,
-                          size_t max_tokens_cap) {
+                          size_t max_tokens_cap, int may_chain) {
     memset(g, 0, sizeof *g);
     tl_status st = tl_context_check_free(ctx);
     if (st != TL_OK) return st;
@@ -159,7 +159,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         return st;
     }
     /* a speculative round reads its drafts' tokens on the host */
-    g->chained = g->greedy && !g->draft_depth && chain_available(ctx);
+    g->chained = may_chain && g->greedy && !g->draft_depth && chain_available(ctx);
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -208,28 +208,19 @@ static int stop_sequence_matched(const struct tl_stream *g) {
     return 0;
 }
 
-tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason) {
-    *token = -1;
+/* The stop conditions checked before a step: 1 (and *reason) when the stream is done. */
+static int step_stopped(struct tl_stream *g, tl_stop_reason *reason) {
     if (!g->finished && g->n_generated >= g->max_tokens) finish(g, TL_STOP_MAX_TOKENS);
     if (!g->finished && g->has_pending && g->ctx->n_tokens >= (size_t)g->ctx->max_seq)
         finish(g, TL_STOP_CONTEXT_FULL);
-    if (g->finished) {
-        *reason = g->stop_reason;
-        return TL_OK;
-    }
-    double t0 = now_seconds();
-    g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
-    tl_status st = TL_OK;
-    int verified = 0;   /* a speculative round's token: already drawn, never sampled again */
-    if (g->draft_depth && (g->has_pending || g->ready_at < g->n_ready)) {
-        st = tl_speculative_next(g, &g->next);
-        verified = 1;
-    } else if (g->has_pending && !(g->chained && g->queued)) {
-        const int32_t *pending = &g->generated[g->n_generated - 1];
-        tl_forward_out out = next_token_out(g, pending, 1);
-        st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
-        if (st == TL_OK) g->queued += g->chained;
-    }
+    if (g->finished) *reason = g->stop_reason;
+    return g->finished;
+}
+
+/* The rest of a step once its forward pass (if any) has run with status st: the token
+ * (chained, sampled on the host or already picked), then EOS and the stop sequences. */
+static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, double t0, int32_t *token,
+                             tl_stop_reason *reason) {
     g->has_pending = 0;
     int32_t t = g->next;
     if (st == TL_OK && g->chained) {
@@ -275,6 +266,67 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     *token = t;
     *reason = TL_STOP_NONE;
     return TL_OK;
+}
+
+tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason) {
+    *token = -1;
+    if (step_stopped(g, reason)) return TL_OK;
+    double t0 = now_seconds();
+    g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
+    tl_status st = TL_OK;
+    int verified = 0;   /* a speculative round's token: already drawn, never sampled again */
+    if (g->draft_depth && (g->has_pending || g->ready_at < g->n_ready)) {
+        st = tl_speculative_next(g, &g->next);
+        verified = 1;
+    } else if (g->has_pending && !(g->chained && g->queued)) {
+        const int32_t *pending = &g->generated[g->n_generated - 1];
+        tl_forward_out out = next_token_out(g, pending, 1);
+        st = tl_context_eval(g->ctx, pending, 1, g->depth, &out);
+        if (st == TL_OK) g->queued += g->chained;
+    }
+    return step_finish(g, st, verified, t0, token, reason);
+}
+
+/* A stream whose next step is one plain forward pass of its pending token (no drafts,
+ * nothing chained on the device), which a batched step can share. */
+static int plain_step(const struct tl_stream *g) {
+    return !g->finished && g->has_pending && !g->draft_depth && !g->chained;
+}
+
+void tl_streams_step(struct tl_stream *const *gs, size_t n, int32_t *tokens, tl_stop_reason *reasons,
+                     tl_status *statuses) {
+    struct tl_context **ctxs = malloc(n * sizeof *ctxs);
+    tl_forward_out *outs = malloc(n * sizeof *outs);
+    int32_t *fed = malloc(n * sizeof *fed);
+    size_t *which = malloc(n * sizeof *which);
+    int batch = ctxs && outs && fed && which;   /* else every stream steps on its own */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        struct tl_stream *g = gs[i];
+        tokens[i] = -1;
+        statuses[i] = TL_OK;
+        if (step_stopped(g, &reasons[i])) continue;
+        if (!batch || !plain_step(g)) {
+            statuses[i] = tl_stream_step(g, &tokens[i], &reasons[i]);
+            continue;
+        }
+        const int32_t *pending = &g->generated[g->n_generated - 1];
+        outs[k] = next_token_out(g, pending, 1);
+        ctxs[k] = g->ctx;
+        fed[k] = *pending;
+        which[k++] = i;
+    }
+    double t0 = now_seconds();
+    tl_status st = tl_context_eval_batch(ctxs, fed, k, outs);
+    for (size_t j = 0; j < k; j++) {
+        size_t i = which[j];
+        gs[i]->ahead = 0;
+        statuses[i] = step_finish(gs[i], st, 0, t0, &tokens[i], &reasons[i]);
+    }
+    free(ctxs);
+    free(outs);
+    free(fed);
+    free(which);
 }
 
 void tl_stream_abort(struct tl_stream *g) { finish(g, TL_STOP_ABORTED); }
@@ -328,7 +380,7 @@ tl_status tl_generate_run(struct tl_context *ctx, const int32_t *prompt, size_t 
                           tl_generate_result *result) {
     struct tl_stream g;
     tl_status st = tl_stream_begin(&g, ctx, prompt, n_prompt, opts,
-                                   out_tokens ? out_capacity : SIZE_MAX);
+                                   out_tokens ? out_capacity : SIZE_MAX, 1);
     if (st != TL_OK) return st;
     for (;;) {
         int32_t token;

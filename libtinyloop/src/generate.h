@@ -54,12 +54,19 @@ struct tl_stream {
 
 /* Validate everything, then prefill the prompt into ctx (continuing its sequence).
  * max_tokens_cap bounds opts->max_tokens (an output buffer's capacity; SIZE_MAX =
- * none). On failure nothing has been appended and g holds nothing to free. */
+ * none). may_chain = 0 keeps greedy steps off the device's chain (a stream stepped in
+ * batches). On failure nothing has been appended and g holds nothing to free. */
 tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
                           size_t n_prompt, const tl_generate_options *opts,
-                          size_t max_tokens_cap);
+                          size_t max_tokens_cap, int may_chain);
 /* The next token, or -1 with *reason set once generation has stopped. */
 tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason);
+/* One step of each of n streams (over distinct contexts of one model): tokens[i],
+ * reasons[i] and statuses[i] as tl_stream_step's. The streams whose step is one plain
+ * forward pass share a batched one (tl_context_eval_batch); the others (drafts, chained
+ * steps, the first token after the prompt) step on their own. */
+void tl_streams_step(struct tl_stream *const *gs, size_t n, int32_t *tokens, tl_stop_reason *reasons,
+                     tl_status *statuses);
 /* Record that the consumer stopped the stream (callback abort). */
 void tl_stream_abort(struct tl_stream *g);
 /* The stream's context is being freed under it: the stream ends (TL_STOP_ABORTED) and

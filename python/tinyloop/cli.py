@@ -340,7 +340,8 @@ def cmd_serve(args) -> dict:
     with _open_model(args) as model:
         name = args.name or Path(model.path).stem
         serve(model, host=args.host, port=args.port, name=name, parallel=args.parallel,
-              prompt_cache=args.prompt_cache, log=lambda line: print(line, file=sys.stderr, flush=True))
+              prompt_cache=args.prompt_cache, batch_decode=args.batch_decode,
+              log=lambda line: print(line, file=sys.stderr, flush=True))
     return {"model": model.path, "name": name}
 
 
@@ -545,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", type=_non_negative, default=None, metavar="N",
                    help="sequences kept between requests; a request continues the one sharing the "
                         "longest start with its prompt (default: --parallel; 0 = off)")
+    p.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="take the decode steps of concurrent generations in one forward pass "
+                        "(default: on for the CPU with --parallel above 1)")
     _add_runtime_flags(p)
 
     return parser

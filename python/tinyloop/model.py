@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _args, _native
-from .errors import TinyLoopError
+from .errors import InvalidArgumentError, TinyLoopError, error_for_status
 from .tokenizer import Tokenizer
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
@@ -221,10 +221,16 @@ class TokenStream(_OwnsHandle):
         self._model._require_open()
         self._native.check(self._native.lib.tl_stream_next(self._handle, self._token,
                                                            self._reason))
-        token = int(self._token[0])
+        token = self._took(int(self._token[0]))
+        if token is None:
+            raise StopIteration
+        return token
+
+    def _took(self, token: int) -> int | None:
+        """Record a token the C stream returned: the token, or None (and .result) at the end."""
         if token < 0:
             self._finish()
-            raise StopIteration
+            return None
         self.tokens.append(token)
         return token
 
@@ -573,6 +579,87 @@ class Model(_Scoring, _OwnsHandle):
             ffi.from_buffer("float[]", logprobs, require_writable=True),
             ffi.from_buffer("float[]", entropies, require_writable=True), depth))
         return logprobs, entropies, int(depth[0])
+
+    def generate_batch(self, prompts, **options) -> list:
+        """generate() for several prompts at once, with the same options: one GenerateResult
+        per prompt, in order. Each prompt is its own sequence; after their prefills, the
+        decode steps of all sequences still going run as one forward pass (docs/api.md,
+        "Batched decoding"), which raises the tokens per second of the whole batch."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise TypeError("prompts must be a list of prompts (str or token ids)")
+        if len(prompts) == 0:
+            return []
+        ids = [self._prompt_ids(p) for p in prompts]
+        opts = _GenerateOptions(self, **options)
+        native, ffi = self._native, self._native.ffi
+        n = len(ids)
+        outs = [np.empty(opts.max_tokens, dtype=np.int32) for _ in range(n)]
+        c_prompts = [ffi.from_buffer("int32_t[]", a) for a in ids]
+        c_outs = [ffi.from_buffer("int32_t[]", o, require_writable=True) for o in outs]
+        c_results = ffi.new("tl_generate_result[]", n)
+        for i in range(n):
+            native.lib.tl_generate_result_default(c_results + i)
+        lengths = ffi.new("size_t[]", [len(a) for a in ids])
+        native.check(native.lib.tl_generate_batch(
+            self._require_open(), ffi.new("int32_t *[]", c_prompts), lengths, n, opts.c,
+            ffi.new("int32_t *[]", c_outs), opts.max_tokens, c_results))
+        results = []
+        for prompt, out, i in zip(prompts, outs, range(n)):
+            tokens = out[:int(c_results[i].n_tokens)].tolist()
+            text = self.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+            results.append(_result_from_c(c_results[i], tokens, text))
+        return results
+
+    def append_batch(self, contexts, tokens) -> np.ndarray:
+        """One decode step of several sequences at once: tokens[i] is appended to
+        contexts[i] (distinct contexts of this model) at its sequence's depth. Returns the
+        logits after each, float32 [len(contexts), vocab]. The steps share one forward pass;
+        on an error no context changes."""
+        contexts = list(contexts)
+        ids = _args.token_array(tokens, self.info.vocab_size, min_length=0)
+        if len(ids) != len(contexts):
+            raise InvalidArgumentError(f"{len(contexts)} contexts but {len(ids)} tokens: one token each")
+        for i, ctx in enumerate(contexts):
+            if not isinstance(ctx, Context) or ctx._model is not self:
+                raise InvalidArgumentError(f"contexts[{i}] is not a context of this model")
+        native, ffi = self._native, self._native.ffi
+        logits = np.empty((len(contexts), self.info.vocab_size), dtype=np.float32)
+        if contexts:
+            handles = ffi.new("tl_context *[]", [ctx._require_open() for ctx in contexts])
+            native.check(native.lib.tl_context_append_batch(
+                handles, ffi.from_buffer("int32_t[]", ids), len(ids),
+                ffi.from_buffer("float[]", logits, require_writable=True)))
+        return logits
+
+    def next_batch(self, streams) -> list:
+        """One next() of several streams of this model at once (distinct streams over
+        distinct contexts): the streams whose next token takes one plain decode step share
+        one forward pass (docs/api.md, "Batched decoding"). Returns, per stream, its next
+        token, None when it has ended (its .result is then set), or the TinyLoopError it
+        failed with (the stream is then closed); the other streams go on either way."""
+        streams = list(streams)
+        for i, stream in enumerate(streams):
+            if not isinstance(stream, TokenStream) or stream._model is not self:
+                raise InvalidArgumentError(f"streams[{i}] is not a stream of this model")
+        if len({id(stream) for stream in streams}) != len(streams):
+            raise InvalidArgumentError("a stream appears twice in the batch")
+        out: list = [None] * len(streams)
+        live = [i for i, stream in enumerate(streams) if stream._handle is not None]
+        if not live:
+            return out
+        native, ffi = self._native, self._native.ffi
+        n = len(live)
+        tokens, reasons, statuses = ffi.new("int32_t[]", n), ffi.new("tl_stop_reason[]", n), ffi.new("tl_status[]", n)
+        native.check(native.lib.tl_stream_next_batch(
+            ffi.new("tl_stream *[]", [streams[i]._handle for i in live]), n, tokens, reasons, statuses))
+        message = native.last_error()
+        for j, i in enumerate(live):
+            if int(statuses[j]) != 0:
+                out[i] = error_for_status(int(statuses[j]), message)
+                streams[i].close()
+            else:
+                out[i] = streams[i]._took(int(tokens[j]))
+        return out
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
                 keep_loop_states: bool = False) -> "Context":

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from . import server_api
 from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
+from .decode_batcher import DecodeBatcher
 from .prompt_cache import PromptCache
 from .server_api import RequestError
 from .text_generation import GenerationCancelled, TextGeneration, generate_text
@@ -34,7 +35,7 @@ class ModelServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, model, *, name: str, parallel: int = 1,
-                 prompt_cache: int | None = None, log=None):
+                 prompt_cache: int | None = None, batch_decode: bool | None = None, log=None):
         # sequences kept between requests: by default one per slot; 0 = none
         kept = parallel if prompt_cache is None else prompt_cache
         if kept < 0:   # checked before the socket is bound, which a refusal would leave open
@@ -42,6 +43,11 @@ class ModelServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.model = model
         self.cache = PromptCache(model, kept) if kept > 0 else None
+        # concurrent generations' decode steps in one forward pass; by default where that
+        # pays: on the CPU with more than one slot (docs/server.md)
+        if batch_decode is None:
+            batch_decode = parallel > 1 and model.info.device_name.startswith("cpu")
+        self.batcher = DecodeBatcher(model) if batch_decode else None
         self.name = name
         self.parallel = parallel
         self.slots = threading.BoundedSemaphore(parallel)
@@ -65,6 +71,8 @@ class ModelServer(ThreadingHTTPServer):
             self.slots.acquire()
         for _ in range(self.parallel):
             self.slots.release()
+        if self.batcher is not None:
+            self.batcher.close()
         if self.cache is not None:
             self.cache.close()
 
@@ -194,7 +202,7 @@ class _Handler(BaseHTTPRequestHandler):
                 prompt, record.cached_tokens = lease.rest, lease.cached
             pieces = generate_text(server.model, prompt, request.stops, options, record,
                                    cancelled=lambda: server.stopping.is_set() or self._client_gone(),
-                                   context=lease.context if lease else None)
+                                   context=lease.context if lease else None, batcher=server.batcher)
             ok = False
             try:
                 if request.stream:
@@ -267,11 +275,11 @@ def _stop_on_sigterm(signum, frame):
 
 
 def serve(model, *, host: str, port: int, name: str, parallel: int,
-          prompt_cache: int | None = None, log=None) -> None:
+          prompt_cache: int | None = None, batch_decode: bool | None = None, log=None) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM, as service managers stop a process), then
     close the listening socket and let running generations end."""
     server = ModelServer((host, port), model, name=name, parallel=parallel,
-                         prompt_cache=prompt_cache, log=log)
+                         prompt_cache=prompt_cache, batch_decode=batch_decode, log=log)
     # only from the main thread (where signals are delivered), and only over the default
     # disposition: a SIGTERM handler or an ignore someone else set stays theirs
     take_sigterm = (threading.current_thread() is threading.main_thread()

@@ -32,19 +32,21 @@ class GenerationCancelled(Exception):
 
 
 def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], options: dict,
-                  record: TextGeneration, cancelled=None, context=None) -> Iterator[str]:
+                  record: TextGeneration, cancelled=None, context=None, batcher=None) -> Iterator[str]:
     """Yield the new text in pieces; `record` is filled in when the generator ends (also
     when the consumer closes it early: the library stream is closed then). `cancelled`,
     when given, is asked after every token; True ends the generation with
     GenerationCancelled. With `context` the generation continues that context's sequence
-    (`prompt_ids` are then the tokens after it)."""
+    (`prompt_ids` are then the tokens after it). With `batcher` (a DecodeBatcher of the
+    model) its decode steps are taken together with other generations'."""
     tokenizer = model.tokenizer
     decoder = tokenizer.incremental_decoder()
     longest = max((len(s) for s in stops), default=0)
     text, sent = "", 0
     stream = (model if context is None else context).stream(prompt_ids, **options)
+    tokens = batcher.tokens(stream) if batcher is not None else stream
     try:
-        for token in stream:
+        for token in tokens:
             if cancelled is not None and cancelled():
                 raise GenerationCancelled()
             record.completion_tokens += 1
@@ -69,6 +71,8 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
         reason = stream.result.stop_reason if stream.result else "max_tokens"
         record.finish_reason = "stop" if found is not None else FINISH_REASONS.get(reason, "stop")
     finally:
+        if tokens is not stream:
+            tokens.close()   # out of the batch before the stream goes
         stream.close()
 
 

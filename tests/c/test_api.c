@@ -220,6 +220,45 @@ static void test_truncate_and_fork(fixture *f) {
     free(got);
 }
 
+/* A batched decode step gives each sequence the logits of its own one-token append;
+ * a refused batch (a full context, the same context twice, a bad token) changes none. */
+static void test_append_batch(fixture *f) {
+    int V = f->info.vocab_size;
+    float *ref = malloc(2 * (size_t)V * sizeof *ref), *got = malloc(2 * (size_t)V * sizeof *got);
+    tl_context *a = new_context(f->model, 0), *b = new_context(f->model, 0), *solo = new_context(f->model, 0);
+    CHECK(a && b && solo, "context create");
+    if (a && b && solo) {
+        CHECK_OK(tl_context_append(solo, f->tokens, 4, 0, NULL));
+        CHECK_OK(tl_context_append(solo, f->tokens + 4, 1, 0, ref));
+        CHECK_OK(tl_context_reset(solo));
+        CHECK_OK(tl_context_append(solo, f->tokens, 9, 0, NULL));
+        CHECK_OK(tl_context_append(solo, f->tokens + 9, 1, 0, ref + V));
+        CHECK_OK(tl_context_append(a, f->tokens, 4, 0, NULL));
+        CHECK_OK(tl_context_append(b, f->tokens, 9, 0, NULL));
+        tl_context *pair[2] = { a, b }, *twice[2] = { a, a };
+        int32_t next[2] = { f->tokens[4], f->tokens[9] }, bad[2] = { f->tokens[4], V };
+        CHECK_STATUS(tl_context_append_batch(twice, next, 2, got), TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_context_append_batch(pair, bad, 2, got), TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_context_append_batch(NULL, next, 2, got), TL_ERR_INVALID_ARGUMENT);
+        size_t la = 0, lb = 0;
+        CHECK_OK(tl_context_length(a, &la));
+        CHECK_OK(tl_context_length(b, &lb));
+        CHECK(la == 4 && lb == 9, "a refused batch changed the lengths: %zu, %zu", la, lb);
+        CHECK_OK(tl_context_append_batch(pair, next, 2, got));
+        CHECK(max_abs_diff(ref, got, 2 * (size_t)V) < 1e-4f, "batched step differs by %g",
+              max_abs_diff(ref, got, 2 * (size_t)V));
+        CHECK_OK(tl_context_length(a, &la));
+        CHECK_OK(tl_context_length(b, &lb));
+        CHECK(la == 5 && lb == 10, "batched step lengths: %zu, %zu", la, lb);
+        CHECK_OK(tl_context_append_batch(pair, next, 0, NULL));
+    }
+    tl_context_free(a);
+    tl_context_free(b);
+    tl_context_free(solo);
+    free(ref);
+    free(got);
+}
+
 /* A context that keeps its loop states continues its sequence at a deeper depth: the
  * same logits and log-probs (bit for bit on the CPU) as the sequence appended at that
  * depth from the start, over several chunks, after a fork, and decoding goes on from it.
@@ -870,6 +909,7 @@ static void run_model(const char *path) {
     test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);
+    test_append_batch(&f);
     test_deepen(&f);
     test_greedy_matches_argmax(&f);
     test_sampling_determinism(&f);

@@ -174,6 +174,13 @@ TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* co
  * logits after the last token. On failure the sequence is emptied. */
 TL_API tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logprobs,
                                    float *last_logits);
+/* A batched decode step: tokens[i] is appended to contexts[i] (n distinct contexts of one
+ * model, each with room for one more token) at its sequence's depth (the model's default
+ * for an empty one), and logits (n x vocab floats, or NULL) gets each one's logits after
+ * it. The contexts' matmuls run as one pass over n rows, so a step of n sequences costs
+ * far less than n steps. On failure no sequence changes. */
+TL_API tl_status tl_context_append_batch(tl_context *const *contexts, const int32_t *tokens,
+                                         size_t n, float *logits);
 
 /* ---- scoring ---------------------------------------------------------------- */
 typedef struct tl_score_options {
@@ -292,6 +299,14 @@ TL_API tl_status tl_stream_start(tl_model *model, tl_context *ctx, const int32_t
                                  tl_stream **out);
 /* *token = next token, or -1 with *stop_reason set once the stream has ended. */
 TL_API tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reason *stop_reason);
+/* tl_stream_next for n streams of one model at once (distinct streams over distinct
+ * contexts): tokens[i], stop_reasons[i] and statuses[i] are stream i's. The streams
+ * whose next token takes one plain decode step share one batched forward pass
+ * (tl_context_append_batch); the others (drafting, steps chained on a device, a token
+ * already computed) step on their own. Returns TL_OK unless the arguments are invalid;
+ * a stream's own failure is in statuses[i] (tl_last_error() holds the last message). */
+TL_API tl_status tl_stream_next_batch(tl_stream *const *streams, size_t n, int32_t *tokens,
+                                      tl_stop_reason *stop_reasons, tl_status *statuses);
 TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 

@@ -1,0 +1,111 @@
+"""Decode steps of concurrent generations taken together (continuous batching).
+
+Each generation keeps its own thread and its own TokenStream; instead of stepping its
+stream itself, a thread hands it to the batcher and waits. One worker thread takes every
+stream waiting at that moment and steps them with one Model.next_batch call, whose plain
+decode steps share one forward pass. A generation joins the batch at its next token and
+leaves it when it ends, so requests that start and stop at different times still share
+their steps.
+
+So that the streams of a batch keep stepping together, the worker waits (at most
+GATHER_S) for every active stream to be waiting before it steps: between two tokens a
+thread decodes text and writes to its socket, and a worker that took only the first
+thread back would step the streams in turn instead of together.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+GATHER_S = 0.005   # longest wait for the other active streams before a step
+
+
+class _Waiter:
+    __slots__ = ("stream", "done", "value")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.done = threading.Event()
+        self.value = None
+
+
+class DecodeBatcher:
+    """Steps the streams of one model together; tokens(stream) is the stream's iterator."""
+
+    def __init__(self, model, gather_s: float = GATHER_S):
+        self._model = model
+        self._gather_s = gather_s
+        self._cond = threading.Condition()
+        self._waiting: list[_Waiter] = []
+        self._active: set[int] = set()   # ids of the streams between their first and last token
+        self._closed = False
+        self.steps = 0                   # next_batch calls, and the streams they stepped
+        self.stepped = 0
+        self._worker = threading.Thread(target=self._run, name="tinyloop-decode-batcher", daemon=True)
+        self._worker.start()
+
+    def tokens(self, stream) -> Iterator[int]:
+        """The stream's tokens, each stepped in a batch; closing this generator (or the end
+        of the stream) takes the stream out of the batch."""
+        with self._cond:
+            self._active.add(id(stream))
+        try:
+            while True:
+                token = self._next(stream)
+                if token is None:
+                    return
+                yield token
+        finally:
+            with self._cond:
+                self._active.discard(id(stream))
+                self._cond.notify_all()
+
+    def _next(self, stream):
+        waiter = _Waiter(stream)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the decode batcher is closed")
+            self._waiting.append(waiter)
+            self._cond.notify_all()
+        waiter.done.wait()
+        if isinstance(waiter.value, BaseException):
+            raise waiter.value
+        return waiter.value
+
+    def _take(self) -> list[_Waiter]:
+        """The waiters of the next step, once every active stream waits or GATHER_S has
+        passed since the first one; [] when closed with nothing waiting."""
+        with self._cond:
+            while not self._waiting and not self._closed:
+                self._cond.wait()
+            deadline = time.monotonic() + self._gather_s
+            while not self._closed and len(self._waiting) < len(self._active):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            batch, self._waiting = self._waiting, []
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                return
+            try:
+                results = self._model.next_batch([w.stream for w in batch])
+            except BaseException as e:   # an argument error: every waiter gets it
+                results = [e] * len(batch)
+            self.steps += 1
+            self.stepped += len(batch)
+            for waiter, value in zip(batch, results):
+                waiter.value = value
+                waiter.done.set()
+
+    def close(self) -> None:
+        """Stop the worker once the streams waiting now are stepped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join()
