@@ -244,3 +244,39 @@ def test_the_decode_batcher_steps_threads_together(files):  # noqa: F811
         batcher.close()
         with pytest.raises(RuntimeError, match="closed"):
             next(batcher.tokens(model.stream(prompts[0], max_tokens=2)))
+
+
+def test_the_batch_benchmark_and_its_gpu_check_rows(tmp_path):
+    """tools/bench/batch.py runs both ways (generate_batch and the server) and checks the
+    sides agree; tools/gpu/report.py puts its rows (gpu_check's `batch` step) into
+    gpu_check.json and a table of gpu_check.md."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import textmodel
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(path)
+    with tinyloop.Model(path) as model:
+        vocab = model.info.vocab_size
+    text = tmp_path / "text.u16"
+    np.random.default_rng(0).integers(3, vocab, 400).astype(np.uint16).tofile(text)
+    steps = tmp_path / "out" / "steps"
+    steps.mkdir(parents=True)
+    common = [sys.executable, str(tools / "bench" / "batch.py"), "--model", str(path), "--text", str(text),
+              "--threads", "1", "--batches", "1,3", "--repeat", "2", "--prompt-tokens", "8", "--new-tokens", "6"]
+    for extra, out in (([], steps / "batch.result.json"), (["--server"], tmp_path / "server.json")):
+        subprocess.run(common + extra + ["--json", str(out)], check=True, timeout=300, capture_output=True)
+        report = json.loads(out.read_text())
+        assert [row["batch"] for row in report["rows"]] == [1, 3] and report["server"] == bool(extra)
+        assert all(row["batched_tok_s"] > 0 and row["alone_tok_s"] > 0 for row in report["rows"])
+    (steps / "batch.json").write_text(json.dumps({"name": "batch", "rc": 0, "seconds": 1, "timed_out": False}))
+    subprocess.run([sys.executable, str(tools / "gpu" / "report.py"), str(tmp_path / "out"), "--device", "cpu"],
+                   check=True, timeout=60, capture_output=True)
+    assert [row["batch"] for row in json.loads((tmp_path / "out" / "gpu_check.json").read_text())["batch"]["rows"]] \
+        == [1, 3]
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "batched decoding on cpu" in md
+    assert len([line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]) == 2

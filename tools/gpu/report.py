@@ -85,6 +85,7 @@ def main():
         "pytest": _pytest_summary(os.path.join(args.out, "pytest.xml")),
         "tinyloop": benches, "peer": peer, "peers": peers,
         "speculative": _load(os.path.join(steps_dir, "speculative.result.json")),
+        "batch": _load(os.path.join(steps_dir, "batch.result.json")),
     }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -137,6 +138,16 @@ def main():
         for row in spec["rows"]:
             lines.append(f"| {row['config']} | {num(row['decode_tokens_per_s'])} | {num(row['speedup'], '{:.3f}')} | "
                          f"{num(row['acceptance'], '{:.2f}')} | {num(row['tokens_per_full_pass'], '{:.2f}')} |")
+    batch = report["batch"]
+    if batch:
+        lines += ["", f"batched decoding on {batch['device']} (tools/bench/batch.py: generate_batch against "
+                      f"the same {batch['prompt_tokens']}-token prompts one after another, {batch['new_tokens']} "
+                      f"greedy tokens each, medians of {batch['repeat']} rounds):", "",
+                  "| prompts | batched tok/s | one after another tok/s | speed-up | decode steps speed-up |",
+                  "|---:|---:|---:|---:|---:|"]
+        for row in batch["rows"]:
+            lines.append(f"| {row['batch']} | {num(row['batched_tok_s'])} | {num(row['alone_tok_s'])} | "
+                         f"{num(row['speedup'], '{:.2f}')} | {num(row['decode_speedup'], '{:.2f}')} |")
     for model, p in peers.items():
         if p.get("error"):
             lines += ["", f"peer error ({model}): {p['error'][:300]}"]
