@@ -280,3 +280,81 @@ def test_the_batch_benchmark_and_its_gpu_check_rows(tmp_path):
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "batched decoding on cpu" in md
     assert len([line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]) == 2
+
+
+def test_an_interrupted_wait_never_leaves_its_stream_with_the_worker(files, monkeypatch):  # noqa: F811
+    """A wait broken by a signal handler's exception (as Ctrl-C breaks it in the main
+    thread) takes its stream back when the worker has not taken it yet, and otherwise
+    returns only once the worker's step of it has ended, so the caller may free it."""
+    import signal
+    import time
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    tokens = case_tokens(case_config("base")).tolist()
+    with tinyloop.Model(files.path("base"), device=DEVICE) as model:
+        real, events = tinyloop.Model.next_batch, []
+
+        def slow(self, streams):
+            events.append(("start", len(streams)))
+            time.sleep(0.4)
+            out = real(self, streams)
+            events.append(("end", len(streams)))
+            return out
+
+        monkeypatch.setattr(tinyloop.Model, "next_batch", slow)
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        batcher = DecodeBatcher(model)
+        try:
+            # taken by the worker: the interrupted wait lasts until the step has ended
+            stream = model.stream(tokens[:3], max_tokens=4, temperature=0.0)
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(Interrupted):
+                next(batcher.tokens(stream))
+            assert events == [("start", 1), ("end", 1)]
+            stream.close()
+            # still queued behind another stream's step: taken back at once, never stepped
+            other = model.stream(tokens[:2], max_tokens=4, temperature=0.0)
+            helper = threading.Thread(target=lambda: next(batcher.tokens(other)))
+            helper.start()
+            while len(events) < 3:
+                time.sleep(0.01)
+            queued = model.stream(tokens[:4], max_tokens=4, temperature=0.0)
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(Interrupted):
+                next(batcher.tokens(queued))
+            assert events[-1] == ("start", 1)   # interrupted while the other step still ran
+            queued.close()
+            helper.join(10)
+            assert events[3:] == [("end", 1)] and batcher.steps == 2
+            other.close()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            batcher.close()
+
+
+def test_streams_of_two_models_are_refused_whatever_comes_first(files):  # noqa: F811
+    """tl_stream_next_batch compares the models of the streams that still have a context,
+    also when the first stream's context was freed, and refuses the call (TL_OK would
+    mean the streams were stepped)."""
+    tokens = case_tokens(case_config("base")).tolist()
+    with tinyloop.Model(files.path("base"), device=DEVICE) as a, tinyloop.Model(files.path("base"), device=DEVICE) as b:
+        native, ffi = a._native, a._native.ffi
+        with a.context() as ctx:
+            ended = ctx.stream(tokens[:2], max_tokens=4)
+        first, second = a.stream(tokens[:3], max_tokens=4), b.stream(tokens[:3], max_tokens=4)
+        next(first)
+        next(second)
+        tok, reasons, statuses = ffi.new("int32_t[]", 3), ffi.new("tl_stop_reason[]", 3), ffi.new("tl_status[]", 3)
+        handles = ffi.new("tl_stream *[]", [ended._handle, first._handle, second._handle])
+        assert native.lib.tl_stream_next_batch(handles, 3, tok, reasons, statuses) != 0
+        assert "streams[2] belongs to another model" in native.last_error()
+        assert (len(first.tokens), len(second.tokens)) == (1, 1)
+        assert next(first) >= 0 and next(second) >= 0   # neither was stepped or ended
+        for stream in (ended, first, second):
+            stream.close()

@@ -746,6 +746,7 @@ tl_status tl_stream_next_batch(tl_stream *const *streams, size_t n, int32_t *tok
     struct tl_stream **gs = malloc(n * sizeof *gs);
     if (!gs) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu streams", n);
     tl_status st = TL_OK;
+    const struct tl_model *model = NULL;   /* of the first stream that still has a context */
     for (size_t i = 0; i < n && st == TL_OK; i++) {
         if (!streams[i]) {
             st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams[%zu] is NULL", i);
@@ -754,7 +755,9 @@ tl_status tl_stream_next_batch(tl_stream *const *streams, size_t n, int32_t *tok
         gs[i] = streams[i];
         for (size_t j = 0; j < i && st == TL_OK; j++)
             if (streams[j] == streams[i]) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams %zu and %zu are the same", j, i);
-        if (st == TL_OK && gs[i]->ctx && gs[0]->ctx && gs[i]->ctx->model != gs[0]->ctx->model)
+        if (st != TL_OK || !gs[i]->ctx) continue;   /* a stream whose context was freed has ended */
+        if (!model) model = gs[i]->ctx->model;
+        else if (gs[i]->ctx->model != model)
             st = tl_fail(TL_ERR_INVALID_ARGUMENT, "streams[%zu] belongs to another model", i);
     }
     if (st == TL_OK) tl_streams_step(gs, n, tokens, stop_reasons, statuses);

@@ -68,10 +68,28 @@ class DecodeBatcher:
                 raise RuntimeError("the decode batcher is closed")
             self._waiting.append(waiter)
             self._cond.notify_all()
-        waiter.done.wait()
+        try:
+            waiter.done.wait()
+        finally:
+            if not waiter.done.is_set():   # interrupted (KeyboardInterrupt, a signal handler)
+                self._withdraw(waiter)
         if isinstance(waiter.value, BaseException):
             raise waiter.value
         return waiter.value
+
+    def _withdraw(self, waiter: _Waiter) -> None:
+        """An interrupted wait: take the waiter back, or, when the worker is stepping its
+        stream already, wait for that step to end, since the caller may free the stream
+        next (the step's token is then dropped with it)."""
+        with self._cond:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+                return
+        while not waiter.done.is_set():
+            try:
+                waiter.done.wait()
+            except BaseException:   # noqa: B036 - the stream must outlive the step; the first
+                pass                # interruption propagates once it has ended
 
     def _take(self) -> list[_Waiter]:
         """The waiters of the next step, once every active stream waits or GATHER_S has
