@@ -37,8 +37,11 @@ struct tl_stream {
     double draft_p_min;            /* drafting stops below this top probability         */
     int32_t *spec_fed;             /* [n_draft + 1]: the pending token, then the drafts */
     int32_t *spec_ready;           /* [n_draft + 1]: verified tokens, returned in order */
-    double *spec_q;                /* sampling: [n_draft][vocab] the drafts' distributions */
+    double *spec_q;                /* sampling: [n_draft][vocab] the drafts' distributions, */
+    int32_t *spec_q_ids;           /* as supports: probabilities and their ids in order,   */
+    int *spec_q_n;                 /* [n_draft] entries each (tl_sample_distribution)      */
     double *spec_p;                /* sampling: [vocab] a verification row's distribution */
+    int32_t *spec_p_ids;           /* and its ids                                         */
     float *spec_rows;              /* sampling: [n_draft + 1][vocab] verification logits   */
     struct tl_buf *spec_states;    /* backend rows: the drafts' injection sources [n_draft],
                                       then their loop states [n_draft]; NULL when the

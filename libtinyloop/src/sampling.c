@@ -283,28 +283,44 @@ int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step) {
     return best;   /* greedy, nothing with weight; else not reached: r < total */
 }
 
-void tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, double *probs) {
+int tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, int32_t *ids,
+                           double *probs) {
     int n;
     uint64_t lower, total;
     int32_t best = kept_candidates(logits, vocab, step, &n, &lower, &total);
     const tl_sample_candidate *cand = step->host_scratch;
-    memset(probs, 0, (size_t)vocab * sizeof *probs);
-    if (n == 0) {
-        probs[best] = 1.0;
-        return;
+    int m = 0;
+    for (int i = 0; i < n; i++)   /* candidates come in id order */
+        if (cand[i].key >= lower) {
+            ids[m] = tl_sample_key_id(cand[i].key);
+            probs[m++] = (double)cand[i].weight / (double)total;
+        }
+    if (m == 0) {
+        ids[0] = best;
+        probs[0] = 1.0;
+        m = 1;
     }
-    for (int i = 0; i < n; i++)
-        if (cand[i].key >= lower) probs[tl_sample_key_id(cand[i].key)] = (double)cand[i].weight / (double)total;
+    return m;
 }
 
-int32_t tl_sample_from(const double *weights, int vocab, double total, uint64_t random) {
+double tl_sample_probability(const int32_t *ids, const double *probs, int n, int32_t id) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (ids[mid] < id) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n && ids[lo] == id ? probs[lo] : 0.0;
+}
+
+int32_t tl_sample_from(const int32_t *ids, const double *weights, int n, double total, uint64_t random) {
     double r = (double)(random >> 11) * 0x1p-53 * total, acc = 0.0;
     int32_t last = -1;
-    for (int i = 0; i < vocab; i++) {
+    for (int i = 0; i < n; i++) {
         if (!(weights[i] > 0.0)) continue;
         acc += weights[i];
-        last = i;
-        if (r < acc) return i;
+        last = ids[i];
+        if (r < acc) return ids[i];
     }
     return last;   /* r rounded up to the sum: the last token with weight */
 }

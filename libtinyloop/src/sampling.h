@@ -43,14 +43,22 @@ void tl_sampler_begin_step(tl_sampler *s, const int32_t *past, size_t n_past, co
 int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step);
 
 /* The distribution a prepared step draws from (after the penalty, applied to logits in
- * place): probs[v] = the weight of token v over the kept total, 0 outside; a greedy step
- * (or one where nothing has weight) puts all of it on its argmax. Speculative sampling
- * compares the draft's and the full depth's distributions with it. */
-void tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, double *probs);
+ * place), as its support: ids[0..n) in increasing order with probs[i] the weight of
+ * ids[i] over the kept total; a greedy step (or one where nothing has weight) is its
+ * argmax with probability 1. Returns n (>= 1); ids and probs have room for vocab entries.
+ * Speculative sampling compares the draft's and the full depth's distributions with it:
+ * with top-k a support has k entries, so nothing after the candidates' selection walks
+ * the whole vocabulary. */
+int tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, int32_t *ids,
+                           double *probs);
 
-/* A token drawn in proportion to weights[0..vocab) (>= 0, summing to total > 0), walking
- * the ids in order with the 53-bit uniform of `random`; -1 when no weight is positive. */
-int32_t tl_sample_from(const double *weights, int vocab, double total, uint64_t random);
+/* The probability of token `id` in a support (ids increasing), 0 outside it. */
+double tl_sample_probability(const int32_t *ids, const double *probs, int n, int32_t id);
+
+/* A token drawn in proportion to weights[0..n) of ids[0..n) (>= 0, summing to total > 0),
+ * walking them in order with the 53-bit uniform of `random`; -1 when no weight is
+ * positive. */
+int32_t tl_sample_from(const int32_t *ids, const double *weights, int n, double total, uint64_t random);
 
 /* The generator's next output (a draw outside the steps: speculative acceptance). */
 uint64_t tl_sampler_random(tl_sampler *s);

@@ -68,9 +68,12 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     if (!g->greedy) {   /* the distributions of a round: drafts, verification rows */
         size_t V = (size_t)ctx->model->hp.vocab, k = (size_t)g->n_draft;
         g->spec_q = malloc(k * V * sizeof *g->spec_q);
+        g->spec_q_ids = malloc(k * V * sizeof *g->spec_q_ids);
+        g->spec_q_n = malloc(k * sizeof *g->spec_q_n);
         g->spec_p = malloc(V * sizeof *g->spec_p);
+        g->spec_p_ids = malloc(V * sizeof *g->spec_p_ids);
         g->spec_rows = malloc((k + 1) * V * sizeof *g->spec_rows);
-        if (!g->spec_q || !g->spec_p || !g->spec_rows)
+        if (!g->spec_q || !g->spec_q_ids || !g->spec_q_n || !g->spec_p || !g->spec_p_ids || !g->spec_rows)
             return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative sampling buffers "
                                                  "(%zu drafts x %zu tokens)", k, V);
     }
@@ -156,12 +159,27 @@ static tl_status round_of_drafts(struct tl_stream *g) {
     return TL_OK;
 }
 
-/* The largest of a distribution's V probabilities. */
-static double top_weight(const double *q, size_t V) {
+/* The largest of a support's n probabilities. */
+static double top_weight(const double *q, int n) {
     double top = 0.0;
-    for (size_t v = 0; v < V; v++)
-        if (q[v] > top) top = q[v];
+    for (int i = 0; i < n; i++)
+        if (q[i] > top) top = q[i];
     return top;
+}
+
+/* p's support becomes what p has beyond q, max(p - q, 0) (the ids only q holds would be 0
+ * there and stay out); returns its total. */
+static double residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
+                       int n_q) {
+    double total = 0.0;
+    int j = 0;
+    for (int i = 0; i < n_p; i++) {
+        while (j < n_q && q_ids[j] < p_ids[i]) j++;
+        double qi = j < n_q && q_ids[j] == p_ids[i] ? q[j] : 0.0;
+        p[i] = p[i] > qi ? p[i] - qi : 0.0;
+        total += p[i];
+    }
+    return total;
 }
 
 /* A number in [0, 1) from the stream's generator. */
@@ -183,14 +201,15 @@ static tl_status round_of_samples(struct tl_stream *g) {
         st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
         if (st != TL_OK) break;
         double *q = g->spec_q + i * V;
+        int32_t *q_ids = g->spec_q_ids + i * V;
         tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, i + 1, &step);
-        tl_sample_distribution(g->logits, (int)V, &step, q);
+        int n_q = g->spec_q_n[i] = tl_sample_distribution(g->logits, (int)V, &step, q_ids, q);
         /* unsure: stop before drawing; a rule on q alone keeps the draws exact */
-        if (g->draft_p_min > 0.0 && top_weight(q, V) < g->draft_p_min) {
+        if (g->draft_p_min > 0.0 && top_weight(q, n_q) < g->draft_p_min) {
             k = i;
             break;
         }
-        fed[i + 1] = tl_sample_from(q, (int)V, 1.0, step.random);
+        fed[i + 1] = tl_sample_from(q_ids, q, n_q, 1.0, step.random);
     }
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
@@ -198,26 +217,27 @@ static tl_status round_of_samples(struct tl_stream *g) {
     st = verify(g, fed, k, &out);
     if (st != TL_OK) return st;
     double *p = g->spec_p;
+    int32_t *p_ids = g->spec_p_ids;
     size_t j = 0;
     for (;; j++) {
         tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, j + 1, &step);
-        tl_sample_distribution(g->spec_rows + j * V, (int)V, &step, p);
+        int n_p = tl_sample_distribution(g->spec_rows + j * V, (int)V, &step, p_ids, p);
         if (j == k) {   /* every draft kept: one more token from the full depth */
-            ready[j] = tl_sample_from(p, (int)V, 1.0, step.random);
+            ready[j] = tl_sample_from(p_ids, p, n_p, 1.0, step.random);
             break;
         }
         const double *q = g->spec_q + j * V;
+        const int32_t *q_ids = g->spec_q_ids + j * V;
+        int n_q = g->spec_q_n[j];
         int32_t x = fed[j + 1];
-        if (uniform(g) * q[x] < p[x]) {   /* kept with probability min(1, p(x) / q(x)) */
+        /* kept with probability min(1, p(x) / q(x)) */
+        if (uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
             ready[j] = x;
             continue;
         }
-        double total = 0.0;   /* refused: draw from what p has beyond q */
-        for (size_t v = 0; v < V; v++) {
-            p[v] = p[v] > q[v] ? p[v] - q[v] : 0.0;
-            total += p[v];
-        }
-        int32_t t = tl_sample_from(p, (int)V, total, step.random);
+        /* refused: draw from what p has beyond q */
+        double total = residual(p, p_ids, n_p, q, q_ids, n_q);
+        int32_t t = tl_sample_from(p_ids, p, n_p, total, step.random);
         ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
         break;
     }
@@ -260,10 +280,15 @@ void tl_speculative_free(struct tl_stream *g) {
     free(g->spec_fed);
     free(g->spec_ready);
     free(g->spec_q);
+    free(g->spec_q_ids);
+    free(g->spec_q_n);
     free(g->spec_p);
+    free(g->spec_p_ids);
     free(g->spec_rows);
     g->spec_fed = NULL;
     g->spec_ready = NULL;
     g->spec_q = g->spec_p = NULL;
+    g->spec_q_ids = g->spec_p_ids = NULL;
+    g->spec_q_n = NULL;
     g->spec_rows = NULL;
 }
