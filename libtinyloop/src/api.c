@@ -791,8 +791,7 @@ static int batch_member_seq(const tl_model *model, size_t n_prompt, const tl_gen
     size_t tokens = o->max_tokens > 0 ? (size_t)o->max_tokens : 0;
     if (tokens > out_capacity) tokens = out_capacity;
     size_t need = n_prompt + (tokens > 0 ? tokens - 1 : 0);
-    int model_seq = model->load_opts.max_seq_len > 0 ? model->load_opts.max_seq_len : model->hp.max_seq_len;
-    return need == 0 || need >= (size_t)model_seq ? 0 : (int)need;
+    return need == 0 || need >= (size_t)tl_model_max_seq(model) ? 0 : (int)need;
 }
 
 /* Each prompt runs as its own sequence in a context owned by this call, sized for it;
@@ -851,7 +850,7 @@ tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
             size_t i = member[j];
             if (statuses[j] != TL_OK && st == TL_OK) st = tl_fail(statuses[j], "prompt %zu: %s", i, tl_last_error());
             if (tokens[j] >= 0) out_tokens[i][streams[i].n_generated - 1] = tokens[j];
-            if (tokens[j] >= 0 || (statuses[j] == TL_OK && !streams[i].finished)) {
+            if (!streams[i].finished) {   /* a failed stream has finished too */
                 live[kept] = live[j];
                 member[kept++] = i;
             }

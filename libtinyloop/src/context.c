@@ -71,14 +71,14 @@ void tl_context_close(struct tl_context *ctx) {
     free(ctx);
 }
 
-static int model_max_seq(const struct tl_model *m) {
+int tl_model_max_seq(const struct tl_model *m) {
     return m->load_opts.max_seq_len > 0 ? m->load_opts.max_seq_len : m->hp.max_seq_len;
 }
 
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
                           struct tl_context **out) {
     const tl_hparams *hp = &model->hp;
-    int model_seq = model_max_seq(model);
+    int model_seq = tl_model_max_seq(model);
     if (max_seq < 0 || max_seq > model_seq)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "context max_seq_len %d is out of range [1, %d] (0 = the model's)",
@@ -235,25 +235,47 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
     return st;
 }
 
-/* Rows of one depth, at most lead's chunk rows, through one batched forward. */
-static tl_status eval_batch_group(struct tl_context *lead, struct tl_context *const *ctxs,
-                                  const int32_t *tokens, const size_t *pick, int n, int depth,
-                                  const tl_forward_out *outs, tl_batch_row *rows, int32_t *row_tokens,
-                                  tl_forward_out *row_outs) {
-    for (int r = 0; r < n; r++) {
-        size_t i = pick[r];
-        rows[r] = (tl_batch_row){ ctxs[i], (int)ctxs[i]->n_tokens };
-        row_tokens[r] = tokens[i];
-        row_outs[r] = outs ? outs[i] : (tl_forward_out){ 0 };
+/* The batch's rows through batched forward passes, rows of one depth together in groups
+ * of at most lead's chunk rows; then, when every pass succeeded, each context's token
+ * appended. */
+static tl_status eval_in_groups(struct tl_context *lead, struct tl_context *const *ctxs,
+                                const int32_t *tokens, size_t n, const int *depths,
+                                const tl_forward_out *outs) {
+    size_t cap = (size_t)lead->chunk_rows;
+    tl_batch_row *rows = malloc(cap * sizeof *rows);
+    int32_t *row_tokens = malloc(cap * sizeof *row_tokens);
+    tl_forward_out *row_outs = malloc(cap * sizeof *row_outs);
+    unsigned char *done = calloc(n, 1);
+    tl_status st = TL_OK;
+    if (!rows || !row_tokens || !row_outs || !done)
+        st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
+    /* rows of i's depth past the cap wait for the first of them in this loop */
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        if (done[i]) continue;
+        int count = 0;
+        for (size_t j = i; j < n && (size_t)count < cap; j++) {
+            if (done[j] || depths[j] != depths[i]) continue;
+            done[j] = 1;
+            rows[count] = (tl_batch_row){ ctxs[j], (int)ctxs[j]->n_tokens };
+            row_tokens[count] = tokens[j];
+            row_outs[count++] = outs ? outs[j] : (tl_forward_out){ 0 };
+        }
+        st = tl_forward_batch(lead, rows, row_tokens, count, depths[i], row_outs);
     }
-    return tl_forward_batch(lead, rows, row_tokens, n, depth, row_outs);
+    for (size_t i = 0; i < n && st == TL_OK; i++) {
+        ctxs[i]->tokens[ctxs[i]->n_tokens++] = tokens[i];
+        ctxs[i]->depth = depths[i];
+    }
+    free(rows);
+    free(row_tokens);
+    free(row_outs);
+    free(done);
+    return st;
 }
 
 tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *tokens, size_t n,
                                 const tl_forward_out *outs) {
     if (n == 0) return TL_OK;
-    if (n == 1)   /* one row: the one-row step's path (fused kernels, recorded steps) */
-        return tl_context_eval(ctxs[0], tokens, 1, 0, outs);
     struct tl_context *lead = ctxs[0];
     int *depths = malloc(n * sizeof *depths);
     if (!depths) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
@@ -272,48 +294,15 @@ tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *t
             st = tl_fail(TL_ERR_CONTEXT_FULL, "batch: context %zu is full (max_seq_len %d)", i, ctx->max_seq);
         if (ctx->max_seq > lead->max_seq) lead = ctx;   /* its attention scratch covers every row */
     }
-    if (st == TL_OK && lead->model->hp.state_init == TL_INIT_WARM) {
-        /* a warm start chains each position to the previous one's state: one by one */
+    /* One row takes the one-row step's path (fused kernels, recorded steps); a warm start
+     * chains each position to the previous one's state, so its rows go one by one. */
+    if (st == TL_OK && (n == 1 || lead->model->hp.state_init == TL_INIT_WARM)) {
         for (size_t i = 0; i < n && st == TL_OK; i++)
             st = tl_context_eval(ctxs[i], tokens + i, 1, 0, outs ? &outs[i] : NULL);
+    } else if (st == TL_OK) {
+        st = eval_in_groups(lead, ctxs, tokens, n, depths, outs);
     }
-    if (st != TL_OK || lead->model->hp.state_init == TL_INIT_WARM) {
-        free(depths);
-        return st;
-    }
-    size_t cap = (size_t)lead->chunk_rows;
-    size_t *pick = malloc(n * sizeof *pick);
-    tl_batch_row *rows = malloc(cap * sizeof *rows);
-    int32_t *row_tokens = malloc(cap * sizeof *row_tokens);
-    tl_forward_out *row_outs = malloc(cap * sizeof *row_outs);
-    unsigned char *done = calloc(n, 1);
-    if (!pick || !rows || !row_tokens || !row_outs || !done)
-        st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
-    /* rows of one depth together, in groups of at most the lead's chunk rows */
-    for (size_t i = 0; i < n && st == TL_OK; i++) {
-        if (done[i]) continue;
-        size_t count = 0;
-        for (size_t j = i; j < n && count < cap; j++)
-            if (!done[j] && depths[j] == depths[i]) {
-                pick[count++] = j;
-                done[j] = 1;
-            }
-        /* rows of i's depth past the cap wait for the first of them in this loop */
-        st = eval_batch_group(lead, ctxs, tokens, pick, (int)count, depths[i], outs, rows, row_tokens,
-                              row_outs);
-    }
-    if (st == TL_OK)
-        for (size_t i = 0; i < n; i++) {
-            struct tl_context *ctx = ctxs[i];
-            ctx->tokens[ctx->n_tokens++] = tokens[i];
-            ctx->depth = depths[i];
-        }
     free(depths);
-    free(pick);
-    free(rows);
-    free(row_tokens);
-    free(row_outs);
-    free(done);
     return st;
 }
 

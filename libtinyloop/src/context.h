@@ -50,6 +50,8 @@ struct tl_context {
 /* TL_OK, or a clear error when a generation stream over ctx is still open. */
 tl_status tl_context_check_free(const struct tl_context *ctx);
 
+/* The longest sequence a context of the model may hold: the load option, else the file's. */
+int tl_model_max_seq(const struct tl_model *m);
 /* Create with resolved options (each 0 = the model's value). */
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth,
                           int prefill_chunk, struct tl_context **out);

@@ -604,7 +604,7 @@ class Model(_Scoring, _OwnsHandle):
             self._require_open(), ffi.new("int32_t *[]", c_prompts), lengths, n, opts.c,
             ffi.new("int32_t *[]", c_outs), opts.max_tokens, c_results))
         results = []
-        for prompt, out, i in zip(prompts, outs, range(n)):
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
             tokens = out[:int(c_results[i].n_tokens)].tolist()
             text = self.tokenizer.decode(tokens) if isinstance(prompt, str) else None
             results.append(_result_from_c(c_results[i], tokens, text))
