@@ -178,7 +178,8 @@ TL_API tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logpro
  * model, each with room for one more token) at its sequence's depth (the model's default
  * for an empty one), and logits (n x vocab floats, or NULL) gets each one's logits after
  * it. The contexts' matmuls run as one pass over n rows, so a step of n sequences costs
- * far less than n steps. On failure no sequence changes. */
+ * far less than n steps. Refused arguments (checked first) change no sequence, nor does a
+ * failure during the pass, except with a warm state init, whose rows run one by one. */
 TL_API tl_status tl_context_append_batch(tl_context *const *contexts, const int32_t *tokens,
                                          size_t n, float *logits);
 
