@@ -15,6 +15,7 @@
 #include "escalation.h"
 #include "format.h"
 #include "generate.h"
+#include "api_structs.h"
 #include "model.h"
 #include "tinyloop/tinyloop.h"
 
@@ -30,7 +31,7 @@
  * the first release's (min_size) upwards, read/write only the bytes both sides know,
  * and keep defaults for the rest. */
 
-static tl_status check_struct_size(const void *s, size_t min_size, const char *what) {
+tl_status check_struct_size(const void *s, size_t min_size, const char *what) {
     uint32_t size;
     memcpy(&size, s, sizeof size);
     if (size < min_size || size > TL_STRUCT_SIZE_LIMIT)
@@ -41,7 +42,7 @@ static tl_status check_struct_size(const void *s, size_t min_size, const char *w
 }
 
 /* dst (full size, already defaulted) <- the caller's src (NULL = keep defaults). */
-static tl_status read_struct(void *dst, size_t full, const void *src, size_t min_size,
+tl_status read_struct(void *dst, size_t full, const void *src, size_t min_size,
                              const char *what) {
     if (!src) return TL_OK;
     tl_status st = check_struct_size(src, min_size, what);
@@ -55,18 +56,13 @@ static tl_status read_struct(void *dst, size_t full, const void *src, size_t min
 }
 
 /* The caller's dst <- src (full size), as much as dst's struct_size holds. */
-static void write_struct(void *dst, const void *src, size_t full) {
+void write_struct(void *dst, const void *src, size_t full) {
     uint32_t size;
     memcpy(&size, dst, sizeof size);
     size_t n = size < full ? size : full;
     memcpy((char *)dst + sizeof(uint32_t), (const char *)src + sizeof(uint32_t),
            n - sizeof(uint32_t));
 }
-
-#define NEED(ptr, name)                                                                 \
-    do {                                                                                \
-        if (!(ptr)) return tl_fail(TL_ERR_INVALID_ARGUMENT, "%s must not be NULL", name); \
-    } while (0)
 
 /* ---- version and errors ---------------------------------------------------------- */
 
@@ -312,14 +308,18 @@ static void memory_totals(const tl_model *model, tl_memory_report *r) {
     pthread_mutex_lock((pthread_mutex_t *)&model->stats_lock);
     r->buffers_bytes = model->ctx_buffer_bytes;
     r->kv_cache_bytes = model->ctx_kv_bytes;
+    r->prefix_cache_bytes = model->prefix_cache_bytes;
     pthread_mutex_unlock((pthread_mutex_t *)&model->stats_lock);
-    r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes;
+    r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes +
+                     r->prefix_cache_bytes;
 }
 
 tl_status tl_memory_report_get(const tl_model *model, tl_memory_report *report) {
     NEED(model, "model");
     NEED(report, "report");
-    tl_status st = check_struct_size(report, sizeof *report, "tl_memory_report");
+    /* a first-release struct ends before prefix_cache_bytes */
+    tl_status st = check_struct_size(report, offsetof(tl_memory_report, prefix_cache_bytes),
+                                     "tl_memory_report");
     if (st != TL_OK) return st;
     tl_memory_report full;
     memory_totals(model, &full);
@@ -622,7 +622,7 @@ tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *t
 #define GENERATE_OPTIONS_V1_SIZE offsetof(tl_generate_options, draft_depth)
 #define GENERATE_RESULT_V1_SIZE offsetof(tl_generate_result, n_drafted)
 
-static tl_status read_generate_options(const tl_generate_options *opts, tl_generate_options *o) {
+tl_status read_generate_options(const tl_generate_options *opts, tl_generate_options *o) {
     tl_generate_options_default(o);
     tl_status st = read_struct(o, sizeof *o, opts, GENERATE_OPTIONS_V1_SIZE, "tl_generate_options");
     /* draft_depth sits where the first release's struct had its tail padding: read the
@@ -636,7 +636,7 @@ static tl_status read_generate_options(const tl_generate_options *opts, tl_gener
     return st;
 }
 
-static tl_status check_result_arg(tl_generate_result *result) {
+tl_status check_result_arg(tl_generate_result *result) {
     return result ? check_struct_size(result, GENERATE_RESULT_V1_SIZE, "tl_generate_result") : TL_OK;
 }
 
@@ -786,7 +786,7 @@ tl_status tl_stream_free(tl_stream *stream) {
 
 /* The positions a batch member needs: its prompt and every token but the last (which
  * is never fed), within the model's limit (0 = the model's whole length). */
-static int batch_member_seq(const tl_model *model, size_t n_prompt, const tl_generate_options *o,
+int batch_member_seq(const tl_model *model, size_t n_prompt, const tl_generate_options *o,
                             size_t out_capacity) {
     size_t tokens = o->max_tokens > 0 ? (size_t)o->max_tokens : 0;
     if (tokens > out_capacity) tokens = out_capacity;

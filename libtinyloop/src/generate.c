@@ -352,6 +352,7 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
     r->decode_seconds = g->decode_seconds;
     r->n_drafted = g->n_drafted;
     r->n_accepted = g->n_accepted;
+    r->n_cached_tokens = g->n_cached;
 }
 
 void tl_stream_end(struct tl_stream *g) {
@@ -382,18 +383,24 @@ tl_status tl_generate_run(struct tl_context *ctx, const int32_t *prompt, size_t 
     tl_status st = tl_stream_begin(&g, ctx, prompt, n_prompt, opts,
                                    out_tokens ? out_capacity : SIZE_MAX, 1);
     if (st != TL_OK) return st;
+    return tl_stream_run(&g, out_tokens, callback, user_data, result);
+}
+
+tl_status tl_stream_run(struct tl_stream *g, int32_t *out_tokens, tl_token_callback callback,
+                        void *user_data, tl_generate_result *result) {
+    tl_status st = TL_OK;
     for (;;) {
         int32_t token;
         tl_stop_reason reason;
-        st = tl_stream_step(&g, &token, &reason);
+        st = tl_stream_step(g, &token, &reason);
         if (st != TL_OK || token < 0) break;
-        if (out_tokens) out_tokens[g.n_generated - 1] = token;
+        if (out_tokens) out_tokens[g->n_generated - 1] = token;
         if (callback && callback(token, user_data) != 0) {
-            tl_stream_abort(&g);
+            tl_stream_abort(g);
             break;
         }
     }
-    if (result) tl_stream_fill_result(&g, result);
-    tl_stream_end(&g);
+    if (result) tl_stream_fill_result(g, result);
+    tl_stream_end(g);
     return st;
 }

@@ -52,6 +52,7 @@ struct tl_stream {
     int finished;
     tl_stop_reason stop_reason;
     uint32_t n_prompt;
+    uint32_t n_cached;             /* of the prompt, tokens loaded from a prefix cache */
     double prefill_seconds, decode_seconds;
 };
 
@@ -79,6 +80,10 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *result
 /* Free what begin allocated (not ctx, unless owned_ctx). */
 void tl_stream_end(struct tl_stream *g);
 
+/* Run a begun stream to its end: tokens go to out_tokens (may be NULL) and/or the
+ * callback; fills result (may be NULL) and ends the stream. */
+tl_status tl_stream_run(struct tl_stream *g, int32_t *out_tokens, tl_token_callback callback,
+                        void *user_data, tl_generate_result *result);
 /* Whole generation: tokens go to out_tokens (may be NULL) and/or the callback. */
 tl_status tl_generate_run(struct tl_context *ctx, const int32_t *prompt, size_t n_prompt,
                           const tl_generate_options *opts, int32_t *out_tokens,

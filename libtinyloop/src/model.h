@@ -85,6 +85,7 @@ struct tl_model {
     /* live contexts' memory, for the memory report (guarded by stats_lock) */
     pthread_mutex_t stats_lock;
     uint64_t ctx_buffer_bytes, ctx_kv_bytes;
+    uint64_t prefix_cache_bytes;       /* live prefix caches (prefix_cache.c) */
 
     /* internal context for the model-level convenience calls */
     pthread_mutex_t default_ctx_lock;

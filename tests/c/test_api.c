@@ -882,6 +882,371 @@ static void test_two_threads(fixture *f) {
           "two threads generate identically");
 }
 
+/* ---- prefix caches and pools ---------------------------------------------------- */
+
+#define N_PREFIX 12
+
+/* Logits after appending tokens[0..split) then tokens[split..n) to a fresh context. */
+static void logits_after_split(fixture *f, size_t split, size_t n, float *logits) {
+    tl_context *ctx = new_context(f->model, 0);
+    CHECK_OK(tl_context_append(ctx, f->tokens, split, 0, NULL));
+    CHECK_OK(tl_context_append(ctx, f->tokens + split, n - split, 0, logits));
+    tl_context_free(ctx);
+}
+
+static uint64_t prefix_bytes_now(fixture *f) {
+    tl_memory_report r;
+    tl_memory_report_default(&r);
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    CHECK(r.total_bytes == r.weights_bytes + r.repacked_bytes + r.buffers_bytes +
+                               r.kv_cache_bytes + r.prefix_cache_bytes,
+          "total includes the prefix caches");
+    return r.prefix_cache_bytes;
+}
+
+/* A context loaded from a prefix cache continues bit for bit as one that appended it. */
+static void test_prefix_cache(fixture *f) {
+    int V = f->info.vocab_size;
+    float *want = malloc((size_t)V * sizeof *want), *got = malloc((size_t)V * sizeof *got);
+    uint64_t before = prefix_bytes_now(f);
+    tl_prefix_cache *cache = NULL, *part = NULL;
+    CHECK_OK(tl_prefix_cache_create(f->model, f->tokens, N_PREFIX, 0, &cache));
+    size_t n = 0;
+    int32_t depth = -1;
+    uint64_t bytes = 0;
+    CHECK_OK(tl_prefix_cache_get_info(cache, &n, &depth, &bytes));
+    CHECK(n == N_PREFIX && depth == (f->info.n_core ? f->info.default_depth : 0) && bytes > 0,
+          "cache info: %zu tokens at depth %d, %llu bytes", n, depth, (unsigned long long)bytes);
+    logits_after_split(f, N_PREFIX, N_TOK, want);
+    tl_context *ctx = new_context(f->model, 0);
+    CHECK_OK(tl_context_load_prefix(ctx, cache));
+    CHECK_OK(tl_context_length(ctx, &n));
+    CHECK(n == N_PREFIX, "a loaded context holds the prefix (%zu)", n);
+    CHECK_OK(tl_context_append(ctx, f->tokens + N_PREFIX, N_TOK - N_PREFIX, 0, got));
+    CHECK(memcmp(want, got, (size_t)V * sizeof *got) == 0, "logits after a loaded prefix are bit "
+          "for bit those after appending it (max diff %g)", max_abs_diff(want, got, (size_t)V));
+
+    /* a snapshot of part of a context's sequence; loading again replaces the sequence */
+    CHECK_OK(tl_prefix_cache_from_context(ctx, 8, &part));
+    CHECK(prefix_bytes_now(f) - before > bytes, "two caches are counted in the memory report");
+    CHECK_OK(tl_context_load_prefix(ctx, part));
+    CHECK_OK(tl_context_append(ctx, f->tokens + 8, N_TOK - 8, 0, got));
+    logits_after_split(f, 8, N_TOK, want);
+    CHECK(memcmp(want, got, (size_t)V * sizeof *got) == 0, "a snapshot of the first 8 tokens");
+
+    /* a stream over a loaded context generates what a plain generation does */
+    tl_generate_options o = greedy_options(6);
+    int32_t plain[6], streamed[6];
+    CHECK_OK(tl_generate(f->model, f->tokens, N_TOK, &o, plain, 6, NULL));
+    CHECK_OK(tl_context_load_prefix(ctx, cache));
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start(f->model, ctx, f->tokens + N_PREFIX, N_TOK - N_PREFIX, &o, &s));
+    int k = 0;
+    for (int32_t t = 0; k < 6 && tl_stream_next(s, &t, NULL) == TL_OK && t >= 0;) streamed[k++] = t;
+    CHECK(k == 6 && memcmp(plain, streamed, sizeof plain) == 0, "a stream from a loaded prefix");
+    CHECK_STATUS(tl_context_load_prefix(ctx, cache), TL_ERR_INVALID_ARGUMENT);   /* stream open */
+    tl_stream_free(s);
+    tl_context_free(ctx);
+
+    if (f->info.n_core > 0) {   /* kept loop states travel with the snapshot: deepen after load */
+        tl_context_options co;
+        tl_context_options_default(&co);
+        co.keep_loop_states = 1;
+        tl_context *a = NULL, *b = NULL;
+        tl_prefix_cache *states = NULL;
+        /* (a warm state init keeps no loop states: TL_ERR_UNSUPPORTED, tested elsewhere) */
+        if (tl_context_create(f->model, &co, &a) == TL_OK) {
+            CHECK_OK(tl_context_create(f->model, &co, &b));
+            CHECK_STATUS(tl_context_load_prefix(b, cache), TL_ERR_INVALID_ARGUMENT);   /* no states */
+            CHECK_OK(tl_context_append(a, f->tokens, N_PREFIX, 2, NULL));
+            CHECK_OK(tl_prefix_cache_from_context(a, 0, &states));
+            CHECK_OK(tl_context_load_prefix(b, states));
+            CHECK_OK(tl_context_deepen(a, 4, NULL, want));
+            CHECK_OK(tl_context_deepen(b, 4, NULL, got));
+            CHECK(memcmp(want, got, (size_t)V * sizeof *got) == 0, "deepening a loaded prefix");
+            tl_context_free(a);
+            tl_context_free(b);
+        }
+        /* a prefix deeper than a context caches */
+        co.keep_loop_states = 0;
+        co.max_depth = 3;
+        CHECK_OK(tl_context_create(f->model, &co, &a));
+        tl_prefix_cache *deep = NULL;
+        CHECK_OK(tl_prefix_cache_create(f->model, f->tokens, 4, 5, &deep));
+        CHECK_STATUS(tl_context_load_prefix(a, deep), TL_ERR_INVALID_ARGUMENT);
+        tl_context_free(a);
+        tl_prefix_cache_free(deep);
+        tl_prefix_cache_free(states);
+        tl_prefix_cache *bad = NULL;
+        CHECK_STATUS(tl_prefix_cache_create(f->model, f->tokens, 4, f->info.max_depth + 1, &bad),
+                     TL_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(tl_prefix_cache_create(f->model, f->tokens, 4, -1, &bad), TL_ERR_INVALID_ARGUMENT);
+        CHECK(bad == NULL, "no cache on failure");
+    }
+
+    /* errors */
+    tl_prefix_cache *none = NULL;
+    CHECK_STATUS(tl_prefix_cache_create(NULL, f->tokens, 4, 0, &none), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_cache_create(f->model, NULL, 4, 0, &none), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_cache_create(f->model, f->tokens, 0, 0, &none), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_cache_create(f->model, f->tokens, 4, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+    int32_t bad_token = V;
+    CHECK_STATUS(tl_prefix_cache_create(f->model, &bad_token, 1, 0, &none), TL_ERR_INVALID_ARGUMENT);
+    int32_t *long_prompt = calloc(MAX_SEQ + 1, sizeof *long_prompt);
+    CHECK_STATUS(tl_prefix_cache_create(f->model, long_prompt, MAX_SEQ + 1, 0, &none), TL_ERR_CONTEXT_FULL);
+    free(long_prompt);
+    CHECK_STATUS(tl_context_load_prefix(NULL, cache), TL_ERR_INVALID_ARGUMENT);
+    tl_context_options small;
+    tl_context_options_default(&small);
+    small.max_seq_len = 8;
+    tl_context *tiny = NULL;
+    CHECK_OK(tl_context_create(f->model, &small, &tiny));
+    CHECK_STATUS(tl_context_load_prefix(tiny, cache), TL_ERR_CONTEXT_FULL);
+    CHECK(strstr(tl_last_error(), "longer than the context") != NULL, "message: %s", tl_last_error());
+    CHECK_STATUS(tl_context_load_prefix(tiny, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_cache_from_context(tiny, 0, &none), TL_ERR_INVALID_ARGUMENT);  /* empty */
+    tl_context_free(tiny);
+    CHECK_STATUS(tl_prefix_cache_get_info(NULL, &n, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_OK(tl_prefix_cache_free(NULL));
+    /* another model's cache (the same file loaded twice is another model) */
+    tl_load_options lo;
+    tl_load_options_default(&lo);
+    lo.max_seq_len = MAX_SEQ;
+    lo.n_threads = 1;
+    tl_model *other = NULL;
+    CHECK_OK(tl_load_model(current_model, &lo, &other));
+    tl_context *foreign = new_context(other, 0);
+    CHECK_STATUS(tl_context_load_prefix(foreign, cache), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "another model") != NULL, "message: %s", tl_last_error());
+    tl_prefix_pool *other_pool = NULL;
+    CHECK_OK(tl_prefix_pool_create(other, NULL, &other_pool));
+    CHECK_STATUS(tl_prefix_pool_add_cache(other_pool, cache), TL_ERR_INVALID_ARGUMENT);
+    int32_t out[4];
+    CHECK_STATUS(tl_generate_with_pool(f->model, other_pool, f->tokens, 4, &o, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    tl_prefix_pool_free(other_pool);
+    tl_context_free(foreign);
+    tl_free_model(other);
+
+    tl_prefix_cache_free(cache);
+    tl_prefix_cache_free(part);
+    CHECK(prefix_bytes_now(f) == before, "freed caches leave the memory report");
+    free(want);
+    free(got);
+}
+
+static tl_prefix_pool *new_pool(fixture *f, uint64_t max_bytes, int register_prompts) {
+    tl_prefix_pool_options po;
+    tl_prefix_pool_options_default(&po);
+    po.max_bytes = max_bytes;
+    po.register_prompts = register_prompts;
+    tl_prefix_pool *pool = NULL;
+    CHECK_OK(tl_prefix_pool_create(f->model, &po, &pool));
+    return pool;
+}
+
+static size_t matched(tl_prefix_pool *pool, const int32_t *prompt, size_t n, int32_t depth) {
+    tl_prefix_cache *c = NULL;
+    size_t m = 0;
+    CHECK_OK(tl_prefix_pool_lookup(pool, prompt, n, depth, &c, &m));
+    tl_prefix_cache_free(c);
+    return m;
+}
+
+/* Generations from a pool give plain generation's tokens and report what they reused. */
+static void test_generate_with_pool(fixture *f) {
+    tl_prefix_pool *pool = new_pool(f, 0, 0);
+    CHECK_OK(tl_prefix_pool_add(pool, f->tokens, N_PREFIX, 0, NULL));
+    CHECK_OK(tl_prefix_pool_add(pool, f->tokens, 6, 0, NULL));
+    CHECK(matched(pool, f->tokens, N_TOK, 0) == N_PREFIX, "the longest prefix matches");
+    CHECK(matched(pool, f->tokens, 8, 0) == 6, "a shorter prompt matches the shorter prefix");
+    CHECK(matched(pool, f->tokens + 1, 8, 0) == 0, "no prefix of another prompt");
+    if (f->info.n_core > 0) CHECK(matched(pool, f->tokens, N_TOK, 2) == 0, "another depth is no match");
+    tl_generate_options opts[2] = { greedy_options(6), greedy_options(6) };
+    opts[1].temperature = 0.9f;
+    opts[1].seed = 11;
+    size_t lengths[2] = { N_TOK, N_PREFIX };   /* the whole prompt a prefix: its last is computed */
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) {
+            int32_t plain[6], pooled[6];
+            tl_generate_result r;
+            tl_generate_result_default(&r);
+            CHECK_OK(tl_generate(f->model, f->tokens, lengths[j], &opts[i], plain, 6, NULL));
+            CHECK_OK(tl_generate_with_pool(f->model, pool, f->tokens, lengths[j], &opts[i], pooled, 6, &r));
+            CHECK(memcmp(plain, pooled, sizeof plain) == 0, "pooled generation %d/%d", i, j);
+            CHECK(r.n_tokens == 6 && r.n_prompt_tokens == lengths[j] &&
+                      r.n_cached_tokens == (j == 0 ? N_PREFIX : N_PREFIX - 1),
+                  "result: %u tokens, %u prompt, %u cached", r.n_tokens, r.n_prompt_tokens, r.n_cached_tokens);
+        }
+    /* a first-release result struct is written only as far as it goes */
+    struct { tl_generate_result r; char tail[16]; } old;
+    memset(&old, 0x5a, sizeof old);
+    old.r.struct_size = (uint32_t)offsetof(tl_generate_result, n_drafted);
+    int32_t out[6];
+    CHECK_OK(tl_generate_with_pool(f->model, pool, f->tokens, N_TOK, &opts[0], out, 6, &old.r));
+    CHECK(old.r.n_tokens == 6 && ((unsigned char *)&old.r)[offsetof(tl_generate_result, n_drafted)] == 0x5a,
+          "a first-release result");
+    /* a stream from the pool */
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start_with_pool(f->model, pool, f->tokens, N_TOK, &opts[0], &s));
+    int32_t plain[6], t = 0;
+    CHECK_OK(tl_generate(f->model, f->tokens, N_TOK, &opts[0], plain, 6, NULL));
+    int k = 0;
+    while (k < 6 && tl_stream_next(s, &t, NULL) == TL_OK && t >= 0) out[k++] = t;
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_stream_result(s, &r));
+    CHECK(k == 6 && memcmp(plain, out, sizeof plain) == 0 && r.n_cached_tokens == N_PREFIX, "pooled stream");
+    tl_stream_free(s);
+    /* nothing matches: the whole prompt is computed */
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate_with_pool(f->model, pool, f->tokens + 1, 8, &opts[0], out, 6, &r));
+    CHECK(r.n_cached_tokens == 0, "no match, nothing cached");
+    tl_prefix_pool_stats st;
+    tl_prefix_pool_stats_default(&st);
+    CHECK_OK(tl_prefix_pool_get_stats(pool, &st));
+    CHECK(st.n_prefixes == 2 && st.n_hits >= 8 && st.n_misses >= 2 && st.n_evicted == 0, "stats");
+    /* errors */
+    CHECK_STATUS(tl_generate_with_pool(f->model, NULL, f->tokens, 4, &opts[0], out, 6, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_with_pool(NULL, pool, f->tokens, 4, &opts[0], out, 6, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_with_pool(f->model, pool, f->tokens, 0, &opts[0], out, 6, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_with_pool(f->model, pool, NULL, 4, &opts[0], out, 6, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_with_pool(f->model, pool, f->tokens, 4, &opts[0], NULL, 6, NULL), TL_ERR_INVALID_ARGUMENT);
+    tl_generate_options deep = opts[0];
+    deep.depth = -1;
+    CHECK_STATUS(tl_generate_with_pool(f->model, pool, f->tokens, 4, &deep, out, 6, NULL),
+                 f->info.n_core ? TL_ERR_INVALID_ARGUMENT : TL_OK);
+    tl_prefix_cache *c = NULL;
+    size_t m = 0;
+    CHECK_STATUS(tl_prefix_pool_lookup(NULL, f->tokens, 4, 0, &c, &m), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_pool_lookup(pool, NULL, 4, 0, &c, &m), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_pool_add(NULL, f->tokens, 4, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_prefix_pool_add_cache(pool, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_stream_start_with_pool(f->model, pool, f->tokens, 0, &opts[0], &s), TL_ERR_INVALID_ARGUMENT);
+    CHECK(s == NULL, "no stream on failure");
+    tl_prefix_pool_options po;
+    tl_prefix_pool_options_default(&po);
+    po.register_prompts = 2;
+    tl_prefix_pool *bad = NULL;
+    CHECK_STATUS(tl_prefix_pool_create(f->model, &po, &bad), TL_ERR_INVALID_ARGUMENT);
+    po.struct_size = 3;
+    CHECK_STATUS(tl_prefix_pool_create(f->model, &po, &bad), TL_ERR_INVALID_ARGUMENT);
+    CHECK_OK(tl_prefix_pool_free(NULL));
+    tl_prefix_pool_free(pool);
+}
+
+/* Least recently used first; a cache a caller holds outlives its eviction and the pool. */
+static void test_prefix_pool_eviction(fixture *f) {
+    int V = f->info.vocab_size;
+    int32_t prompts[5][10];
+    for (int p = 0; p < 5; p++)
+        for (int i = 0; i < 10; i++) prompts[p][i] = (int32_t)((p * 31 + i * 7 + 1) % V);
+    tl_prefix_cache *probe = NULL;
+    CHECK_OK(tl_prefix_cache_create(f->model, prompts[0], 10, 0, &probe));
+    uint64_t one = 0;
+    CHECK_OK(tl_prefix_cache_get_info(probe, NULL, NULL, &one));
+    tl_prefix_pool *pool = new_pool(f, 2 * one + one / 2, 0);
+    CHECK_OK(tl_prefix_pool_add_cache(pool, probe));
+    tl_prefix_cache_free(probe);   /* the pool holds its own reference */
+    CHECK_OK(tl_prefix_pool_add(pool, prompts[1], 10, 0, NULL));
+    CHECK(matched(pool, prompts[0], 10, 0) == 10, "0 is held (and now the most recently used)");
+    CHECK_OK(tl_prefix_pool_add(pool, prompts[2], 10, 0, NULL));
+    CHECK(matched(pool, prompts[1], 10, 0) == 0, "the least recently used (1) was evicted");
+    CHECK(matched(pool, prompts[0], 10, 0) == 10 && matched(pool, prompts[2], 10, 0) == 10, "0 and 2 stay");
+    tl_prefix_pool_stats st;
+    tl_prefix_pool_stats_default(&st);
+    CHECK_OK(tl_prefix_pool_get_stats(pool, &st));
+    CHECK(st.n_prefixes == 2 && st.bytes == 2 * one && st.n_evicted == 1 && st.max_bytes == 2 * one + one / 2,
+          "budget accounting: %u prefixes, %llu bytes", st.n_prefixes, (unsigned long long)st.bytes);
+    /* hold 2, evict it, use it */
+    tl_prefix_cache *held = NULL;
+    size_t m = 0;
+    CHECK_OK(tl_prefix_pool_lookup(pool, prompts[2], 10, 0, &held, &m));
+    CHECK_OK(tl_prefix_pool_add(pool, prompts[3], 10, 0, NULL));
+    CHECK_OK(tl_prefix_pool_add(pool, prompts[4], 10, 0, NULL));
+    CHECK(matched(pool, prompts[2], 10, 0) == 0, "2 was evicted from the pool");
+    tl_prefix_pool_free(pool);
+    float *want = malloc((size_t)V * sizeof *want), *got = malloc((size_t)V * sizeof *got);
+    tl_context *ctx = new_context(f->model, 0);
+    CHECK_OK(tl_context_append(ctx, prompts[2], 10, 0, want));
+    CHECK_OK(tl_context_load_prefix(ctx, held));
+    CHECK_OK(tl_context_truncate(ctx, 9));
+    CHECK_OK(tl_context_append(ctx, prompts[2] + 9, 1, 0, got));
+    CHECK(memcmp(want, got, (size_t)V * sizeof *got) == 0, "a held cache survives eviction and its pool");
+    tl_context_free(ctx);
+    tl_prefix_cache_free(held);
+    /* a single prefix larger than the whole budget */
+    pool = new_pool(f, one - 1, 0);
+    CHECK_STATUS(tl_prefix_pool_add(pool, prompts[0], 10, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "max_bytes") != NULL, "message: %s", tl_last_error());
+    tl_prefix_pool_free(pool);
+    free(want);
+    free(got);
+}
+
+typedef struct pool_job {
+    fixture *f;
+    tl_prefix_pool *pool;
+    const int32_t (*prompts)[N_TOK];
+    const int32_t (*want)[6];
+    int index, mismatches;
+    tl_status st;
+} pool_job;
+
+static void *pool_thread_main(void *p) {
+    pool_job *j = p;
+    tl_generate_options o = greedy_options(6);
+    j->st = TL_OK;
+    for (int rep = 0; rep < 6 && j->st == TL_OK; rep++) {
+        int which = (rep + j->index) % 4;
+        int32_t out[6];
+        j->st = tl_generate_with_pool(j->f->model, j->pool, j->prompts[which], N_TOK, &o, out, 6, NULL);
+        if (j->st == TL_OK && memcmp(out, j->want[which], sizeof out) != 0) j->mismatches++;
+    }
+    return NULL;
+}
+
+/* Four threads generate from one pool that registers their prompts and evicts under
+ * them (a budget of two prompts): each gets plain generation's tokens. */
+static void test_prefix_pool_threads(fixture *f) {
+    int32_t prompts[4][N_TOK];
+    int32_t want[4][6];
+    tl_generate_options o = greedy_options(6);
+    for (int p = 0; p < 4; p++) {
+        memcpy(prompts[p], f->tokens, sizeof prompts[p]);
+        for (int i = N_PREFIX; i < N_TOK; i++) prompts[p][i] = (int32_t)((p * 13 + i) % f->info.vocab_size);
+        CHECK_OK(tl_generate(f->model, prompts[p], N_TOK, &o, want[p], 6, NULL));
+    }
+    tl_prefix_cache *probe = NULL;
+    CHECK_OK(tl_prefix_cache_create(f->model, prompts[0], N_TOK, 0, &probe));
+    uint64_t one = 0;
+    CHECK_OK(tl_prefix_cache_get_info(probe, NULL, NULL, &one));
+    tl_prefix_cache_free(probe);
+    tl_prefix_pool *pool = new_pool(f, 2 * one + one / 2, 1);
+    for (int p = 0; p < 4; p++) {   /* registers all four, evicting two */
+        int32_t out[6];
+        CHECK_OK(tl_generate_with_pool(f->model, pool, prompts[p], N_TOK, &o, out, 6, NULL));
+    }
+    pool_job jobs[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (pool_job){ f, pool, (const int32_t (*)[N_TOK])prompts, (const int32_t (*)[6])want, i, 0, TL_OK };
+        pthread_create(&th[i], NULL, pool_thread_main, &jobs[i]);
+    }
+    for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 4; i++)
+        CHECK(jobs[i].st == TL_OK && jobs[i].mismatches == 0, "thread %d: status %s, %d mismatches", i,
+              tl_status_name(jobs[i].st), jobs[i].mismatches);
+    tl_prefix_pool_stats st;
+    tl_prefix_pool_stats_default(&st);
+    CHECK_OK(tl_prefix_pool_get_stats(pool, &st));
+    CHECK(st.n_hits + st.n_misses == 28 && st.n_prefixes <= 2 && st.bytes <= st.max_bytes &&
+              st.n_evicted >= 2,
+          "pool after threads: %llu hits, %llu misses, %u held, %llu evicted", (unsigned long long)st.n_hits,
+          (unsigned long long)st.n_misses, st.n_prefixes, (unsigned long long)st.n_evicted);
+    tl_prefix_pool_free(pool);
+}
+
 static void test_version(void) {
     CHECK(tl_abi_version() == TL_ABI_VERSION, "abi version");
     CHECK(tl_version_string() && tl_version_string()[0], "version string");
@@ -920,6 +1285,10 @@ static void run_model(const char *path) {
     test_draft_vocab(&f, path);
     test_memory_report(&f);
     test_two_threads(&f);
+    test_prefix_cache(&f);
+    test_generate_with_pool(&f);
+    test_prefix_pool_eviction(&f);
+    test_prefix_pool_threads(&f);
     CHECK_OK(tl_free_model(f.model));
 }
 

@@ -61,9 +61,9 @@ typedef enum tl_stop_reason {
 typedef struct tl_model tl_model;         /* immutable weights, shared by threads   */
 typedef struct tl_context tl_context;     /* buffers + KV cache of one sequence      */
 typedef struct tl_stream tl_stream;       /* pull iterator over generated tokens     */
-typedef struct tl_prefix_cache tl_prefix_cache;   /* reserved (prefix reuse)        */
+typedef struct tl_prefix_cache tl_prefix_cache;   /* read-only snapshot of a prefix  */
 typedef struct tl_resume_handle tl_resume_handle; /* reserved (deeper-depth resume) */
-typedef struct tl_prefix_pool tl_prefix_pool;     /* reserved (shared prefixes)     */
+typedef struct tl_prefix_pool tl_prefix_pool;     /* thread-safe set of prefix caches */
 
 /* ---- version and errors ------------------------------------------------ */
 TL_API uint32_t tl_abi_version(void);
@@ -134,6 +134,7 @@ typedef struct tl_memory_report {
     uint64_t kv_cache_bytes;    /* KV caches of all live contexts                    */
     uint64_t total_bytes;       /* the sum of the above                               */
     uint64_t device_bytes;      /* bytes allocated on an accelerator (0 on CPU)       */
+    uint64_t prefix_cache_bytes; /* live prefix caches (in total_bytes too)           */
 } tl_memory_report;
 
 TL_API void tl_memory_report_default(tl_memory_report *report);
@@ -274,6 +275,7 @@ typedef struct tl_generate_result {
     double decode_seconds;
     uint32_t n_drafted;            /* speculative: draft tokens verified               */
     uint32_t n_accepted;           /* speculative: of them, kept                       */
+    uint32_t n_cached_tokens;      /* prompt tokens loaded from a prefix cache / pool  */
 } tl_generate_result;
 
 /* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
@@ -324,6 +326,72 @@ TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt,
                                          const tl_generate_options *opts, int32_t draft_depth,
                                          int32_t n_draft, int32_t *out_tokens,
                                          size_t out_capacity, tl_generate_result *result);
+
+/* ---- prefix caches and pools (docs/api.md, "Prefix caches and pools") ------------
+ * A prefix cache is an immutable snapshot of a sequence's first tokens (their KV in
+ * every slot, the warm state init's states, kept loop states when the source context
+ * keeps them): a context loaded from it continues exactly as one that appended those
+ * tokens. Caches are reference counted and read-only, so several threads may load one
+ * at once; each tl_prefix_cache_* that returns one gives the caller a reference that it
+ * releases with tl_prefix_cache_free. Caches and pools must be freed before their model. */
+TL_API tl_status tl_prefix_cache_create(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                        int32_t depth, tl_prefix_cache **out);
+/* The first n_tokens of ctx's sequence (0 = all of it; at least 1 must be there). */
+TL_API tl_status tl_prefix_cache_from_context(tl_context *ctx, size_t n_tokens,
+                                              tl_prefix_cache **out);
+TL_API tl_status tl_prefix_cache_free(tl_prefix_cache *cache);
+/* Any pointer may be NULL. depth is 0 for a model without a loop. */
+TL_API tl_status tl_prefix_cache_get_info(const tl_prefix_cache *cache, size_t *n_tokens,
+                                          int32_t *depth, uint64_t *bytes);
+/* The context's sequence becomes the cache's prefix (what it held is dropped). */
+TL_API tl_status tl_context_load_prefix(tl_context *ctx, const tl_prefix_cache *cache);
+
+typedef struct tl_prefix_pool_options {
+    uint32_t struct_size;
+    int32_t register_prompts;      /* 1: tl_generate_with_pool / tl_stream_start_with_pool
+                                      add each prompt it computed beyond its match; default 0 */
+    uint64_t max_bytes;            /* budget of the caches the pool holds, least recently
+                                      used evicted first; 0 = no limit; default 256 MiB */
+} tl_prefix_pool_options;
+
+typedef struct tl_prefix_pool_stats {
+    uint32_t struct_size;
+    uint32_t n_prefixes;           /* caches held                                      */
+    uint64_t bytes;                /* their bytes (at most max_bytes)                  */
+    uint64_t max_bytes;
+    uint64_t n_hits, n_misses;     /* lookups (and generations) with / without a match */
+    uint64_t n_evicted;            /* caches evicted for the budget                    */
+} tl_prefix_pool_stats;
+
+TL_API void tl_prefix_pool_options_default(tl_prefix_pool_options *opts);
+TL_API void tl_prefix_pool_stats_default(tl_prefix_pool_stats *stats);
+TL_API tl_status tl_prefix_pool_create(tl_model *model, const tl_prefix_pool_options *opts,
+                                       tl_prefix_pool **out);
+/* Caches still in use by a generation or a caller's reference live until released. */
+TL_API tl_status tl_prefix_pool_free(tl_prefix_pool *pool);
+/* Compute tokens at depth and add them (a prefix already held is only marked used).
+ * out (may be NULL) gets a reference to the pool's cache. */
+TL_API tl_status tl_prefix_pool_add(tl_prefix_pool *pool, const int32_t *tokens, size_t n_tokens,
+                                    int32_t depth, tl_prefix_cache **out);
+/* Add an existing cache of the pool's model (the pool takes its own reference). */
+TL_API tl_status tl_prefix_pool_add_cache(tl_prefix_pool *pool, tl_prefix_cache *cache);
+/* The longest held prefix that the prompt starts with, computed at depth (0 = the
+ * model's default): *out = a new reference and *n_matched its length, or NULL and 0. */
+TL_API tl_status tl_prefix_pool_lookup(tl_prefix_pool *pool, const int32_t *prompt, size_t n_prompt,
+                                       int32_t depth, tl_prefix_cache **out, size_t *n_matched);
+TL_API tl_status tl_prefix_pool_get_stats(tl_prefix_pool *pool, tl_prefix_pool_stats *stats);
+/* tl_generate on a context of its own, started from the pool's best match at
+ * opts->depth (at most n_prompt - 1 of its tokens: the last prompt token is computed for
+ * its logits); result->n_cached_tokens says how many came from the pool. Threads may
+ * call it at once on one pool. */
+TL_API tl_status tl_generate_with_pool(tl_model *model, tl_prefix_pool *pool, const int32_t *prompt,
+                                       size_t n_prompt, const tl_generate_options *opts,
+                                       int32_t *out_tokens, size_t out_capacity,
+                                       tl_generate_result *result);
+/* tl_stream_start (a context of its own) from the pool's best match, as above. */
+TL_API tl_status tl_stream_start_with_pool(tl_model *model, tl_prefix_pool *pool,
+                                           const int32_t *prompt, size_t n_prompt,
+                                           const tl_generate_options *opts, tl_stream **out);
 
 /* TL_CDEF_END */
 
