@@ -311,9 +311,9 @@ def test_freeing_a_context_ends_its_open_stream(model):
 def test_memory_report(model):
     before = model.memory_report()
     assert set(before) == {"weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
-                           "total_bytes", "device_bytes"}
+                           "total_bytes", "device_bytes", "prefix_cache_bytes"}
     assert before["weights_bytes"] > 0 and before["device_bytes"] == 0
-    parts = ("weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes")
+    parts = ("weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes", "prefix_cache_bytes")
     assert before["total_bytes"] == sum(before[k] for k in parts)
     with model.context():
         during = model.memory_report()

@@ -14,6 +14,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
 from .model import Context, GenerateResult, Model, ModelInfo, TokenStream
+from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
@@ -29,6 +30,6 @@ __all__ = [
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
-    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "TinyLoopError",
+    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
     "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
 ]

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _args, _native
+from . import prefix as _prefix
 from .errors import InvalidArgumentError, TinyLoopError, error_for_status
 from .tokenizer import Tokenizer
 
@@ -71,6 +72,8 @@ class GenerateResult:
     #: speculative decoding: draft tokens verified, and how many of them were kept
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: prompt tokens loaded from a prefix pool instead of computed
+    cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,7 +99,8 @@ def _result_from_c(c_result, tokens: list, text: str | None) -> GenerateResult:
                           prefill_seconds=float(c_result.prefill_seconds),
                           decode_seconds=float(c_result.decode_seconds),
                           drafted_tokens=int(c_result.n_drafted),
-                          accepted_tokens=int(c_result.n_accepted))
+                          accepted_tokens=int(c_result.n_accepted),
+                          cached_tokens=int(c_result.n_cached_tokens))
 
 
 class _GenerateOptions:
@@ -194,7 +198,7 @@ class TokenStream(_OwnsHandle):
     fine: close() (or garbage collection, or the with-statement) frees the stream."""
 
     def __init__(self, model: "Model", context: "Context | None", prompt: np.ndarray,
-                 options: _GenerateOptions):
+                 options: _GenerateOptions, pool=None):
         native = model._native
         self._native = native
         self._model = model
@@ -204,9 +208,12 @@ class TokenStream(_OwnsHandle):
         self.result: GenerateResult | None = None
         out = native.ffi.new("tl_stream **")
         ctx_handle = context._require_open() if context is not None else native.ffi.NULL
-        native.check(native.lib.tl_stream_start(
-            model._require_open(), ctx_handle, native.ffi.from_buffer("int32_t[]", prompt),
-            len(prompt), options.c, out))
+        args = (native.ffi.from_buffer("int32_t[]", prompt), len(prompt), options.c, out)
+        if pool is not None:
+            native.check(native.lib.tl_stream_start_with_pool(
+                model._require_open(), _prefix.pool_handle(model, pool), *args))
+        else:
+            native.check(native.lib.tl_stream_start(model._require_open(), ctx_handle, *args))
         self._handle = out[0]
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
@@ -317,8 +324,10 @@ class _Scoring:
         draft_depth, verified at `depth`; draft_depth 0 = off, -1 = the model file's
         recommendation (else 1); n_draft 0 = the file's, else 4; greedy or sampled), draft_p_min
         (a round stops drafting at a draft whose most likely token is less likely than
-        this; 0 = never). `text` is set when the prompt was a str."""
+        this; 0 = never), pool (a PrefixPool to start from its longest prefix of the prompt;
+        Model only). `text` is set when the prompt was a str."""
         model = self._model
+        pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)
         native, ffi = model._native, model._native.ffi
@@ -328,7 +337,10 @@ class _Scoring:
         args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts.c,
                 ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), c_result)
         ctx = self._ctx_handle()
-        if ctx is None:
+        if pool is not None:
+            native.check(native.lib.tl_generate_with_pool(
+                model._require_open(), _prefix.pool_handle(model, pool), *args))
+        elif ctx is None:
             native.check(native.lib.tl_generate(model._require_open(), *args))
         else:
             native.check(native.lib.tl_context_generate(ctx, *args))
@@ -339,9 +351,17 @@ class _Scoring:
     def stream(self, prompt, **options) -> TokenStream:
         """Like generate(), yielding token ids as they are produced."""
         model = self._model
+        pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)
-        return TokenStream(model, self if isinstance(self, Context) else None, ids, opts)
+        return TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
+
+    def _pool_option(self, options: dict):
+        pool = options.pop("pool", None)
+        if pool is not None and self._ctx_handle() is not None:
+            raise InvalidArgumentError("pool= starts a generation on a context of its own: use it "
+                                       "on the Model (a Context loads a prefix with load_prefix)")
+        return pool
 
     def stream_text(self, prompt, **options) -> Iterator[str]:
         """Like stream(), yielding decoded text pieces (whole UTF-8 characters only)."""
@@ -492,7 +512,7 @@ class Model(_Scoring, _OwnsHandle):
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
         return {name: int(getattr(c_report, name)) for name in (
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
-            "total_bytes", "device_bytes")}
+            "total_bytes", "device_bytes", "prefix_cache_bytes")}
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")
@@ -662,11 +682,24 @@ class Model(_Scoring, _OwnsHandle):
         return out
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
-                keep_loop_states: bool = False) -> "Context":
+                keep_loop_states: bool = False, prefix: "_prefix.PrefixCache | None" = None) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use.
-        keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth."""
-        return Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
-                       keep_loop_states=keep_loop_states)
+        keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth;
+        prefix (a PrefixCache) starts the sequence from it."""
+        ctx = Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
+                      keep_loop_states=keep_loop_states)
+        if prefix is not None:
+            try:
+                ctx.load_prefix(prefix)
+            except BaseException:
+                ctx.close()
+                raise
+        return ctx
+
+    def prefix_cache(self, tokens, depth: int = 0) -> "_prefix.PrefixCache":
+        """A read-only snapshot of `tokens` computed at `depth` (0 = the default), for
+        contexts to start from (context(prefix=...), Context.load_prefix)."""
+        return _prefix.PrefixCache.compute(self, tokens, depth)
 
 
 class Context(_Scoring, _OwnsHandle):
@@ -755,6 +788,23 @@ class Context(_Scoring, _OwnsHandle):
             self._require_open(), model._check_depth(depth),
             ffi.NULL if logprobs is None else logprobs,
             ffi.NULL if last_logits is None else last_logits))
+
+    def load_prefix(self, cache: "_prefix.PrefixCache") -> None:
+        """The sequence becomes the cache's prefix (what it held is dropped); appends then
+        continue as after appending those tokens."""
+        if not isinstance(cache, _prefix.PrefixCache):
+            raise TypeError(f"cache must be a PrefixCache, not {type(cache).__name__}")
+        self._model._native.check(self._model._native.lib.tl_context_load_prefix(
+            self._require_open(), cache._require_open()))
+
+    def prefix_cache(self, n_tokens: int = 0) -> "_prefix.PrefixCache":
+        """A snapshot of the first n_tokens of the sequence (0 = all), with its kept loop
+        states when the context keeps them."""
+        n_tokens = _args.integer("n_tokens", n_tokens, minimum=0)
+        native, ffi = self._model._native, self._model._native.ffi
+        out = ffi.new("tl_prefix_cache **")
+        native.check(native.lib.tl_prefix_cache_from_context(self._require_open(), n_tokens, out))
+        return _prefix.PrefixCache(self._model, out[0])
 
     def truncate(self, n_keep: int) -> None:
         n_keep = _args.integer("n_keep", n_keep, minimum=0)
