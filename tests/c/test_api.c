@@ -929,6 +929,12 @@ static void test_prefix_cache(fixture *f) {
     /* a snapshot of part of a context's sequence; loading again replaces the sequence */
     CHECK_OK(tl_prefix_cache_from_context(ctx, 8, &part));
     CHECK(prefix_bytes_now(f) - before > bytes, "two caches are counted in the memory report");
+    struct { tl_memory_report r; char tail[8]; } old_report;   /* a first-release report */
+    memset(&old_report, 0x5a, sizeof old_report);
+    old_report.r.struct_size = (uint32_t)offsetof(tl_memory_report, prefix_cache_bytes);
+    CHECK_OK(tl_memory_report_get(f->model, &old_report.r));
+    CHECK(old_report.r.weights_bytes > 0 && ((unsigned char *)&old_report.r.prefix_cache_bytes)[0] == 0x5a,
+          "a first-release memory report is filled as far as it goes");
     CHECK_OK(tl_context_load_prefix(ctx, part));
     CHECK_OK(tl_context_append(ctx, f->tokens + 8, N_TOK - 8, 0, got));
     logits_after_split(f, 8, N_TOK, want);
