@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "api_structs.h"
 #include "backend.h"
 #include "context.h"
 #include "cpu/threadpool.h"
@@ -15,7 +16,6 @@
 #include "escalation.h"
 #include "format.h"
 #include "generate.h"
-#include "api_structs.h"
 #include "model.h"
 #include "tinyloop/tinyloop.h"
 
@@ -43,7 +43,7 @@ tl_status check_struct_size(const void *s, size_t min_size, const char *what) {
 
 /* dst (full size, already defaulted) <- the caller's src (NULL = keep defaults). */
 tl_status read_struct(void *dst, size_t full, const void *src, size_t min_size,
-                             const char *what) {
+                      const char *what) {
     if (!src) return TL_OK;
     tl_status st = check_struct_size(src, min_size, what);
     if (st != TL_OK) return st;
@@ -787,7 +787,7 @@ tl_status tl_stream_free(tl_stream *stream) {
 /* The positions a batch member needs: its prompt and every token but the last (which
  * is never fed), within the model's limit (0 = the model's whole length). */
 int batch_member_seq(const tl_model *model, size_t n_prompt, const tl_generate_options *o,
-                            size_t out_capacity) {
+                     size_t out_capacity) {
     size_t tokens = o->max_tokens > 0 ? (size_t)o->max_tokens : 0;
     if (tokens > out_capacity) tokens = out_capacity;
     size_t need = n_prompt + (tokens > 0 ? tokens - 1 : 0);
