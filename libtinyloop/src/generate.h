@@ -47,6 +47,14 @@ struct tl_stream {
                                       then their loop states [n_draft]; NULL when the
                                       verification does not resume (speculative.c)       */
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
+    /* log-probabilities of the returned tokens (tl_generate_options.logprobs) */
+    int logprobs;                  /* kept for every step; sampling then runs on the host */
+    int32_t top_logprobs;          /* alternatives kept per step                        */
+    float *logprob_row;            /* [vocab]: a step's logits before sampling edits them */
+    int has_logprobs;              /* the fields below are the last returned token's    */
+    float token_logprob;
+    int32_t top_ids[TL_MAX_TOP_LOGPROBS];
+    float top_lps[TL_MAX_TOP_LOGPROBS];
     size_t base;                   /* the sequence's length after the prompt            */
     uint32_t n_drafted, n_accepted;
     int finished;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -61,6 +61,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution at that step
+    (log_softmax of the logits at the generation's depth, before temperature, filters
+    and penalty), and the step's most likely tokens as (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     tokens: list
     text: str | None
@@ -71,6 +82,8 @@ class GenerateResult:
     #: speculative decoding: draft tokens verified, and how many of them were kept
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: with logprobs=True: one TokenLogprob per token of `tokens`; else None
+    logprobs: list | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -89,8 +102,9 @@ class GenerateResult:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
 
-def _result_from_c(c_result, tokens: list, text: str | None) -> GenerateResult:
-    return GenerateResult(tokens=tokens, text=text,
+def _result_from_c(c_result, tokens: list, text: str | None,
+                   logprobs: list | None = None) -> GenerateResult:
+    return GenerateResult(tokens=tokens, text=text, logprobs=logprobs,
                           stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
                           prompt_tokens=int(c_result.n_prompt_tokens),
                           prefill_seconds=float(c_result.prefill_seconds),
@@ -104,11 +118,12 @@ class _GenerateOptions:
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
-               "n_draft", "draft_p_min")
+               "n_draft", "draft_p_min", "logprobs", "top_logprobs")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0):
+                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, logprobs=False,
+                 top_logprobs=0):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -129,6 +144,11 @@ class _GenerateOptions:
         opts.draft_depth = _args.integer("draft_depth", draft_depth, minimum=-1, maximum=2**31 - 1)
         opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
         opts.draft_p_min = _args.real("draft_p_min", draft_p_min, minimum=0.0, maximum=1.0)
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
+        opts.logprobs = int(logprobs)
+        opts.top_logprobs = _args.integer("top_logprobs", top_logprobs, minimum=0, maximum=20)
+        self.logprobs, self.top_logprobs = logprobs, opts.top_logprobs
         self._keepalive = self._set_stop(model, opts, stop)
         self.c = opts
 
@@ -201,6 +221,8 @@ class TokenStream(_OwnsHandle):
         self._prompt = prompt          # C reads the prompt during the stream: keep it alive
         self._options = options
         self.tokens: list[int] = []
+        #: with logprobs=True: a TokenLogprob per token returned so far; else None
+        self.logprobs: list | None = [] if options.logprobs else None
         self.result: GenerateResult | None = None
         out = native.ffi.new("tl_stream **")
         ctx_handle = context._require_open() if context is not None else native.ffi.NULL
@@ -232,13 +254,24 @@ class TokenStream(_OwnsHandle):
             self._finish()
             return None
         self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(self._token_logprob(token))
         return token
+
+    def _token_logprob(self, token: int) -> TokenLogprob:
+        native, ffi = self._native, self._native.ffi
+        k = self._options.top_logprobs
+        lp, ids, lps = ffi.new("float *"), ffi.new("int32_t[]", max(k, 1)), ffi.new("float[]", max(k, 1))
+        native.check(native.lib.tl_stream_logprobs(self._handle, lp, ids if k else ffi.NULL,
+                                                   lps if k else ffi.NULL))
+        return TokenLogprob(token, float(lp[0]), tuple((int(ids[j]), float(lps[j])) for j in range(k)))
 
     def _finish(self) -> None:
         c_result = self._native.ffi.new("tl_generate_result *")
         self._native.lib.tl_generate_result_default(c_result)
         self._native.check(self._native.lib.tl_stream_result(self._handle, c_result))
-        self.result = _result_from_c(c_result, list(self.tokens), None)
+        self.result = _result_from_c(c_result, list(self.tokens), None,
+                                     None if self.logprobs is None else list(self.logprobs))
         self.close()
 
     def close(self) -> None:
@@ -291,6 +324,28 @@ class _Scoring:
             native.check(getattr(native.lib, f"tl_context_{name}")(ctx, *args))
         return outs
 
+    def score_top_logprobs(self, tokens, top_k: int, depth: int = 0) -> tuple:
+        """(logprobs, top_ids, top_logprobs): score's log-probabilities (length n-1) and,
+        at every position, the top_k (1..20) most likely next tokens, int32 and float32
+        arrays of shape (n-1, top_k), best first (the lower id first on ties)."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
+        k = _args.integer("top_k", top_k, minimum=1, maximum=20)
+        native, ffi = model._native, model._native.ffi
+        logprobs = np.empty(len(ids) - 1, dtype=np.float32)
+        top_ids = np.empty((len(ids) - 1, k), dtype=np.int32)
+        top_lps = np.empty((len(ids) - 1, k), dtype=np.float32)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), model._score_options(depth), k,
+                ffi.from_buffer("float[]", logprobs, require_writable=True),
+                ffi.from_buffer("int32_t[]", top_ids, require_writable=True),
+                ffi.from_buffer("float[]", top_lps, require_writable=True))
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_score_top_logprobs(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_score_top_logprobs(ctx, *args))
+        return logprobs, top_ids, top_lps
+
     def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
         """Logits (float32, vocab) of the position after the last token."""
         model = self._model
@@ -317,10 +372,20 @@ class _Scoring:
         draft_depth, verified at `depth`; draft_depth 0 = off, -1 = the model file's
         recommendation (else 1); n_draft 0 = the file's, else 4; greedy or sampled), draft_p_min
         (a round stops drafting at a draft whose most likely token is less likely than
-        this; 0 = never). `text` is set when the prompt was a str."""
+        this; 0 = never), logprobs (True: `logprobs` holds each token's TokenLogprob; not
+        with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
+        step). `text` is set when the prompt was a str."""
         model = self._model
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)
+        if opts.logprobs:   # kept per step by the pull iterator
+            with TokenStream(model, self if isinstance(self, Context) else None, ids, opts) as stream:
+                for _ in stream:
+                    pass
+            result = stream.result
+            if isinstance(prompt, str):
+                result = replace(result, text=model.tokenizer.decode(result.tokens))
+            return result
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
         c_result = ffi.new("tl_generate_result *")
