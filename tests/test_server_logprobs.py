@@ -154,3 +154,18 @@ def test_byte_level_pieces_of_a_character():
         names = [server_api.token_text(tokenizer, t)[0] for t in ids]
         assert b"".join(tokenizer.token_bytes(t) for t in ids) == " ☃".encode()
         assert any(name.startswith("bytes:\\x") for name in names), names
+
+
+def test_penalties_and_logit_bias_are_the_python_apis(server):
+    """presence_penalty, frequency_penalty and logit_bias reach the library as the
+    Python API's options do (their exact effect: tests/test_sampling.py)."""
+    ids = server.model.tokenizer.encode("Hello")
+    plain = server.model.generate(ids, max_tokens=10, temperature=0).tokens
+    banned = plain[0]
+    for fields, options in (({"presence_penalty": 1.5, "frequency_penalty": 0.5},
+                             dict(presence_penalty=1.5, frequency_penalty=0.5)),
+                            ({"logit_bias": {str(banned): -100}}, dict(logit_bias={banned: -100.0}))):
+        expected = server.model.generate(ids, max_tokens=10, temperature=0, **options)
+        body = server.post("/v1/completions", {"prompt": ids, "max_tokens": 10, **fields, **GREEDY})[1]
+        assert body["choices"][0]["text"] == server.model.tokenizer.decode(expected.tokens)
+    assert banned not in expected.tokens

@@ -179,15 +179,21 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     if (st == TL_OK) st = copy_stop_sequences(g, o);
     if (st == TL_OK) st = tl_sampler_init(&g->sampler, o, ctx->model->hp.vocab);
     if (st == TL_OK) st = logprobs_begin(g, o);
+    if (st == TL_OK) st = tl_logit_adjust_init(&g->adjust, o, ctx->model->hp.vocab);
+    if (st == TL_OK && g->adjust.active && o->draft_depth != 0)
+        st = tl_fail(TL_ERR_UNSUPPORTED, "logit_bias and presence / frequency penalties with speculative "
+                                         "decoding (draft_depth %d) are not supported", o->draft_depth);
     if (st != TL_OK) {
         tl_stream_end(g);
         return st;
     }
     g->depth = depth;
-    /* logprobs need every step's logits on the host, where the token is then picked
-     * (the sampler's argmax and draws are the backend's, token for token) */
-    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->logprobs;
-    g->backend_samples = !g->greedy && !g->logprobs && ctx->be->ops->sample != NULL;
+    /* logprobs and logit adjustments need every step's logits on the host, where the
+     * token is then picked (the sampler's argmax and draws are the backend's, token for
+     * token) */
+    g->host_picks = g->logprobs || g->adjust.active;
+    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->host_picks;
+    g->backend_samples = !g->greedy && !g->host_picks && ctx->be->ops->sample != NULL;
     st = tl_speculative_begin(g, o);
     if (st != TL_OK) {
         tl_stream_end(g);
@@ -284,6 +290,7 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
     } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
         int V = g->ctx->model->hp.vocab;
         if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
+        tl_logit_adjust_apply(&g->adjust, g->logits);
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
         if (g->logprobs) keep_logprobs(g, t);
     }
@@ -299,6 +306,7 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
         return TL_OK;
     }
     g->generated[g->n_generated++] = t;
+    tl_logit_adjust_count(&g->adjust, t);
     g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
     *token = t;
@@ -399,6 +407,7 @@ void tl_stream_end(struct tl_stream *g) {
     if (g->ctx && g->ctx->stream == g && !g->finished) tl_speculative_settle(g, TL_STOP_ABORTED);
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
+    tl_logit_adjust_free(&g->adjust);
     tl_speculative_free(g);
     free(g->logits);
     free(g->logprob_row);

@@ -12,7 +12,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -118,12 +118,13 @@ class _GenerateOptions:
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
-               "n_draft", "draft_p_min", "logprobs", "top_logprobs")
+               "n_draft", "draft_p_min", "logprobs", "top_logprobs", "presence_penalty",
+               "frequency_penalty", "logit_bias")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
                  eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, logprobs=False,
-                 top_logprobs=0):
+                 top_logprobs=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -149,7 +150,10 @@ class _GenerateOptions:
         opts.logprobs = int(logprobs)
         opts.top_logprobs = _args.integer("top_logprobs", top_logprobs, minimum=0, maximum=20)
         self.logprobs, self.top_logprobs = logprobs, opts.top_logprobs
-        self._keepalive = self._set_stop(model, opts, stop)
+        opts.presence_penalty = _args.real("presence_penalty", presence_penalty, minimum=-2.0, maximum=2.0)
+        opts.frequency_penalty = _args.real("frequency_penalty", frequency_penalty, minimum=-2.0,
+                                            maximum=2.0)
+        self._keepalive = self._set_stop(model, opts, stop) + self._set_bias(model, opts, logit_bias)
         self.c = opts
 
     @staticmethod
@@ -159,6 +163,22 @@ class _GenerateOptions:
         if eos is False:
             return _EOS_NEVER
         return _args.integer("eos", eos, minimum=0, maximum=model.info.vocab_size - 1)
+
+    @staticmethod
+    def _set_bias(model: "Model", opts, logit_bias) -> list:
+        """logit_bias: a mapping of token id -> bias added to its logit (-100..100)."""
+        if not logit_bias:
+            return []
+        if not isinstance(logit_bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping of token id to bias, got {type(logit_bias).__name__}")
+        ids = np.array([_args.integer("logit_bias token", t, minimum=0, maximum=model.info.vocab_size - 1)
+                        for t in logit_bias], dtype=np.int32)
+        values = np.array([_args.real(f"logit_bias[{t}]", b, minimum=-100.0, maximum=100.0)
+                           for t, b in logit_bias.items()], dtype=np.float32)
+        ffi = model._native.ffi
+        ids_c, values_c = ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", values)
+        opts.logit_bias_ids, opts.logit_bias_values, opts.n_logit_bias = ids_c, values_c, len(ids)
+        return [ids, values, ids_c, values_c]
 
     @staticmethod
     def _set_stop(model: "Model", opts, stop) -> list:

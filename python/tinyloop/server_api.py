@@ -116,10 +116,6 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
                            "model", status=404, code="model_not_found")
     _only(body, "n", (1,), "one choice per request")
     _only(body, "best_of", (1,), "one choice per request")
-    _only(body, "presence_penalty", (0, 0.0), "use repetition_penalty")
-    _only(body, "frequency_penalty", (0, 0.0), "use repetition_penalty")
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user must be a string", "user")
     info = model.info
@@ -137,10 +133,29 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
         draft_depth=_number(body, "draft_depth", 0, lo=-1, hi=max(info.max_depth, 0), integer=True),
         n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
         draft_p_min=_number(body, "draft_p_min", 0.0, lo=0.0, hi=1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        logit_bias=_logit_bias(body, info.vocab_size),
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
     return options
+
+
+def _logit_bias(body, vocab_size: int) -> dict:
+    """OpenAI's logit_bias: an object of token ids (as strings, JSON's keys) to -100..100."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must be an object of token ids to biases", "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise RequestError(f"logit_bias key {key!r} is not a token id below the vocabulary size "
+                               f"{vocab_size}", "logit_bias")
+        bias[int(key)] = _number(value, key, 0.0, lo=-100.0, hi=100.0)
+    return bias
 
 
 def _stream_flags(body) -> tuple:

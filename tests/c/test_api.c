@@ -176,6 +176,31 @@ static void test_logprobs(fixture *f) {
     CHECK_STATUS(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s), TL_ERR_INVALID_ARGUMENT);
 }
 
+/* Logit adjustments: a bias of -100 on the greedy first token moves generation off it,
+ * penalties run over a whole generation, and a token listed twice is refused. */
+static void test_logit_adjustments(fixture *f) {
+    enum { NEW = 8 };
+    tl_generate_options o = greedy_options(NEW);
+    int32_t plain[NEW], got[NEW];
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, plain, NEW, NULL));
+    int32_t ids[2] = { plain[0], plain[0] };
+    float values[2] = { -100.0f, 1.0f };
+    o.logit_bias_ids = ids;
+    o.logit_bias_values = values;
+    o.n_logit_bias = 1;
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL));
+    CHECK(got[0] != plain[0], "a -100 bias kept token %d first", plain[0]);
+    o.n_logit_bias = 2;
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL), TL_ERR_INVALID_ARGUMENT);
+    o.n_logit_bias = 0;
+    o.presence_penalty = 1.0f;
+    o.frequency_penalty = 0.5f;
+    o.temperature = 0.7f;
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL));
+    o.frequency_penalty = 3.0f;
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL), TL_ERR_INVALID_ARGUMENT);
+}
+
 /* Consistency escalation: the arrays of tl_score_with_uncertainty at the depth it stops
  * at, that depth within [min, max] and on the doubling schedule; option errors. */
 static void test_consistency_escalation(fixture *f) {
@@ -960,6 +985,7 @@ static void run_model(const char *path) {
     test_score_equals_decode(&f);
     test_score_with_uncertainty(&f);
     test_logprobs(&f);
+    test_logit_adjustments(&f);
     test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);

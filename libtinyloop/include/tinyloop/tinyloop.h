@@ -281,6 +281,15 @@ typedef struct tl_generate_options {
                                       penalty); 0 = off (default). Not with draft_depth  */
     int32_t top_logprobs;          /* with logprobs: also the N most likely tokens of each
                                       step, 0..TL_MAX_TOP_LOGPROBS; default 0          */
+    float presence_penalty;        /* OpenAI's: minus this from the logit of every token
+                                      generated so far, -2..2; default 0 (off)        */
+    float frequency_penalty;       /* OpenAI's: minus this times the number of times a
+                                      token was generated so far, -2..2; default 0     */
+    const int32_t *logit_bias_ids; /* OpenAI's logit_bias: added to these tokens' logits */
+    const float *logit_bias_values;/* -100..100 each; distinct ids                     */
+    size_t n_logit_bias;           /* entries of both arrays; 0 = none (default). The
+                                      adjustments (docs/sampling.md, step 0) run on the
+                                      host; not with draft_depth                       */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
