@@ -86,3 +86,69 @@ def test_generation_through_the_op_matches_host_sampling(model, setting):
                                         first_step=k)
             assert host[0] == token == expected[0], f"step {k}"
             logits = replay.append([token])
+
+
+ADJUSTMENTS = [
+    dict(logit_bias={3: 5.0, 17: -100.0, 40: 2.5}),
+    dict(presence_penalty=1.5),
+    dict(frequency_penalty=0.7, presence_penalty=-0.4),
+    dict(frequency_penalty=-2.0, logit_bias={5: 1.0, 9: 0.0}),
+]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("adjustment", range(len(ADJUSTMENTS)))
+def test_logit_adjustments_follow_the_reference(model, adjustment, sampled):
+    """logit_bias and the presence / frequency penalties (step 0 of docs/sampling.md):
+    replaying the generated sequence, each step's logits adjusted by the reference and
+    sampled by it give the generated token, greedy and sampled (with a repetition
+    penalty on top)."""
+    adjust = ADJUSTMENTS[adjustment]
+    options = (dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.0, repetition_penalty=1.2) if sampled
+               else dict(temperature=0.0))
+    seed = 31 + adjustment
+    prompt = np.random.default_rng(40 + adjustment).integers(0, 160, 10).tolist()
+    with model.context() as gen:
+        tokens = gen.generate(prompt, max_tokens=20, eos=False, seed=seed, **options, **adjust).tokens
+    exercised = False
+    with model.context() as replay:
+        logits = replay.append(prompt)
+        for k, token in enumerate(tokens):
+            adjusted = reference.adjust_logits(logits, generated=tokens[:k], **adjust)
+            exercised |= not np.array_equal(adjusted, logits)
+            expected = reference_tokens(reference, [adjusted], options, history=prompt + tokens[:k],
+                                        seed=seed, first_step=k)
+            assert token == expected[0], f"step {k}"
+            logits = replay.append([token])
+    assert exercised, "no step's logits were adjusted: the test would not see the adjustment"
+    if "logit_bias" in adjust and adjust["logit_bias"].get(17) == -100.0:
+        assert 17 not in tokens
+
+
+def test_logit_adjustment_errors(model):
+    from tinyloop.errors import InvalidArgumentError, UnsupportedError
+    with pytest.raises(ValueError):
+        model.generate([1, 2], presence_penalty=2.5)
+    with pytest.raises(ValueError):
+        model.generate([1, 2], logit_bias={160: 1.0})
+    with pytest.raises(ValueError):
+        model.generate([1, 2], logit_bias={3: 101.0})
+    with pytest.raises(TypeError):
+        model.generate([1, 2], logit_bias=[(3, 1.0)])
+    with pytest.raises(UnsupportedError, match="speculative"):
+        model.generate([1, 2], frequency_penalty=0.5, draft_depth=1)
+    native, ffi = model._native, model._native.ffi
+    opts = ffi.new("tl_generate_options *")
+    native.lib.tl_generate_options_default(opts)
+    ids, values = ffi.new("int32_t[]", [4, 4]), ffi.new("float[]", [1.0, 2.0])
+    opts.logit_bias_ids, opts.logit_bias_values, opts.n_logit_bias = ids, values, 2
+    out = ffi.new("int32_t[]", 4)
+    prompt = ffi.new("int32_t[]", [1, 2])
+    status = native.lib.tl_generate(model._require_open(), prompt, 2, opts, out, 4, ffi.NULL)
+    assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_INVALID_ARGUMENT"
+    assert b"appears twice" in ffi.string(native.lib.tl_last_error())
+    opts.logit_bias_values = ffi.NULL
+    status = native.lib.tl_generate(model._require_open(), prompt, 2, opts, out, 4, ffi.NULL)
+    assert b"NULL" in ffi.string(native.lib.tl_last_error())
+    with pytest.raises(InvalidArgumentError):
+        native.check(status)

@@ -496,18 +496,42 @@ static tl_status score_on_context(tl_context *ctx, const int32_t *tokens, size_t
     tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1 };
     if (uncertainty) {
         out.entropies = entropies;
-        out.entropy_row = malloc((size_t)ctx->model->hp.vocab * sizeof *out.entropy_row);
-        if (!out.entropy_row)
+        out.host_row = malloc((size_t)ctx->model->hp.vocab * sizeof *out.host_row);
+        if (!out.host_row)
             return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", ctx->model->hp.vocab);
     }
     st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
-    free(out.entropy_row);
+    free(out.host_row);
     return st;
 }
 
 tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                            const tl_score_options *opts, float *logprobs) {
     return score_on_context(ctx, tokens, n_tokens, opts, logprobs, 0, NULL);
+}
+
+tl_status tl_context_score_top_logprobs(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                        const tl_score_options *opts, int32_t top_k, float *logprobs,
+                                        int32_t *top_ids, float *top_logprobs) {
+    NEED(ctx, "ctx");
+    tl_score_options o;
+    tl_status st = tl_context_check_free(ctx);
+    if (st == TL_OK) st = read_score_options(opts, &o);
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
+    if (st != TL_OK) return st;
+    int V = ctx->model->hp.vocab;
+    int max_k = V < TL_MAX_TOP_LOGPROBS ? V : TL_MAX_TOP_LOGPROBS;
+    if (top_k < 1 || top_k > max_k)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_k %d is out of range [1, %d]", top_k, max_k);
+    if (n_tokens > 1 && (!logprobs || !top_ids || !top_logprobs))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs, top_ids and top_logprobs must not be NULL");
+    tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1,
+                           .top_k = top_k, .top_ids = top_ids, .top_logprobs = top_logprobs };
+    out.host_row = malloc((size_t)V * sizeof *out.host_row);
+    if (!out.host_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
+    st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+    free(out.host_row);
+    return st;
 }
 
 tl_status tl_context_score_with_uncertainty(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
@@ -547,6 +571,20 @@ tl_status tl_score_with_uncertainty(tl_model *model, const int32_t *tokens, size
     tl_context *ctx = NULL;
     tl_status st = default_context(model, &ctx);
     if (st == TL_OK) st = tl_context_score_with_uncertainty(ctx, tokens, n_tokens, opts, logprobs, entropies);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    return st;
+}
+
+tl_status tl_score_top_logprobs(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                const tl_score_options *opts, int32_t top_k, float *logprobs,
+                                int32_t *top_ids, float *top_logprobs) {
+    NEED(model, "model");
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    tl_status st = default_context(model, &ctx);
+    if (st == TL_OK)
+        st = tl_context_score_top_logprobs(ctx, tokens, n_tokens, opts, top_k, logprobs, top_ids,
+                                           top_logprobs);
     pthread_mutex_unlock(&model->default_ctx_lock);
     return st;
 }
@@ -774,6 +812,25 @@ tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result) 
     tl_generate_result_default(&full);
     tl_stream_fill_result(stream, &full);
     write_struct(result, &full, sizeof full);
+    return TL_OK;
+}
+
+tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int32_t *top_ids,
+                             float *top_logprobs) {
+    NEED(stream, "stream");
+    if (!stream->logprobs)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream was started without logprobs");
+    if (!stream->has_logprobs)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream has returned no token yet");
+    if (stream->top_logprobs > 0 && (!top_ids || !top_logprobs))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_ids and top_logprobs must not be NULL "
+                                                "(the stream keeps %d alternatives)", stream->top_logprobs);
+    if (token_logprob) *token_logprob = stream->token_logprob;
+    size_t k = (size_t)stream->top_logprobs;
+    if (k > 0) {
+        memcpy(top_ids, stream->top_ids, k * sizeof *top_ids);
+        memcpy(top_logprobs, stream->top_lps, k * sizeof *top_logprobs);
+    }
     return TL_OK;
 }
 

@@ -173,7 +173,9 @@ static tl_forward_out chunk_request(const tl_forward_out *out, size_t c0, int ro
     if (!out) return chunk_out;
     if (c0 + (size_t)rows == n) chunk_out = *out;
     chunk_out.targets = NULL;
-    chunk_out.logprobs = chunk_out.entropies = chunk_out.entropy_row = NULL;
+    chunk_out.logprobs = chunk_out.entropies = chunk_out.host_row = chunk_out.top_logprobs = NULL;
+    chunk_out.top_ids = NULL;
+    chunk_out.top_k = 0;
     chunk_out.n_targets = 0;
     chunk_out.row_tokens = NULL;
     chunk_out.n_row_tokens = 0;
@@ -183,10 +185,13 @@ static tl_forward_out chunk_request(const tl_forward_out *out, size_t c0, int ro
         chunk_out.targets = out->targets + c0;
         chunk_out.logprobs = out->logprobs + c0;
         chunk_out.n_targets = out->n_targets - c0;
-        if (out->entropies) {
-            chunk_out.entropies = out->entropies + c0;
-            chunk_out.entropy_row = out->entropy_row;
+        if (out->entropies) chunk_out.entropies = out->entropies + c0;
+        if (out->top_k > 0) {
+            chunk_out.top_k = out->top_k;
+            chunk_out.top_ids = out->top_ids + c0 * (size_t)out->top_k;
+            chunk_out.top_logprobs = out->top_logprobs + c0 * (size_t)out->top_k;
         }
+        chunk_out.host_row = out->host_row;
     }
     if (out->n_row_tokens > c0) {
         chunk_out.row_tokens = out->row_tokens + c0;

@@ -29,7 +29,7 @@ static tl_status score_pass(struct tl_context *ctx, const int32_t *tokens, size_
         out.logprobs = logprobs;
         out.n_targets = n - 1;
         out.entropies = entropies;
-        out.entropy_row = entropy_row;
+        out.host_row = entropy_row;
     }
     if (deepen) return tl_context_eval_deeper(ctx, depth, &out);
     tl_context_set_length(ctx, 0);

@@ -9,6 +9,7 @@
 #include "backend.h"
 #include "context.h"
 #include "kv_cache.h"
+#include "logprobs.h"
 #include "model.h"
 
 /* Everything the helpers below share for one chunk. */
@@ -389,9 +390,13 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         if (r0 < n_score) {
             int scored = n_score - r0 < rows ? n_score - r0 : rows;
             F->ops->logprobs(F->ex, logits, scored, V, out->targets + r0, out->logprobs + r0);
-            for (int r = r0; out->entropies && r < r0 + scored; r++) {
-                F->ops->download(F->ex, out->entropy_row, tl_act_add(logits, (size_t)(r - r0) * V), (size_t)V);
-                out->entropies[r] = softmax_entropy(out->entropy_row, V);
+            for (int r = r0; (out->entropies || out->top_k > 0) && r < r0 + scored; r++) {
+                F->ops->download(F->ex, out->host_row, tl_act_add(logits, (size_t)(r - r0) * V), (size_t)V);
+                if (out->entropies) out->entropies[r] = softmax_entropy(out->host_row, V);
+                if (out->top_k > 0)
+                    tl_top_logprobs(out->host_row, V, tl_log_sum_exp(out->host_row, V), out->top_k,
+                                    out->top_ids + (size_t)r * out->top_k,
+                                    out->top_logprobs + (size_t)r * out->top_k);
             }
         }
     }

@@ -22,7 +22,13 @@ typedef struct tl_forward_out {
     size_t n_targets;
     float *entropies;          /* host: entropy (nats) of row i's softmax for rows i <
                                   n_targets; or NULL                                  */
-    float *entropy_row;        /* host, vocab floats: where a row is read for it      */
+    int top_k;                 /* scoring: the top_k most likely tokens of rows i <
+                                  n_targets, top_ids[i * top_k ..] and their logprobs
+                                  top_logprobs[i * top_k ..] (logprobs.h); 0 = none   */
+    int32_t *top_ids;
+    float *top_logprobs;
+    float *host_row;           /* host, vocab floats: where a row is read for entropies
+                                  or top_k                                            */
     int32_t *row_tokens;       /* host: argmax of row i's logits for rows i < n_row_tokens
                                   (a speculative verification); or NULL                */
     size_t n_row_tokens;

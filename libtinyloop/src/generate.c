@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "error.h"
+#include "logprobs.h"
 #include "speculative.h"
 
 static double now_seconds(void) {
@@ -85,6 +86,37 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
     return TL_OK;
 }
 
+/* Check opts->logprobs / top_logprobs and allocate what keeping them needs. */
+static tl_status logprobs_begin(struct tl_stream *g, const tl_generate_options *o) {
+    int V = g->ctx->model->hp.vocab;
+    int max_k = V < TL_MAX_TOP_LOGPROBS ? V : TL_MAX_TOP_LOGPROBS;
+    if (o->logprobs != 0 && o->logprobs != 1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs %d must be 0 or 1", o->logprobs);
+    if (o->top_logprobs < 0 || o->top_logprobs > max_k)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_logprobs %d is out of range [0, %d]",
+                       o->top_logprobs, max_k);
+    if (o->top_logprobs > 0 && !o->logprobs)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_logprobs %d needs logprobs = 1", o->top_logprobs);
+    if (!o->logprobs) return TL_OK;
+    if (o->draft_depth != 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "logprobs with speculative decoding (draft_depth %d) "
+                                           "is not supported", o->draft_depth);
+    g->logprob_row = malloc((size_t)V * sizeof *g->logprob_row);
+    if (!g->logprob_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
+    g->logprobs = 1;
+    g->top_logprobs = o->top_logprobs;
+    return TL_OK;
+}
+
+/* The log-probabilities of token t under the step's logits (kept in logprob_row). */
+static void keep_logprobs(struct tl_stream *g, int32_t t) {
+    int V = g->ctx->model->hp.vocab;
+    double lse = tl_log_sum_exp(g->logprob_row, V);
+    g->token_logprob = (float)((double)g->logprob_row[t] - lse);
+    tl_top_logprobs(g->logprob_row, V, lse, g->top_logprobs, g->top_ids, g->top_lps);
+    g->has_logprobs = 1;
+}
+
 static int chain_available(const struct tl_context *ctx) {
     const tl_backend_ops *ops = ctx->be->ops;
     return ops->chain_available && ops->argmax_chained && ops->chained_token && ops->step_token_on_device &&
@@ -146,13 +178,22 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     if (st == TL_OK) st = resolve_eos(ctx, o->eos_token, &g->eos);
     if (st == TL_OK) st = copy_stop_sequences(g, o);
     if (st == TL_OK) st = tl_sampler_init(&g->sampler, o, ctx->model->hp.vocab);
+    if (st == TL_OK) st = logprobs_begin(g, o);
+    if (st == TL_OK) st = tl_logit_adjust_init(&g->adjust, o, ctx->model->hp.vocab);
+    if (st == TL_OK && g->adjust.active && o->draft_depth != 0)
+        st = tl_fail(TL_ERR_UNSUPPORTED, "logit_bias and presence / frequency penalties with speculative "
+                                         "decoding (draft_depth %d) are not supported", o->draft_depth);
     if (st != TL_OK) {
         tl_stream_end(g);
         return st;
     }
     g->depth = depth;
-    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f;
-    g->backend_samples = !g->greedy && ctx->be->ops->sample != NULL;
+    /* logprobs and logit adjustments need every step's logits on the host, where the
+     * token is then picked (the sampler's argmax and draws are the backend's, token for
+     * token) */
+    g->host_picks = g->logprobs || g->adjust.active;
+    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->host_picks;
+    g->backend_samples = !g->greedy && !g->host_picks && ctx->be->ops->sample != NULL;
     st = tl_speculative_begin(g, o);
     if (st != TL_OK) {
         tl_stream_end(g);
@@ -247,7 +288,11 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
             t0 = now;
         }
     } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
+        int V = g->ctx->model->hp.vocab;
+        if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
+        tl_logit_adjust_apply(&g->adjust, g->logits);
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+        if (g->logprobs) keep_logprobs(g, t);
     }
     g->decode_seconds += now_seconds() - t0;
     if (st != TL_OK) {
@@ -261,6 +306,7 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
         return TL_OK;
     }
     g->generated[g->n_generated++] = t;
+    tl_logit_adjust_count(&g->adjust, t);
     g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
     *token = t;
@@ -362,12 +408,15 @@ void tl_stream_end(struct tl_stream *g) {
     if (g->ctx && g->ctx->stream == g && !g->finished) tl_speculative_settle(g, TL_STOP_ABORTED);
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
+    tl_logit_adjust_free(&g->adjust);
     tl_speculative_free(g);
     free(g->logits);
+    free(g->logprob_row);
     free(g->generated);
     free(g->stop_tokens);
     free(g->stop_lengths);
     g->logits = NULL;
+    g->logprob_row = NULL;
     g->generated = NULL;
     g->stop_tokens = NULL;
     g->stop_lengths = NULL;

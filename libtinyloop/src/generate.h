@@ -9,12 +9,14 @@
 #include <stdint.h>
 
 #include "context.h"
+#include "logit_adjust.h"
 #include "sampling.h"
 
 struct tl_stream {
     struct tl_context *ctx;
     struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
     tl_sampler sampler;
+    tl_logit_adjust adjust;        /* logit_bias and presence / frequency penalties     */
     float *logits;                 /* vocab floats: logits of the next position (host sampling) */
     int greedy;                    /* plain argmax: the backend picks the token, no logits */
     int backend_samples;           /* the backend's sample op picks the token, no logits */
@@ -47,6 +49,16 @@ struct tl_stream {
                                       then their loop states [n_draft]; NULL when the
                                       verification does not resume (speculative.c)       */
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
+    /* log-probabilities of the returned tokens (tl_generate_options.logprobs) */
+    int logprobs;                  /* kept for every step                               */
+    int host_picks;                /* logprobs or adjust: every step's token is picked
+                                      from its logits on the host                       */
+    int32_t top_logprobs;          /* alternatives kept per step                        */
+    float *logprob_row;            /* [vocab]: a step's logits before sampling edits them */
+    int has_logprobs;              /* the fields below are the last returned token's    */
+    float token_logprob;
+    int32_t top_ids[TL_MAX_TOP_LOGPROBS];
+    float top_lps[TL_MAX_TOP_LOGPROBS];
     size_t base;                   /* the sequence's length after the prompt            */
     uint32_t n_drafted, n_accepted;
     int finished;

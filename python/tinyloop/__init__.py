@@ -13,7 +13,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
-from .model import Context, GenerateResult, Model, ModelInfo, TokenStream
+from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -31,5 +31,5 @@ __all__ = [
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
     "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
-    "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
+    "TokenLogprob", "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
 ]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field, fields
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +62,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution at that step
+    (log_softmax of the logits at the generation's depth, before temperature, filters
+    and penalty), and the step's most likely tokens as (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     tokens: list
     text: str | None
@@ -74,6 +85,8 @@ class GenerateResult:
     accepted_tokens: int = 0
     #: prompt tokens loaded from a prefix pool instead of computed
     cached_tokens: int = 0
+    #: with logprobs=True: one TokenLogprob per token of `tokens`; else None
+    logprobs: list | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,8 +105,9 @@ class GenerateResult:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
 
-def _result_from_c(c_result, tokens: list, text: str | None) -> GenerateResult:
-    return GenerateResult(tokens=tokens, text=text,
+def _result_from_c(c_result, tokens: list, text: str | None,
+                   logprobs: list | None = None) -> GenerateResult:
+    return GenerateResult(tokens=tokens, text=text, logprobs=logprobs,
                           stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
                           prompt_tokens=int(c_result.n_prompt_tokens),
                           prefill_seconds=float(c_result.prefill_seconds),
@@ -108,11 +122,13 @@ class _GenerateOptions:
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
-               "n_draft", "draft_p_min")
+               "n_draft", "draft_p_min", "logprobs", "top_logprobs", "presence_penalty",
+               "frequency_penalty", "logit_bias")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0):
+                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, logprobs=False,
+                 top_logprobs=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -133,7 +149,15 @@ class _GenerateOptions:
         opts.draft_depth = _args.integer("draft_depth", draft_depth, minimum=-1, maximum=2**31 - 1)
         opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
         opts.draft_p_min = _args.real("draft_p_min", draft_p_min, minimum=0.0, maximum=1.0)
-        self._keepalive = self._set_stop(model, opts, stop)
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
+        opts.logprobs = int(logprobs)
+        opts.top_logprobs = _args.integer("top_logprobs", top_logprobs, minimum=0, maximum=20)
+        self.logprobs, self.top_logprobs = logprobs, opts.top_logprobs
+        opts.presence_penalty = _args.real("presence_penalty", presence_penalty, minimum=-2.0, maximum=2.0)
+        opts.frequency_penalty = _args.real("frequency_penalty", frequency_penalty, minimum=-2.0,
+                                            maximum=2.0)
+        self._keepalive = self._set_stop(model, opts, stop) + self._set_bias(model, opts, logit_bias)
         self.c = opts
 
     @staticmethod
@@ -143,6 +167,22 @@ class _GenerateOptions:
         if eos is False:
             return _EOS_NEVER
         return _args.integer("eos", eos, minimum=0, maximum=model.info.vocab_size - 1)
+
+    @staticmethod
+    def _set_bias(model: "Model", opts, logit_bias) -> list:
+        """logit_bias: a mapping of token id -> bias added to its logit (-100..100)."""
+        if not logit_bias:
+            return []
+        if not isinstance(logit_bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping of token id to bias, got {type(logit_bias).__name__}")
+        ids = np.array([_args.integer("logit_bias token", t, minimum=0, maximum=model.info.vocab_size - 1)
+                        for t in logit_bias], dtype=np.int32)
+        values = np.array([_args.real(f"logit_bias[{t}]", b, minimum=-100.0, maximum=100.0)
+                           for t, b in logit_bias.items()], dtype=np.float32)
+        ffi = model._native.ffi
+        ids_c, values_c = ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", values)
+        opts.logit_bias_ids, opts.logit_bias_values, opts.n_logit_bias = ids_c, values_c, len(ids)
+        return [ids, values, ids_c, values_c]
 
     @staticmethod
     def _set_stop(model: "Model", opts, stop) -> list:
@@ -205,6 +245,8 @@ class TokenStream(_OwnsHandle):
         self._prompt = prompt          # C reads the prompt during the stream: keep it alive
         self._options = options
         self.tokens: list[int] = []
+        #: with logprobs=True: a TokenLogprob per token returned so far; else None
+        self.logprobs: list | None = [] if options.logprobs else None
         self.result: GenerateResult | None = None
         out = native.ffi.new("tl_stream **")
         ctx_handle = context._require_open() if context is not None else native.ffi.NULL
@@ -239,13 +281,24 @@ class TokenStream(_OwnsHandle):
             self._finish()
             return None
         self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(self._token_logprob(token))
         return token
+
+    def _token_logprob(self, token: int) -> TokenLogprob:
+        native, ffi = self._native, self._native.ffi
+        k = self._options.top_logprobs
+        lp, ids, lps = ffi.new("float *"), ffi.new("int32_t[]", max(k, 1)), ffi.new("float[]", max(k, 1))
+        native.check(native.lib.tl_stream_logprobs(self._handle, lp, ids if k else ffi.NULL,
+                                                   lps if k else ffi.NULL))
+        return TokenLogprob(token, float(lp[0]), tuple((int(ids[j]), float(lps[j])) for j in range(k)))
 
     def _finish(self) -> None:
         c_result = self._native.ffi.new("tl_generate_result *")
         self._native.lib.tl_generate_result_default(c_result)
         self._native.check(self._native.lib.tl_stream_result(self._handle, c_result))
-        self.result = _result_from_c(c_result, list(self.tokens), None)
+        self.result = _result_from_c(c_result, list(self.tokens), None,
+                                     None if self.logprobs is None else list(self.logprobs))
         self.close()
 
     def close(self) -> None:
@@ -298,6 +351,28 @@ class _Scoring:
             native.check(getattr(native.lib, f"tl_context_{name}")(ctx, *args))
         return outs
 
+    def score_top_logprobs(self, tokens, top_k: int, depth: int = 0) -> tuple:
+        """(logprobs, top_ids, top_logprobs): score's log-probabilities (length n-1) and,
+        at every position, the top_k (1..20) most likely next tokens, int32 and float32
+        arrays of shape (n-1, top_k), best first (the lower id first on ties)."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
+        k = _args.integer("top_k", top_k, minimum=1, maximum=20)
+        native, ffi = model._native, model._native.ffi
+        logprobs = np.empty(len(ids) - 1, dtype=np.float32)
+        top_ids = np.empty((len(ids) - 1, k), dtype=np.int32)
+        top_lps = np.empty((len(ids) - 1, k), dtype=np.float32)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), model._score_options(depth), k,
+                ffi.from_buffer("float[]", logprobs, require_writable=True),
+                ffi.from_buffer("int32_t[]", top_ids, require_writable=True),
+                ffi.from_buffer("float[]", top_lps, require_writable=True))
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_score_top_logprobs(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_score_top_logprobs(ctx, *args))
+        return logprobs, top_ids, top_lps
+
     def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
         """Logits (float32, vocab) of the position after the last token."""
         model = self._model
@@ -325,11 +400,22 @@ class _Scoring:
         recommendation (else 1); n_draft 0 = the file's, else 4; greedy or sampled), draft_p_min
         (a round stops drafting at a draft whose most likely token is less likely than
         this; 0 = never), pool (a PrefixPool to start from its longest prefix of the prompt;
-        Model only). `text` is set when the prompt was a str."""
+        Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not with
+        drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each step),
+        presence_penalty, frequency_penalty and logit_bias (OpenAI's, docs/sampling.md).
+        `text` is set when the prompt was a str."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
         opts = _GenerateOptions(model, **options)
+        if opts.logprobs:   # kept per step by the pull iterator
+            with TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool) as stream:
+                for _ in stream:
+                    pass
+            result = stream.result
+            if isinstance(prompt, str):
+                result = replace(result, text=model.tokenizer.decode(result.tokens))
+            return result
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
         c_result = ffi.new("tl_generate_result *")

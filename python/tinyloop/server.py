@@ -25,6 +25,7 @@ from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, Unsup
 from .decode_batcher import DecodeBatcher
 from .prompt_cache import PromptCache
 from .server_api import RequestError
+from .server_logprobs import LogprobReport, joined
 from .text_generation import GenerationCancelled, TextGeneration, generate_text
 
 MAX_BODY_BYTES = 1 << 20
@@ -171,22 +172,28 @@ class _Handler(BaseHTTPRequestHandler):
     def _completions(self, body) -> None:
         request = server_api.completion_request(body, self.server.model, self.server.name)
         self._generate(request, "cmpl", server_api.completion_body,
-                       lambda rid, text: server_api.completion_chunk(rid, request.model, text),
-                       lambda rid, finish: server_api.completion_chunk(rid, request.model, "", finish))
+                       lambda rid, text, lp: server_api.completion_chunk(rid, request.model, text, None, lp),
+                       lambda rid, finish, lp=None: server_api.completion_chunk(rid, request.model, "",
+                                                                                finish, lp),
+                       chat=False)
 
     def _chat(self, body) -> None:
         request = server_api.chat_request(body, self.server.model, self.server.name,
                                           self.server.template)
         self._generate(request, "chatcmpl", server_api.chat_body,
-                       lambda rid, text: server_api.chat_chunk(rid, request.model, {"content": text}),
-                       lambda rid, finish: server_api.chat_chunk(rid, request.model, {}, finish),
+                       lambda rid, text, lp: server_api.chat_chunk(rid, request.model, {"content": text},
+                                                                   None, lp),
+                       lambda rid, finish, lp=None: server_api.chat_chunk(rid, request.model, {}, finish, lp),
+                       chat=True,
                        first=lambda rid: server_api.chat_chunk(rid, request.model,
                                                                {"role": "assistant", "content": ""}))
 
     # -- generation -----------------------------------------------------------------------
-    def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, first=None) -> None:
+    def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, chat, first=None) -> None:
         rid = server_api.new_id(prefix)
         record = TextGeneration(prompt_tokens=len(request.prompt_ids))
+        report = LogprobReport(self.server.model, request, record, chat)
+        echoed = request.prompt_text if request.echo else ""
         server = self.server
         with server.slots:
             if server.stopping.is_set():
@@ -200,18 +207,26 @@ class _Handler(BaseHTTPRequestHandler):
                 except TinyLoopError as e:
                     raise _library_error(e) from None
                 prompt, record.cached_tokens = lease.rest, lease.cached
-            pieces = generate_text(server.model, prompt, request.stops, options, record,
-                                   cancelled=lambda: server.stopping.is_set() or self._client_gone(),
-                                   context=lease.context if lease else None, batcher=server.batcher)
+            if options["max_tokens"] > 0:
+                pieces = generate_text(server.model, prompt, request.stops, options, record,
+                                       cancelled=lambda: server.stopping.is_set() or self._client_gone(),
+                                       context=lease.context if lease else None, batcher=server.batcher)
+            else:   # echo with max_tokens 0: the prompt alone
+                pieces = _nothing_generated(record)
             ok = False
             try:
+                prompt_logprobs = report.prompt(server.model, request)
                 if request.stream:
-                    ok = self._stream(rid, request, pieces, record, piece_chunk, last_chunk, first)
+                    ok = self._stream(rid, request, pieces, record, report, (echoed, prompt_logprobs),
+                                      piece_chunk, last_chunk, first)
                 else:
-                    text = "".join(pieces)
+                    text = echoed + "".join(pieces)
+                    logprobs = joined([prompt_logprobs, report.take()], chat)
+                    if logprobs is None and report.wanted:
+                        logprobs = report.empty()
                     self._send_json(200, whole_body(rid, request.model, text, record.finish_reason,
                                                     record.prompt_tokens, record.completion_tokens,
-                                                    record.cached_tokens))
+                                                    record.cached_tokens, logprobs))
                     ok = True
             except TinyLoopError as e:
                 raise _library_error(e) from None
@@ -220,7 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if lease is not None:
                     server.cache.release(lease, request.prompt_ids + record.token_ids, ok)
 
-    def _stream(self, rid, request, pieces, record, piece_chunk, last_chunk, first) -> bool:
+    def _stream(self, rid, request, pieces, record, report, echo, piece_chunk, last_chunk, first) -> bool:
         """Send the generation as server-sent events; False when the library failed after
         the stream had started (the error went out as the last event)."""
         started = False
@@ -244,21 +259,31 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if first:
                 send(first(rid))
+            echoed_text, echoed_logprobs = echo
+            if echoed_text:
+                send(piece_chunk(rid, echoed_text, echoed_logprobs))
             if head:
-                send(piece_chunk(rid, head))
+                send(piece_chunk(rid, head, report.take()))
             for piece in pieces:
                 if piece:
-                    send(piece_chunk(rid, piece))
+                    send(piece_chunk(rid, piece, report.take()))
         except TinyLoopError as e:   # after the 200: the error goes in the event stream
             send({"error": _library_error(e).body()["error"]})
             return False
-        send(last_chunk(rid, record.finish_reason))
+        send(last_chunk(rid, record.finish_reason, report.take()))
         if request.include_usage:
             send(dict(last_chunk(rid, None), choices=[],
                       usage=server_api.usage(record.prompt_tokens, record.completion_tokens,
                                              record.cached_tokens)))
         send("[DONE]")
         return True
+
+
+def _nothing_generated(record):
+    """The pieces of a request that generates nothing (max_tokens 0)."""
+    record.finish_reason = "length"
+    return
+    yield
 
 
 def _library_error(error: TinyLoopError) -> RequestError:

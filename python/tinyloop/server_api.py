@@ -26,6 +26,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 _ROLES = ("system", "user", "assistant")
 _MAX_STOPS = 4
+_MAX_TOP_LOGPROBS = 20   # the library's limit (TL_MAX_TOP_LOGPROBS), OpenAI's for chat
 
 
 class RequestError(Exception):
@@ -47,6 +48,12 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    #: alternatives per token when log-probabilities are asked for (0: the token's own
+    #: only); None = not asked for
+    top_logprobs: int | None = None
+    #: completions: the prompt is returned before the completion (with its logprobs)
+    echo: bool = False
+    prompt_text: str = ""
 
 
 # -- field checks ----------------------------------------------------------------------
@@ -95,7 +102,8 @@ def _stops(body) -> list:
     return stops
 
 
-def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens") -> dict:
+def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens",
+            min_tokens=1) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -108,16 +116,12 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
                            "model", status=404, code="model_not_found")
     _only(body, "n", (1,), "one choice per request")
     _only(body, "best_of", (1,), "one choice per request")
-    _only(body, "presence_penalty", (0, 0.0), "use repetition_penalty")
-    _only(body, "frequency_penalty", (0, 0.0), "use repetition_penalty")
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user must be a string", "user")
     info = model.info
     seed = body.get("seed")
     options = dict(
-        max_tokens=_number(body, max_tokens_name, None, lo=1, hi=2**31 - 1, integer=True),
+        max_tokens=_number(body, max_tokens_name, None, lo=min_tokens, hi=2**31 - 1, integer=True),
         temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
         top_k=_number(body, "top_k", 0, lo=0, hi=info.vocab_size, integer=True),
@@ -129,10 +133,29 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
         draft_depth=_number(body, "draft_depth", 0, lo=-1, hi=max(info.max_depth, 0), integer=True),
         n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
         draft_p_min=_number(body, "draft_p_min", 0.0, lo=0.0, hi=1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        logit_bias=_logit_bias(body, info.vocab_size),
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
     return options
+
+
+def _logit_bias(body, vocab_size: int) -> dict:
+    """OpenAI's logit_bias: an object of token ids (as strings, JSON's keys) to -100..100."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must be an object of token ids to biases", "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise RequestError(f"logit_bias key {key!r} is not a token id below the vocabulary size "
+                               f"{vocab_size}", "logit_bias")
+        bias[int(key)] = _number(value, key, 0.0, lo=-100.0, hi=100.0)
+    return bias
 
 
 def _stream_flags(body) -> tuple:
@@ -160,17 +183,31 @@ def _fit(options: dict, prompt_ids: list, model, param: str) -> None:
 
 
 # -- requests ---------------------------------------------------------------------------
+def _ask_logprobs(options: dict, top: int | None) -> int | None:
+    """Switch the generation's log-probabilities on for `top` alternatives (None: off)."""
+    if top is not None:
+        options.update(logprobs=True, top_logprobs=top)
+    return top
+
+
 def completion_request(body, model, served_name: str) -> GenerationRequest:
-    options = _common(body, model, served_name, COMPLETION_FIELDS)
+    echo = _flag(body, "echo") if isinstance(body, dict) else False
+    # with echo, max_tokens 0 scores the prompt alone (as evaluation harnesses ask)
+    options = _common(body, model, served_name, COMPLETION_FIELDS, min_tokens=0 if echo else 1)
     if options["max_tokens"] is None:
         options["max_tokens"] = 16            # OpenAI's default for completions
-    _only(body, "echo", (False,), "the prompt is not echoed")
-    _only(body, "logprobs", (0,), "log-probabilities are not returned")
+    top = _ask_logprobs(options, _number(body, "logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS,
+                                         integer=True))
     _only(body, "suffix", ("",), "no insertion")
-    prompt_ids = _prompt_ids(body.get("prompt"), model)
+    prompt = body.get("prompt")
+    prompt_ids = _prompt_ids(prompt, model)
     _fit(options, prompt_ids, model, "prompt")
     stream, usage = _stream_flags(body)
-    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    prompt_text = prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt_ids)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
+                             top_logprobs=top, echo=echo, prompt_text=prompt_text)
 
 
 def _prompt_ids(prompt, model) -> list:
@@ -207,8 +244,11 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
                                "max_completion_tokens")
         name = "max_completion_tokens"
     options = _common(body, model, served_name, CHAT_FIELDS, name)
-    _only(body, "logprobs", (False,), "log-probabilities are not returned")
-    _only(body, "top_logprobs", (0,), "log-probabilities are not returned")
+    wanted = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not wanted:
+        raise RequestError("top_logprobs needs logprobs = true", "top_logprobs")
+    top = _ask_logprobs(options, (top or 0) if wanted else None)
     if template is None:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use "
                            "/v1/completions", "messages")
@@ -222,7 +262,8 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
     prompt_ids = _encode(model, text, "messages", add_bos=False)
     _fit(options, prompt_ids, model, "messages")
     stream, usage = _stream_flags(body)
-    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
+                             top_logprobs=top)
 
 
 def _messages(messages) -> list:
@@ -257,29 +298,67 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _envelope(rid, model_name, obj: str, choice: dict) -> dict:
+def _envelope(rid, model_name, obj: str, choice: dict, logprobs=None) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-            "choices": [dict(index=0, **choice, logprobs=None)]}
+            "choices": [dict(index=0, **choice, logprobs=logprobs)]}
 
 
-def completion_chunk(rid, model_name, text, finish=None) -> dict:
-    return _envelope(rid, model_name, "text_completion", {"text": text, "finish_reason": finish})
+def completion_chunk(rid, model_name, text, finish=None, logprobs=None) -> dict:
+    return _envelope(rid, model_name, "text_completion", {"text": text, "finish_reason": finish},
+                     logprobs)
 
 
-def chat_chunk(rid, model_name, delta: dict, finish=None) -> dict:
+def chat_chunk(rid, model_name, delta: dict, finish=None, logprobs=None) -> dict:
     return _envelope(rid, model_name, "chat.completion.chunk",
-                     {"delta": delta, "finish_reason": finish})
+                     {"delta": delta, "finish_reason": finish}, logprobs)
 
 
 def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
-                    cached_tokens=0) -> dict:
-    return dict(completion_chunk(rid, model_name, text, finish),
+                    cached_tokens=0, logprobs=None) -> dict:
+    return dict(completion_chunk(rid, model_name, text, finish, logprobs),
                 usage=usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
 def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
-              cached_tokens=0) -> dict:
+              cached_tokens=0, logprobs=None) -> dict:
     message = {"role": "assistant", "content": text}
     return dict(_envelope(rid, model_name, "chat.completion",
-                          {"message": message, "finish_reason": finish}),
+                          {"message": message, "finish_reason": finish}, logprobs),
                 usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+# -- log-probabilities ----------------------------------------------------------------------
+def token_text(tokenizer, token: int) -> tuple:
+    """(the string OpenAI shows for a token, its bytes): the token's text, or for a token
+    that holds part of a character "bytes:" and its bytes escaped, as OpenAI writes them."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """choices[].logprobs of a chat completion for these TokenLogprob entries."""
+    def item(token, logprob):
+        text, raw = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+    return {"content": [dict(item(e.token, e.logprob),
+                             top_logprobs=[item(t, lp) for t, lp in e.top]) for e in entries]}
+
+
+def completion_logprobs(tokenizer, entries, offsets) -> dict:
+    """choices[].logprobs of a (legacy) completion: parallel lists over the tokens, with
+    null for the log-probability of a first prompt token (nothing predicts it)."""
+    tokens, token_logprobs, tops = [], [], []
+    for e in entries:
+        tokens.append(token_text(tokenizer, e.token)[0])
+        token_logprobs.append(e.logprob)
+        top = None
+        if e.logprob is not None:
+            top = {}
+            for t, lp in e.top:   # two ids of one text: the more likely one is kept
+                top.setdefault(token_text(tokenizer, t)[0], lp)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": list(offsets)}

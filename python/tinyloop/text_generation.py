@@ -6,6 +6,7 @@ a stop string is held back until the next token decides.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -25,6 +26,14 @@ class TextGeneration:
     cached_tokens: int = 0
     #: the generated token ids, as far as the generation got
     token_ids: list = field(default_factory=list)
+    #: where each generated token's text starts in the generated text (a token that ends
+    #: inside a character starts where the token completing it does)
+    text_offsets: list = field(default_factory=list)
+    #: with the logprobs option: each generated token's TokenLogprob (model.py)
+    logprobs: list | None = None
+    #: tokens whose text the pieces yielded so far cover: those before the first stop
+    #: string, and while streaming those whose text has been sent whole
+    sent_tokens: int = 0
 
 
 class GenerationCancelled(Exception):
@@ -43,7 +52,9 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
     decoder = tokenizer.incremental_decoder()
     longest = max((len(s) for s in stops), default=0)
     text, sent = "", 0
+    ends = []   # the text's length after each token
     stream = (model if context is None else context).stream(prompt_ids, **options)
+    record.logprobs = getattr(stream, "logprobs", None)
     tokens = batcher.tokens(stream) if batcher is not None else stream
     try:
         for token in tokens:
@@ -51,21 +62,27 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
                 raise GenerationCancelled()
             record.completion_tokens += 1
             record.token_ids.append(token)
+            record.text_offsets.append(len(text))
             text += decoder.push(token)
+            ends.append(len(text))
             # a stop string can only end in what this token added (plus its overlap)
             found = _first_stop(text, stops, max(0, sent - longest))
             if found is not None:
                 record.finish_reason = "stop"
+                record.sent_tokens = bisect_left(record.text_offsets, found)
                 if found > sent:
                     yield text[sent:found]
                 return
             safe = len(text) - (longest - 1 if longest else 0)
             if safe > sent:
+                record.sent_tokens = bisect_left(ends, safe + 1)
                 yield text[sent:safe]
                 sent = safe
         text += decoder.flush()
         found = _first_stop(text, stops, max(0, sent - longest))
         end = len(text) if found is None else found
+        record.sent_tokens = (len(record.token_ids) if found is None
+                              else bisect_left(record.text_offsets, found))
         if end > sent:
             yield text[sent:end]
         reason = stream.result.stop_reason if stream.result else "max_tokens"

@@ -18,6 +18,21 @@ _INCOMPLETE = "\ufffd"
 _MAX_PENDING = 3
 
 
+def _byte_level_alphabet() -> dict:
+    """The character a byte-level BPE vocabulary writes for each byte, reversed: bytes
+    that are printable Latin-1 stand for themselves, the others (controls, space, soft
+    hyphen, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class Tokenizer:
     def __init__(self, tokenizer_json: str, *, bos_id: int = -1, eos_id: int = -1,
                  add_bos: bool = False):
@@ -32,6 +47,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = bool(add_bos) and bos_id >= 0
+        self._byte_level = None   # built on first use by token_bytes
 
     @property
     def vocab_size(self) -> int:
@@ -52,6 +68,22 @@ class Tokenizer:
 
     def token_to_str(self, token: int) -> str | None:
         return self._tok.id_to_token(int(token))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of text one token stands for, also when it holds only part of a
+        character (byte-level BPE pieces, `<0xHH>` byte-fallback tokens)."""
+        piece = self.token_to_str(token) or ""
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            if self._byte_level is None:
+                self._byte_level = _byte_level_alphabet()
+            if all(c in self._byte_level for c in piece):
+                return bytes(self._byte_level[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token], skip_special_tokens=False).encode("utf-8")
 
     def incremental_decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)

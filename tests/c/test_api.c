@@ -123,6 +123,84 @@ static void test_score_with_uncertainty(fixture *f) {
                  TL_ERR_INVALID_ARGUMENT);
 }
 
+/* Log-probabilities: tl_score_top_logprobs keeps tl_score's log-probs and ranks each
+ * position's tokens; a stream with logprobs gives the greedy tokens of one without and,
+ * per token, its log-probability (that of scoring the generated sequence) and the top
+ * tokens, the greedy token first. */
+static void test_logprobs(fixture *f) {
+    enum { K = 3, NEW = 6 };
+    float lp[N_TOK - 1], lp2[N_TOK - 1], top_lp[(N_TOK - 1) * K];
+    int32_t top_ids[(N_TOK - 1) * K];
+    CHECK_OK(tl_score(f->model, f->tokens, N_TOK, NULL, lp));
+    CHECK_OK(tl_score_top_logprobs(f->model, f->tokens, N_TOK, NULL, K, lp2, top_ids, top_lp));
+    CHECK(memcmp(lp, lp2, sizeof lp) == 0, "log-probs differ from tl_score's");
+    for (int i = 0; i < N_TOK - 1; i++) {
+        CHECK(top_lp[i * K] >= top_lp[i * K + 1] && top_lp[i * K + 1] >= top_lp[i * K + 2],
+              "row %d is not best first", i);
+        CHECK(lp[i] <= top_lp[i * K] + 1e-5f, "row %d: a token above the best", i);
+    }
+    CHECK_STATUS(tl_score_top_logprobs(f->model, f->tokens, N_TOK, NULL, 0, lp2, top_ids, top_lp),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_score_top_logprobs(f->model, f->tokens, N_TOK, NULL, K, lp2, NULL, top_lp),
+                 TL_ERR_INVALID_ARGUMENT);
+
+    tl_generate_options o = greedy_options(NEW);
+    int32_t plain[NEW], seq[8 + NEW];
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, plain, NEW, NULL));
+    o.logprobs = 1;
+    o.top_logprobs = K;
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s));
+    float token_lp[NEW], step_lp[K];
+    int32_t step_ids[K];
+    CHECK_STATUS(tl_stream_logprobs(s, token_lp, step_ids, step_lp), TL_ERR_INVALID_ARGUMENT);
+    memcpy(seq, f->tokens, 8 * sizeof *seq);
+    for (int i = 0; s && i < NEW; i++) {
+        int32_t t = -1;
+        CHECK_OK(tl_stream_next(s, &t, NULL));
+        CHECK(t == plain[i], "token %d: %d with logprobs, %d without", i, t, plain[i]);
+        seq[8 + i] = t;
+        CHECK_OK(tl_stream_logprobs(s, &token_lp[i], step_ids, step_lp));
+        CHECK(step_ids[0] == t && step_lp[0] == token_lp[i], "step %d: greedy token not first", i);
+        CHECK_STATUS(tl_stream_logprobs(s, &token_lp[i], NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    }
+    tl_stream_free(s);
+    float scored[8 + NEW - 1];
+    CHECK_OK(tl_score(f->model, seq, 8 + NEW, NULL, scored));
+    CHECK(max_abs_diff(token_lp, scored + 7, NEW) < 1e-4f, "stream logprobs differ from scoring by %g",
+          max_abs_diff(token_lp, scored + 7, NEW));
+    o.draft_depth = f->info.max_depth > 0 ? 1 : 0;
+    if (o.draft_depth) CHECK_STATUS(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s), TL_ERR_UNSUPPORTED);
+    o.draft_depth = 0;
+    o.logprobs = 0;
+    CHECK_STATUS(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s), TL_ERR_INVALID_ARGUMENT);
+}
+
+/* Logit adjustments: a bias of -100 on the greedy first token moves generation off it,
+ * penalties run over a whole generation, and a token listed twice is refused. */
+static void test_logit_adjustments(fixture *f) {
+    enum { NEW = 8 };
+    tl_generate_options o = greedy_options(NEW);
+    int32_t plain[NEW], got[NEW];
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, plain, NEW, NULL));
+    int32_t ids[2] = { plain[0], plain[0] };
+    float values[2] = { -100.0f, 1.0f };
+    o.logit_bias_ids = ids;
+    o.logit_bias_values = values;
+    o.n_logit_bias = 1;
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL));
+    CHECK(got[0] != plain[0], "a -100 bias kept token %d first", plain[0]);
+    o.n_logit_bias = 2;
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL), TL_ERR_INVALID_ARGUMENT);
+    o.n_logit_bias = 0;
+    o.presence_penalty = 1.0f;
+    o.frequency_penalty = 0.5f;
+    o.temperature = 0.7f;
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL));
+    o.frequency_penalty = 3.0f;
+    CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL), TL_ERR_INVALID_ARGUMENT);
+}
+
 /* Consistency escalation: the arrays of tl_score_with_uncertainty at the depth it stops
  * at, that depth within [min, max] and on the doubling schedule; option errors. */
 static void test_consistency_escalation(fixture *f) {
@@ -1277,6 +1355,8 @@ static void run_model(const char *path) {
 
     test_score_equals_decode(&f);
     test_score_with_uncertainty(&f);
+    test_logprobs(&f);
+    test_logit_adjustments(&f);
     test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);

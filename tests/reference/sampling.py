@@ -97,6 +97,23 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.nanargmax(logits))
 
 
+def adjust_logits(logits, *, generated=(), presence_penalty=0.0, frequency_penalty=0.0,
+                  logit_bias=None) -> np.ndarray:
+    """Step 0 of docs/sampling.md: each logit plus its token's bias, minus count *
+    frequency_penalty + presence_penalty for a token generated count > 0 times, summed in
+    double and rounded to float32 once."""
+    x = np.array(logits, dtype=np.float32)
+    counts = {}
+    for t in generated:
+        counts[int(t)] = counts.get(int(t), 0) + 1
+    bias = {int(t): float(np.float32(b)) for t, b in (logit_bias or {}).items()}
+    for t in set(counts) | set(bias):
+        c = counts.get(t, 0)
+        penalty = c * float(np.float32(frequency_penalty)) + float(np.float32(presence_penalty)) if c else 0.0
+        x[t] = np.float32(float(x[t]) + bias.get(t, 0.0) - penalty)
+    return x
+
+
 def sample(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
            repetition_window=64, history=(), random=0) -> int:
     """The token of one step; `random` is the step's output of Generator (unused

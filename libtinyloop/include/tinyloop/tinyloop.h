@@ -205,6 +205,18 @@ TL_API tl_status tl_score_with_uncertainty(tl_model *model, const int32_t *token
 TL_API tl_status tl_context_score_with_uncertainty(tl_context *ctx, const int32_t *tokens,
                                                    size_t n_tokens, const tl_score_options *opts,
                                                    float *logprobs, float *entropies);
+/* tl_score plus, at every position, the top_k most likely next tokens (1..20,
+ * TL_MAX_TOP_LOGPROBS): top_ids[i * top_k + j] and top_logprobs[i * top_k + j] for i in
+ * [0, n_tokens-1), most likely first (the lower id first on ties), log-probabilities of
+ * the model's distribution as logprobs[i] is (log_softmax of the logits). */
+#define TL_MAX_TOP_LOGPROBS 20
+TL_API tl_status tl_score_top_logprobs(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                       const tl_score_options *opts, int32_t top_k, float *logprobs,
+                                       int32_t *top_ids, float *top_logprobs);
+TL_API tl_status tl_context_score_top_logprobs(tl_context *ctx, const int32_t *tokens,
+                                               size_t n_tokens, const tl_score_options *opts,
+                                               int32_t top_k, float *logprobs, int32_t *top_ids,
+                                               float *top_logprobs);
 /* logits (vocab floats) of the position after the last token. */
 TL_API tl_status tl_score_last_token(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, float *logits);
@@ -264,6 +276,21 @@ typedef struct tl_generate_options {
                                       logits; sampling: of its distribution); 0..1, 0 =
                                       never (default). 8 bytes: past the end of the struct
                                       before it, whose tail padding may be unset        */
+    int32_t logprobs;              /* 1: keep each generated token's log-probability for
+                                      tl_stream_logprobs (the model's distribution at the
+                                      generation's depth, before temperature, filters and
+                                      penalty); 0 = off (default). Not with draft_depth  */
+    int32_t top_logprobs;          /* with logprobs: also the N most likely tokens of each
+                                      step, 0..TL_MAX_TOP_LOGPROBS; default 0          */
+    float presence_penalty;        /* OpenAI's: minus this from the logit of every token
+                                      generated so far, -2..2; default 0 (off)        */
+    float frequency_penalty;       /* OpenAI's: minus this times the number of times a
+                                      token was generated so far, -2..2; default 0     */
+    const int32_t *logit_bias_ids; /* OpenAI's logit_bias: added to these tokens' logits */
+    const float *logit_bias_values;/* -100..100 each; distinct ids                     */
+    size_t n_logit_bias;           /* entries of both arrays; 0 = none (default). The
+                                      adjustments (docs/sampling.md, step 0) run on the
+                                      host; not with draft_depth                       */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
@@ -311,6 +338,13 @@ TL_API tl_status tl_stream_next(tl_stream *stream, int32_t *token, tl_stop_reaso
 TL_API tl_status tl_stream_next_batch(tl_stream *const *streams, size_t n, int32_t *tokens,
                                       tl_stop_reason *stop_reasons, tl_status *statuses);
 TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result);
+/* The log-probabilities of the token tl_stream_next returned last, for a stream started
+ * with opts->logprobs = 1: *token_logprob (may be NULL) its own; top_ids and
+ * top_logprobs (opts->top_logprobs entries each, or NULL when that is 0) the most likely
+ * tokens of that step, as tl_score_top_logprobs orders them. TL_ERR_INVALID_ARGUMENT
+ * for a stream without logprobs or before its first token. */
+TL_API tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int32_t *top_ids,
+                                    float *top_logprobs);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 
 /* One result per prompt (array stride = results[0].struct_size). Prompts run one after
