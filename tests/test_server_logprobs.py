@@ -6,23 +6,9 @@ scoring of the same tokens."""
 import numpy as np
 import pytest
 
-from test_server import CHATML, Running, paths  # noqa: F401 (fixtures)
+from test_server import chat_server, paths, server  # noqa: F401 (fixtures)
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(paths):
-    running = Running(paths[0], parallel=2)
-    yield running
-    running.close()
-
-
-@pytest.fixture(scope="module")
-def chat_server(paths):
-    running = Running(paths[1])
-    yield running
-    running.close()
 
 
 def _generated(server, prompt, n):

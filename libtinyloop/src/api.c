@@ -480,25 +480,38 @@ static tl_status read_score_options(const tl_score_options *opts, tl_score_optio
     return read_struct(o, sizeof *o, opts, sizeof *o, "tl_score_options");
 }
 
-/* tl_context_score, and the entropy of each prediction when `uncertainty` is set. */
+/* What a scoring call gives besides the log-probs, from each row's logits on the host. */
+typedef struct score_extras {
+    float *entropies;          /* each prediction's entropy; NULL = not asked */
+    int32_t top_k;             /* each position's top_k most likely tokens; 0 = not asked */
+    int32_t *top_ids;
+    float *top_logprobs;
+} score_extras;
+
+/* tl_context_score and the extras (NULL = none). */
 static tl_status score_on_context(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
-                                  const tl_score_options *opts, float *logprobs, int uncertainty,
-                                  float *entropies) {
+                                  const tl_score_options *opts, float *logprobs, const score_extras *x) {
     NEED(ctx, "ctx");
+    static const score_extras none = { 0 };
+    if (!x) x = &none;
     tl_score_options o;
     tl_status st = tl_context_check_free(ctx);
     if (st == TL_OK) st = read_score_options(opts, &o);
     if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
     if (st != TL_OK) return st;
+    int V = ctx->model->hp.vocab;
+    int max_k = V < TL_MAX_TOP_LOGPROBS ? V : TL_MAX_TOP_LOGPROBS;
+    if (x->top_k != 0 && (x->top_k < 1 || x->top_k > max_k))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_k %d is out of range [1, %d]", x->top_k, max_k);
     if (n_tokens > 1 && !logprobs) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs must not be NULL");
-    if (n_tokens > 1 && uncertainty && !entropies)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "entropies must not be NULL");
-    tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1 };
-    if (uncertainty) {
-        out.entropies = entropies;
-        out.host_row = malloc((size_t)ctx->model->hp.vocab * sizeof *out.host_row);
-        if (!out.host_row)
-            return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", ctx->model->hp.vocab);
+    if (n_tokens > 1 && x->top_k && (!x->top_ids || !x->top_logprobs))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_ids and top_logprobs must not be NULL");
+    tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1,
+                           .entropies = x->entropies, .top_k = x->top_k, .top_ids = x->top_ids,
+                           .top_logprobs = x->top_logprobs };
+    if (x->entropies || x->top_k) {
+        out.host_row = malloc((size_t)V * sizeof *out.host_row);
+        if (!out.host_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
     }
     st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
     free(out.host_row);
@@ -507,37 +520,23 @@ static tl_status score_on_context(tl_context *ctx, const int32_t *tokens, size_t
 
 tl_status tl_context_score(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                            const tl_score_options *opts, float *logprobs) {
-    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, 0, NULL);
+    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, NULL);
 }
 
 tl_status tl_context_score_top_logprobs(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                                         const tl_score_options *opts, int32_t top_k, float *logprobs,
                                         int32_t *top_ids, float *top_logprobs) {
-    NEED(ctx, "ctx");
-    tl_score_options o;
-    tl_status st = tl_context_check_free(ctx);
-    if (st == TL_OK) st = read_score_options(opts, &o);
-    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
-    if (st != TL_OK) return st;
-    int V = ctx->model->hp.vocab;
-    int max_k = V < TL_MAX_TOP_LOGPROBS ? V : TL_MAX_TOP_LOGPROBS;
-    if (top_k < 1 || top_k > max_k)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_k %d is out of range [1, %d]", top_k, max_k);
-    if (n_tokens > 1 && (!logprobs || !top_ids || !top_logprobs))
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs, top_ids and top_logprobs must not be NULL");
-    tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1,
-                           .top_k = top_k, .top_ids = top_ids, .top_logprobs = top_logprobs };
-    out.host_row = malloc((size_t)V * sizeof *out.host_row);
-    if (!out.host_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
-    st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
-    free(out.host_row);
-    return st;
+    if (top_k == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_k 0 is out of range [1, %d]", TL_MAX_TOP_LOGPROBS);
+    score_extras x = { .top_k = top_k, .top_ids = top_ids, .top_logprobs = top_logprobs };
+    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, &x);
 }
 
 tl_status tl_context_score_with_uncertainty(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
                                             const tl_score_options *opts, float *logprobs,
                                             float *entropies) {
-    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, 1, entropies);
+    if (n_tokens > 1 && !entropies) return tl_fail(TL_ERR_INVALID_ARGUMENT, "entropies must not be NULL");
+    score_extras x = { .entropies = entropies };
+    return score_on_context(ctx, tokens, n_tokens, opts, logprobs, &x);
 }
 
 tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
