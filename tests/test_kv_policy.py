@@ -326,3 +326,32 @@ def test_kv_share_mode_sets_the_load_options(files):  # noqa: F811
     with tinyloop.Model.from_config(parse_config(text)) as model:
         kv_row = 2 * 4 * case_config("base")["max_seq_len"] * 2 * 16
         assert context_kv_bytes(model) == kv_row * 3
+
+
+def test_the_kv_policy_benchmark(tmp_path):
+    """tools/bench/kv_policy.py on a tiny text model: exact decoding agrees with one full
+    score (the script checks it), ring 4 = the depth is exact, and the KV shares are the
+    slot counts (1 prelude, 1 core, 1 coda block at depth 4: 6 slots exact)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import textmodel
+    model = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(model)
+    text = tmp_path / "text.txt"
+    text.write_text("Four score and seven years ago our fathers brought forth, upon this continent.")
+    out = tmp_path / "kv.json"
+    script = Path(__file__).resolve().parent.parent / "tools" / "bench" / "kv_policy.py"
+    subprocess.run([sys.executable, str(script), "--model", str(model), "--text", str(text), "--prompt-tokens",
+                    "8", "--depth", "4", "--threads", "1", "--json", str(out)],
+                   check=True, timeout=120, capture_output=True)
+    report = json.loads(out.read_text())
+    rows = {row["policy"]: row for row in report["rows"]}
+    assert list(rows) == ["exact", "share_last", "ring 2", "ring 4"]
+    assert report["decoded_tokens"] == report["tokens"] - 8 and report["exact_vs_one_pass_max_diff"] < 1e-4
+    assert [rows[p]["kv_share_of_exact"] for p in rows] == [1.0, 0.5, 4 / 6, 1.0]
+    assert rows["ring 4"]["perplexity"] == rows["exact"]["perplexity"]
+    assert rows["ring 4"]["top1_same_as_exact"] == 1.0
+    assert rows["share_last"]["perplexity"] != rows["exact"]["perplexity"]
