@@ -355,3 +355,39 @@ def test_the_kv_policy_benchmark(tmp_path):
     assert rows["ring 4"]["perplexity"] == rows["exact"]["perplexity"]
     assert rows["ring 4"]["top1_same_as_exact"] == 1.0
     assert rows["share_last"]["perplexity"] != rows["exact"]["perplexity"]
+
+
+def test_the_prompt_cache_keeps_plain_contexts_under_a_shared_policy(files):  # noqa: F811
+    """The server's prompt cache asks for contexts that keep their loop states; under
+    share_last they are refused, and it falls back to contexts at one depth."""
+    from tinyloop.prompt_cache import PromptCache
+    tokens = case_tokens(case_config("base"))
+    with tinyloop.Model(files.path("base"), device=DEVICE, kv_policy="share_last") as model:
+        cache = PromptCache(model, 2)
+        lease = cache.acquire(tokens[:6].tolist(), 3)
+        assert lease.cached == 0 and not lease.sequence.keeps_loop_states
+        lease.context.append(lease.rest, depth=3)
+        cache.release(lease, tokens[:6].tolist())
+        again = cache.acquire(tokens[:9].tolist(), 3)
+        assert again.cached == 6 and again.rest == tokens[6:9].tolist()
+        assert cache.acquire(tokens[:9].tolist(), 5).cached == 0   # deeper: starts over
+        cache.close()
+
+
+def test_a_batched_step_mixes_policies(files):  # noqa: F811
+    """Each row of a batched step uses its own context's slot map (exact, share_last,
+    ring 2 in one pass, the lead context being the exact one)."""
+    config = case_config("huginn-q4")
+    tokens, depth = case_tokens(config), config["max_depth"]
+    with tinyloop.Model(files.path("huginn-q4"), device=DEVICE) as model:
+        options = [dict(), dict(kv_policy="share_last"), dict(kv_policy="ring", kv_ring_slots=2)]
+        batched = [model.context(**o) for o in options]
+        alone = [model.context(**o) for o in options]
+        for ctx in batched + alone:
+            ctx.append(tokens[:6], depth=depth)
+        for t in tokens[6:9]:
+            rows = model.append_batch(batched, [t] * 3)
+            for row, ctx, o in zip(rows, alone, options):
+                assert_close(row, ctx.append([t]).astype(np.float64), SAME, f"batched row under {o}")
+        for ctx in batched + alone:
+            ctx.close()
