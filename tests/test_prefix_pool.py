@@ -242,3 +242,24 @@ def test_the_benchmark_tool_runs(tmp_path):
     assert [row["way"] for row in report["rows"]] == ["pool", "empty pool", "plain"]
     assert [row["cached_tokens"] for row in report["rows"]] == [12, 0, 0]
     assert report["prefix_bytes"] > 0 and all(row["ttft_ms"] > 0 for row in report["rows"])
+
+
+def test_prefix_caches_under_kv_policies(files):
+    """A snapshot keeps every loop iteration's K/V apart: contexts whose KV policy shares
+    the slots of the sequence's iterations neither give nor take one; a ring at least the
+    depth is exact and does."""
+    from tinyloop.errors import UnsupportedError
+    with tinyloop.Model(files.path("base"), device=DEVICE) as model:
+        depth = case_config("base")["default_depth"]
+        tokens = [1, 2, 3, 4, 5]
+        with model.prefix_cache(tokens, depth=depth) as cache:
+            with model.context(kv_policy="share_last") as shared:
+                with pytest.raises(UnsupportedError, match="KV policy"):
+                    shared.load_prefix(cache)
+                shared.append(tokens, depth=depth)
+                with pytest.raises(UnsupportedError, match="KV policy"):
+                    shared.prefix_cache()
+            with model.context(kv_policy="ring", kv_ring_slots=depth) as ring, model.context() as plain:
+                ring.load_prefix(cache)
+                plain.load_prefix(cache)
+                assert np.array_equal(ring.append([6], depth=depth), plain.append([6], depth=depth))

@@ -170,7 +170,8 @@ static tl_status check_load_options(const tl_load_options *o) {
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_vocab %lld is out of range (N > 0 tokens, "
                        "0 = the whole vocabulary, -1 = the file's recommendation)",
                        (long long)o->draft_vocab);
-    return TL_OK;
+    tl_kv_choice kv;
+    return tl_kv_choice_resolve(o->kv_policy, o->kv_ring_slots, NULL, "tl_load_options", &kv);
 }
 
 /* Resolve the 0 = default fields against the file now that its dims are known. */
@@ -185,6 +186,7 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     if (!o->max_seq_len) o->max_seq_len = hp->max_seq_len;
     if (!o->default_depth) o->default_depth = hp->default_depth;
     if (!o->n_threads) o->n_threads = tl_num_cores();
+    if (!o->kv_policy) o->kv_policy = TL_KV_EXACT;
     o->device = NULL; /* the caller's string is not kept */
     return TL_OK;
 }
@@ -351,8 +353,11 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
     if (o.keep_loop_states != 0 && o.keep_loop_states != 1)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "keep_loop_states is %d, not 0 or 1",
                        o.keep_loop_states);
+    tl_kv_choice model_kv = tl_model_kv_policy(model), kv;
+    st = tl_kv_choice_resolve(o.kv_policy, o.kv_ring_slots, &model_kv, "tl_context_options", &kv);
+    if (st != TL_OK) return st;
     tl_context *ctx = NULL;
-    st = tl_context_open(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &ctx);
+    st = tl_context_open_with(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &kv, &ctx);
     if (st == TL_OK && o.keep_loop_states) st = tl_context_keep_loop_states(ctx, NULL);
     if (st != TL_OK) {
         tl_context_close(ctx);

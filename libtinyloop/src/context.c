@@ -77,6 +77,11 @@ int tl_model_max_seq(const struct tl_model *m) {
 
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
                           struct tl_context **out) {
+    return tl_context_open_with(model, max_seq, max_depth, prefill_chunk, NULL, out);
+}
+
+tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
+                               const tl_kv_choice *kv_policy, struct tl_context **out) {
     const tl_hparams *hp = &model->hp;
     int model_seq = tl_model_max_seq(model);
     if (max_seq < 0 || max_seq > model_seq)
@@ -96,6 +101,8 @@ tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, in
     ctx->be = model->backend;
     ctx->max_seq = max_seq ? max_seq : model_seq;
     ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
+    ctx->kv_policy = kv_policy ? *kv_policy : tl_model_kv_policy(model);
+    ctx->loop_slots = tl_kv_loop_slots(&ctx->kv_policy, ctx->max_depth);
     if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk;
     if (!prefill_chunk) prefill_chunk = model->backend->prefill_rows > 0 ? model->backend->prefill_rows : 256;
     ctx->chunk_rows = imin(prefill_chunk, ctx->max_seq);
@@ -112,7 +119,7 @@ tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, in
     }
     if (st == TL_OK) st = alloc_buffers(ctx);
     if (st == TL_OK)
-        st = tl_kv_cache_init(&ctx->kv, ctx->be, tl_kv_slot_count(hp, ctx->max_depth),
+        st = tl_kv_cache_init(&ctx->kv, ctx->be, tl_kv_slot_count(hp, ctx->loop_slots),
                               ctx->max_seq, hp->n_kv_head * hp->head_dim);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
@@ -347,6 +354,11 @@ tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added) {
                        "keeping loop states: with a warm state init each position starts from the "
                        "previous one's final state, which a deeper pass changes; append again at "
                        "the deeper depth instead");
+    if (!tl_kv_is_exact(&ctx->kv_policy))
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "keeping loop states: kv_policy %s shares K/V slots between iterations, and "
+                       "a deeper pass would rerun iterations whose K/V later ones overwrote; use "
+                       "kv_policy exact to deepen", tl_kv_policy_name(ctx->kv_policy.kind));
     size_t count = (size_t)ctx->max_seq * hp->d;
     int64_t before = (int64_t)ctx->buffer_bytes;
     tl_status st = alloc_buf(ctx, count, &ctx->loop_s);
@@ -439,7 +451,8 @@ void tl_context_set_length(struct tl_context *ctx, size_t n_keep) {
 
 tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out) {
     struct tl_context *dst = NULL;
-    tl_status st = tl_context_open(src->model, src->max_seq, src->max_depth, src->chunk_rows, &dst);
+    tl_status st = tl_context_open_with(src->model, src->max_seq, src->max_depth, src->chunk_rows,
+                                        &src->kv_policy, &dst);
     if (st != TL_OK) return st;
     size_t n = src->n_tokens;
     tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);

@@ -9,6 +9,7 @@
 #include "backend.h"
 #include "forward.h"
 #include "kv_cache.h"
+#include "kv_policy.h"
 #include "model.h"
 
 struct tl_stream;   /* generate.h */
@@ -25,6 +26,8 @@ struct tl_context {
     size_t n_tokens;      /* length of the sequence */
     int32_t *tokens;      /* the sequence's tokens (max_seq) */
     tl_kv_cache kv;
+    tl_kv_choice kv_policy;   /* how iterations share the loop's K/V slots */
+    int loop_slots;           /* K/V slots per core block (tl_kv_loop_slots) */
 
     /* activation buffers of chunk_rows rows (docs/api.md, "Memory") */
     tl_buf *h;            /* hidden state / loop state, [rows, d] */
@@ -52,9 +55,12 @@ tl_status tl_context_check_free(const struct tl_context *ctx);
 
 /* The longest sequence a context of the model may hold: the load option, else the file's. */
 int tl_model_max_seq(const struct tl_model *m);
-/* Create with resolved options (each 0 = the model's value). */
+/* Create with resolved options (each 0 = the model's value), with the model's KV policy. */
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth,
                           int prefill_chunk, struct tl_context **out);
+/* tl_context_open with a KV policy of its own (resolved; NULL = the model's). */
+tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
+                               const tl_kv_choice *kv_policy, struct tl_context **out);
 void tl_context_close(struct tl_context *ctx);
 
 /* The loop depth an append at `depth` (0 = the sequence's, else the model default)
@@ -94,7 +100,8 @@ tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, s
                                 int max_depth, float *logits_per_depth);
 /* Keep every position's loop state from the next pass on (a no-op when the context keeps
  * them already): what tl_context_eval_deeper continues from. Sets *added when this call
- * allocated them (added may be NULL). Not for a warm state init or a model without a loop. */
+ * allocated them (added may be NULL). Not for a warm state init, a model without a loop
+ * or an approximate KV policy. */
 tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added);
 void tl_context_drop_loop_states(struct tl_context *ctx);
 /* Run the whole sequence on from its depth to `depth` (from its kept loop states: the

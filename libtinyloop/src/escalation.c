@@ -9,7 +9,8 @@
  * last depth's, the same numbers tl_score_with_uncertainty gives at that depth. A deeper
  * pass continues the previous one's loop states (tl_context_eval_deeper), so the prelude
  * and the loop run once in all, up to the last depth; only a warm state init, whose
- * states depend on the depth of the position before, starts every pass over. */
+ * states depend on the depth of the position before, and an approximate KV policy
+ * (kv_policy.h: a pass at each depth is then that policy's), start every pass over. */
 #include "escalation.h"
 
 #include <stdlib.h>
@@ -62,7 +63,9 @@ tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, siz
     int depth = min_depth;
     /* the first depth's scores are the answer only when it is the last one too */
     int first_is_last = min_depth == max_depth;
-    int resumable = !first_is_last && ctx->model->hp.state_init != TL_INIT_WARM, added = 0;
+    /* an approximate KV policy cannot deepen (shared slots): each pass starts over */
+    int resumable = !first_is_last && ctx->model->hp.state_init != TL_INIT_WARM &&
+                    tl_kv_is_exact(&ctx->kv_policy), added = 0;
     if (st == TL_OK && resumable) st = tl_context_keep_loop_states(ctx, &added);
     if (st == TL_OK)
         st = score_pass(ctx, tokens, n, depth, 0, first_is_last ? logprobs : NULL, entropies,

@@ -1,6 +1,6 @@
 /* forward.c — the forward pass of docs/model.md for a chunk of positions, written
  * once against the backend ops (backend.h): embed, prelude, state init, the core
- * loop with exact per-iteration KV slots, coda, final norm and only the logits the
+ * loop with the context's KV slots per iteration (kv_policy.h), coda, final norm and only the logits the
  * caller needs. */
 #include "forward.h"
 
@@ -28,8 +28,8 @@ typedef struct fwd {
                                     positions of ctx's sequence */
 } fwd;
 
-/* A KV slot by what it caches; its index depends on the context (the coda's slots sit
- * after its deepest loop slot). */
+/* A KV slot by what it caches; its index depends on the context (its KV policy maps
+ * iterations to loop slots; the coda's slots sit after them). */
 typedef enum { SLOT_PRE, SLOT_CORE, SLOT_POST } slot_kind;
 typedef struct slot_id {
     slot_kind kind;
@@ -39,10 +39,10 @@ typedef struct slot_id {
 static int slot_index(const fwd *F, const struct tl_context *ctx, slot_id id) {
     switch (id.kind) {
     case SLOT_PRE: return tl_kv_slot_pre(F->hp, id.block);
-    case SLOT_CORE: return tl_kv_slot_core(F->hp, id.iteration, id.block);
+    case SLOT_CORE: return tl_kv_slot_core(F->hp, ctx->loop_slots, id.iteration, id.block);
     case SLOT_POST: break;
     }
-    return tl_kv_slot_post(F->hp, ctx->max_depth, id.block);
+    return tl_kv_slot_post(F->hp, ctx->loop_slots, id.block);
 }
 
 static tl_act buf0(tl_buf *b) { return tl_act_at(b, 0); }
@@ -223,7 +223,7 @@ static void inject(const fwd *F, tl_act s, tl_act e, int n) {
 }
 
 /* Loop iteration `it` (1-based) of the shared core on state rows s[0..n) with sources
- * e[0..n); its K/V go to the iteration's own slots. */
+ * e[0..n); its K/V go to the iteration's slots (its own when exact). */
 static void core_iteration(const fwd *F, tl_act s, tl_act e, int n, int pos0, int it) {
     inject(F, s, e, n);
     for (int c = 0; c < F->hp->n_core; c++)

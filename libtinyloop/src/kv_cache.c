@@ -1,4 +1,5 @@
-/* kv_cache.c — slot layout and storage of the exact per-iteration KV cache.
+/* kv_cache.c — slot layout and storage of the KV cache (one slot per iteration when
+ * exact, shared by iterations under an approximate policy: kv_policy.h).
  * Buffers are sized once from max_seq_len and the context's max depth; on the CPU
  * the allocation is lazy (untouched pages cost no memory), so a long max_seq_len
  * only costs what the sequence actually fills. */
@@ -8,20 +9,20 @@
 
 #include "error.h"
 
-int tl_kv_slot_count(const tl_hparams *hp, int max_depth) {
-    return hp->n_pre + max_depth * hp->n_core + hp->n_post;
+int tl_kv_slot_count(const tl_hparams *hp, int loop_slots) {
+    return hp->n_pre + loop_slots * hp->n_core + hp->n_post;
 }
 
 int tl_kv_slot_pre(const tl_hparams *hp, int b) { return b; }
 
-int tl_kv_slot_core(const tl_hparams *hp, int iteration, int c) {
-    return hp->n_pre + (iteration - 1) * hp->n_core + c;
+int tl_kv_slot_core(const tl_hparams *hp, int loop_slots, int iteration, int c) {
+    return hp->n_pre + ((iteration - 1) % loop_slots) * hp->n_core + c;
 }
 
-/* Coda slots sit after the deepest loop slot the context can hold, so a sequence's
- * depth does not move them. */
-int tl_kv_slot_post(const tl_hparams *hp, int max_depth, int b) {
-    return hp->n_pre + max_depth * hp->n_core + b;
+/* Coda slots sit after the loop's slots (as many as the context's deepest depth when
+ * exact), so a sequence's depth does not move them. */
+int tl_kv_slot_post(const tl_hparams *hp, int loop_slots, int b) {
+    return hp->n_pre + loop_slots * hp->n_core + b;
 }
 
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, int n_slots, int max_seq,

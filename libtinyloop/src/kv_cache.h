@@ -14,12 +14,14 @@ typedef struct tl_kv_cache {
     int n_slots, max_seq, kv_dim;
 } tl_kv_cache;
 
-/* Slots for a context caching up to depth max_depth. */
-int tl_kv_slot_count(const tl_hparams *hp, int max_depth);
-/* Slot of a prelude block b, core block c in iteration i (1-based), coda block b. */
+/* Slots for a context with loop_slots slots per core block (kv_policy.h: its max depth
+ * when exact, fewer when iterations share them). */
+int tl_kv_slot_count(const tl_hparams *hp, int loop_slots);
+/* Slot of a prelude block b, core block c in iteration i (1-based: slot (i - 1) mod
+ * loop_slots, so every iteration has its own when exact), coda block b. */
 int tl_kv_slot_pre(const tl_hparams *hp, int b);
-int tl_kv_slot_core(const tl_hparams *hp, int iteration, int c);
-int tl_kv_slot_post(const tl_hparams *hp, int max_depth, int b);
+int tl_kv_slot_core(const tl_hparams *hp, int loop_slots, int iteration, int c);
+int tl_kv_slot_post(const tl_hparams *hp, int loop_slots, int b);
 
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, int n_slots, int max_seq, int kv_dim);
 void tl_kv_cache_free(tl_kv_cache *kv);

@@ -9,6 +9,7 @@
 
 #include "tinyloop/tinyloop.h"
 #include "draft_vocab.h"
+#include "kv_policy.h"
 #include "tensor.h"
 
 typedef enum { TL_NORM_PRE = 0, TL_NORM_SANDWICH_OUTER = 1, TL_NORM_SANDWICH_BRANCH = 2 } tl_norm_placement;
@@ -99,6 +100,12 @@ tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, 
  * context are released by their owners before this is called. */
 void tl_model_destroy(struct tl_model *model);
 /* The loop depth a call that passes 0 runs at: the load option's, else the file's. */
+/* The KV policy of the model's contexts, from its load options (checked at load). */
+static inline tl_kv_choice tl_model_kv_policy(const struct tl_model *model) {
+    tl_kv_choice c = { model->load_opts.kv_policy, model->load_opts.kv_ring_slots };
+    return c;
+}
+
 static inline int32_t tl_model_default_depth(const struct tl_model *model) {
     return model->load_opts.default_depth > 0 ? model->load_opts.default_depth
                                               : model->hp.default_depth;

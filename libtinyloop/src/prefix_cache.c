@@ -18,10 +18,21 @@ static void count_bytes(struct tl_model *m, int64_t bytes) {
     pthread_mutex_unlock(&m->stats_lock);
 }
 
-/* The context's KV slot of the snapshot's slot s. */
-static int context_slot(const tl_hparams *hp, int depth, int ctx_max_depth, int s) {
+/* The context's KV slot of the snapshot's slot s (the context gives each of the
+ * snapshot's iterations a slot of its own: fits_policy). */
+static int context_slot(const tl_hparams *hp, int depth, int ctx_loop_slots, int s) {
     int looped = hp->n_pre + depth * hp->n_core;
-    return s < looped ? s : tl_kv_slot_post(hp, ctx_max_depth, s - looped);
+    return s < looped ? s : tl_kv_slot_post(hp, ctx_loop_slots, s - looped);
+}
+
+/* A snapshot holds every iteration's K/V apart, as exact caching keeps them: a context
+ * whose KV policy shares the slots of iterations up to `depth` (docs/model.md, "KV
+ * policies") can neither give nor take one. */
+static tl_status fits_policy(const struct tl_context *ctx, int depth) {
+    if (depth <= ctx->loop_slots) return TL_OK;
+    return tl_fail(TL_ERR_UNSUPPORTED, "prefix caches need a K/V slot per loop iteration: the "
+                   "context's KV policy %s keeps %d per core block, below the depth %d",
+                   tl_kv_policy_name(ctx->kv_policy.kind), ctx->loop_slots, depth);
 }
 
 static void free_cache(struct tl_prefix_cache *c) {
@@ -52,6 +63,8 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
     if (n == 0 || n > ctx->n_tokens)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "a prefix of %zu tokens from a sequence of %zu "
                        "(need 1 to its length)", n, ctx->n_tokens);
+    tl_status fit = fits_policy(ctx, ctx->depth);
+    if (fit != TL_OK) return fit;
     struct tl_prefix_cache *c = calloc(1, sizeof *c);
     if (c) c->tokens = malloc(n * sizeof *c->tokens);
     if (!c || !c->tokens) {
@@ -79,7 +92,7 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
     if (st == TL_OK) {
         count_bytes(c->model, (int64_t)c->bytes);
         for (int s = 0; s < c->n_slots; s++) {
-            int cs = context_slot(hp, c->depth, ctx->max_depth, s);
+            int cs = context_slot(hp, c->depth, ctx->loop_slots, s);
             size_t at = (size_t)s * n * kvd;
             copy_prefix_rows(ctx->ex, ops, tl_act_at(c->k, at), tl_kv_keys(&ctx->kv, cs), n, kvd);
             copy_prefix_rows(ctx->ex, ops, tl_act_at(c->v, at), tl_kv_values(&ctx->kv, cs), n, kvd);
@@ -110,6 +123,8 @@ tl_status tl_prefix_cache_load(struct tl_context *ctx, const struct tl_prefix_ca
     if (c->depth > ctx->max_depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the prefix was computed at depth %d, deeper than "
                        "the context's max_depth %d", c->depth, ctx->max_depth);
+    tl_status fit = fits_policy(ctx, c->depth);
+    if (fit != TL_OK) return fit;
     if (ctx->loop_s && !c->loop_s)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the context keeps loop states and the prefix cache "
                        "holds none: snapshot a context created with keep_loop_states = 1");
@@ -118,7 +133,7 @@ tl_status tl_prefix_cache_load(struct tl_context *ctx, const struct tl_prefix_ca
     int kvd = hp->n_kv_head * hp->head_dim, d = hp->d;
     const tl_backend_ops *ops = ctx->be->ops;
     for (int s = 0; s < c->n_slots; s++) {
-        int cs = context_slot(hp, c->depth, ctx->max_depth, s);
+        int cs = context_slot(hp, c->depth, ctx->loop_slots, s);
         size_t at = (size_t)s * c->n_tokens * kvd;
         copy_prefix_rows(ctx->ex, ops, tl_kv_keys(&ctx->kv, cs), tl_act_at(c->k, at), n, kvd);
         copy_prefix_rows(ctx->ex, ops, tl_kv_values(&ctx->kv, cs), tl_act_at(c->v, at), n, kvd);

@@ -46,6 +46,12 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
         return tl_fail(TL_ERR_UNSUPPORTED,
                        "speculative decoding drafts at a shallower loop depth, and this model has "
                        "no loop (n_core = 0)");
+    if (!tl_kv_is_exact(&ctx->kv_policy))
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "speculative decoding needs kv_policy exact: its drafts reuse the K/V of "
+                       "the first iterations, which kv_policy %s lets later iterations overwrite, "
+                       "and its verification sees several new tokens in one call, unlike plain "
+                       "decoding", tl_kv_policy_name(ctx->kv_policy.kind));
     int32_t depth = o->draft_depth;
     if (depth == -1) {   /* the file's choice, at most the generation's depth */
         depth = hp->draft_depth ? hp->draft_depth : 1;

@@ -4,7 +4,8 @@ Each built-in is a `tinyloop.plugins.Plugin` and is registered exactly like a
 third-party plugin (docs/plugins.md), except that it is listed here instead of in an
 entry point. The registry calls `builtin_plugins()` once per process.
 
-Shipped: `speculative` (self-speculative decoding). Tree speculation, paged KV
+Shipped: `speculative` (self-speculative decoding) and `kv_share` (loop iterations
+share K/V slots, approximate). Tree speculation, paged KV
 and the fp16 body will each be added as a module of this package and listed in
 `builtin_plugins`.
 """
@@ -12,5 +13,6 @@ and the fp16 body will each be added as a module of this package and listed in
 
 def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
+    from .kv_share import PLUGIN as kv_share
     from .speculative import PLUGIN as speculative
-    return [speculative]
+    return [speculative, kv_share]

@@ -19,6 +19,7 @@ import numpy as np
 from . import _args, _native
 from . import prefix as _prefix
 from .errors import InvalidArgumentError, TinyLoopError, error_for_status
+from .kv_policy import kv_policy_values
 from .tokenizer import Tokenizer
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
@@ -464,11 +465,16 @@ class Model(_Scoring, _OwnsHandle):
 
     draft_vocab: speculative drafts score only the N most frequent tokens of the file's
     vocab.frequency (N > 0), every token (0), or the file's draft.vocab_size (-1, the
-    default; every token when the file has no frequencies). Output is unaffected."""
+    default; every token when the file has no frequencies). Output is unaffected.
+
+    kv_policy: the KV cache of the model's contexts, "exact" (default), "share_last" or
+    "ring" with kv_ring_slots slots per core block; the last two are approximate
+    (docs/model.md, "Approximate KV policies")."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
-                 prefill_chunk: int = 0, draft_vocab: int = -1):
+                 prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
+                 kv_ring_slots: int = 0):
         self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
@@ -485,6 +491,7 @@ class Model(_Scoring, _OwnsHandle):
         opts.prefill_chunk = _args.max_int32("prefill_chunk", prefill_chunk)
         opts.verify_checksums = 1 if verify_checksums else 0
         opts.draft_vocab = _args.integer("draft_vocab", draft_vocab, minimum=-1, maximum=2**31 - 1)
+        opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         out = ffi.new("tl_model **")
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]
@@ -768,12 +775,15 @@ class Model(_Scoring, _OwnsHandle):
         return out
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
-                keep_loop_states: bool = False, prefix: "_prefix.PrefixCache | None" = None) -> "Context":
+                keep_loop_states: bool = False, kv_policy: str | None = None,
+                kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use.
         keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth;
-        prefix (a PrefixCache) starts the sequence from it."""
+        kv_policy (None = the model's) and kv_ring_slots as for Model; prefix (a
+        PrefixCache) starts the sequence from it."""
         ctx = Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
-                      keep_loop_states=keep_loop_states)
+                      keep_loop_states=keep_loop_states, kv_policy=kv_policy,
+                      kv_ring_slots=kv_ring_slots)
         if prefix is not None:
             try:
                 ctx.load_prefix(prefix)
@@ -794,7 +804,8 @@ class Context(_Scoring, _OwnsHandle):
     Not safe to share between threads; give each thread its own."""
 
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
-                 keep_loop_states: bool = False):
+                 keep_loop_states: bool = False, kv_policy: str | None = None,
+                 kv_ring_slots: int = 0):
         self._handle = None
         self._model = model
         if not isinstance(keep_loop_states, bool):
@@ -805,6 +816,7 @@ class Context(_Scoring, _OwnsHandle):
         opts.max_seq_len = _args.max_int32("max_seq_len", max_seq_len)
         opts.max_depth = _args.max_int32("max_depth", max_depth)
         opts.keep_loop_states = int(keep_loop_states)
+        opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
         self._handle = out[0]

@@ -11,6 +11,8 @@ start. So a cached request returns what an uncached one would, token for token, 
 CPU, whose logits are the same bits either way. On CUDA a kept sequence's answer tokens
 were run one decode step at a time and an uncached request prefills them in chunks,
 through other kernels: equal up to float rounding, so a near-tie may go the other way.
+Not under an approximate KV policy (docs/model.md), whose results depend on where forward
+calls split the sequence: its contexts keep no loop states and the reuse is approximate.
 
 The cache keeps at most `capacity` contexts. A request takes the idle one sharing the
 longest start with its prompt and gives it back when it ends, so no two requests ever
@@ -95,7 +97,7 @@ class PromptCache:
     def _new_sequence(self) -> CachedSequence:
         try:
             return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
-        except UnsupportedError:   # no loop, or a warm state init: nothing to deepen
+        except UnsupportedError:   # no loop, a warm state init or a shared KV: nothing to deepen
             return CachedSequence(self._model.context())
 
     def acquire(self, prompt, depth: int) -> Lease:

@@ -916,6 +916,82 @@ static void test_memory_report(fixture *f) {
     CHECK(vram == after.total_bytes, "vram_usage_bytes on CPU is the total");
 }
 
+static tl_context *policy_context(tl_model *model, int32_t policy, int32_t ring_slots,
+                                  int32_t keep_loop_states, tl_status *st) {
+    tl_context_options o;
+    tl_context_options_default(&o);
+    o.kv_policy = policy;
+    o.kv_ring_slots = ring_slots;
+    o.keep_loop_states = keep_loop_states;
+    tl_context *ctx = NULL;
+    *st = tl_context_create(model, &o, &ctx);
+    return ctx;
+}
+
+/* The logits after each of the last n - 7 tokens: a 7-token append, then one at a time. */
+static void decode_rows(tl_context *ctx, const int32_t *tokens, int n, float *rows, int V) {
+    CHECK_OK(tl_context_append(ctx, tokens, 7, 0, rows));
+    for (int i = 7; i < n; i++) CHECK_OK(tl_context_append(ctx, tokens + i, 1, 0, rows + (size_t)(i - 6) * V));
+}
+
+/* Approximate KV policies (docs/api.md, "KV policies"): fewer KV bytes, ring N >= the
+ * depth is exact, a fork continues as the original, the refusals and bad values. */
+static void test_kv_policy(fixture *f) {
+    if (f->info.n_core == 0) return;
+    int V = f->info.vocab_size, n_rows = N_TOK - 6;
+    tl_status st;
+    tl_memory_report r0, r1;
+    tl_memory_report_default(&r0);
+    tl_memory_report_default(&r1);
+    CHECK_OK(tl_memory_report_get(f->model, &r0));
+    tl_context *shared = policy_context(f->model, TL_KV_SHARE_LAST, 0, 0, &st);
+    CHECK_OK(st);
+    CHECK_OK(tl_memory_report_get(f->model, &r1));
+    uint64_t slot = 2ull * sizeof(float) * MAX_SEQ * (uint64_t)(f->info.n_kv_head * f->info.head_dim);
+    CHECK(r1.kv_cache_bytes - r0.kv_cache_bytes ==
+              slot * (uint64_t)(f->info.n_pre + f->info.n_core + f->info.n_post),
+          "share_last holds one loop slot per core block");
+
+    float *a = malloc((size_t)n_rows * V * sizeof *a), *b = malloc((size_t)n_rows * V * sizeof *b);
+    tl_context *exact = new_context(f->model, 0);
+    tl_context *ring = policy_context(f->model, TL_KV_RING, f->info.max_depth, 0, &st);
+    CHECK(exact && ring, "contexts");
+    if (exact && ring) {
+        decode_rows(exact, f->tokens, N_TOK, a, V);
+        decode_rows(ring, f->tokens, N_TOK, b, V);
+        CHECK(memcmp(a, b, (size_t)n_rows * V * sizeof *a) == 0, "ring of max_depth slots is exact");
+    }
+    tl_context *fork = NULL;
+    if (shared) {
+        decode_rows(shared, f->tokens, N_TOK - 1, a, V);
+        CHECK(max_abs_diff(a + (size_t)(n_rows - 2) * V, b + (size_t)(n_rows - 2) * V, (size_t)V) > 1e-6f,
+              "share_last is approximate");
+        CHECK_OK(tl_context_fork(shared, &fork));
+        if (fork) {
+            CHECK_OK(tl_context_append(shared, f->tokens + N_TOK - 1, 1, 0, a));
+            CHECK_OK(tl_context_append(fork, f->tokens + N_TOK - 1, 1, 0, b));
+            CHECK(memcmp(a, b, (size_t)V * sizeof *a) == 0, "a forked share_last context continues alike");
+        }
+        tl_generate_options o = greedy_options(4);
+        o.draft_depth = 1;
+        int32_t out[4];
+        CHECK_OK(tl_context_reset(shared));
+        CHECK_STATUS(tl_context_generate(shared, f->tokens, 5, &o, out, 4, NULL), TL_ERR_UNSUPPORTED);
+    }
+    tl_context *bad = policy_context(f->model, TL_KV_SHARE_LAST, 0, 1, &st);
+    CHECK(st == TL_ERR_UNSUPPORTED && !bad, "share_last refuses keep_loop_states");
+    bad = policy_context(f->model, 5, 0, 0, &st);
+    CHECK(st == TL_ERR_INVALID_ARGUMENT && !bad, "kv_policy 5 is invalid");
+    bad = policy_context(f->model, TL_KV_RING, 0, 0, &st);
+    CHECK(st == TL_ERR_INVALID_ARGUMENT && !bad && strstr(tl_last_error(), "kv_ring_slots"), "ring needs slots");
+    tl_context_free(fork);
+    tl_context_free(shared);
+    tl_context_free(exact);
+    tl_context_free(ring);
+    free(a);
+    free(b);
+}
+
 typedef struct thread_job {
     fixture *f;
     float lp[N_TOK - 1];
@@ -1370,6 +1446,7 @@ static void run_model(const char *path) {
     test_speculative(&f);
     test_draft_vocab(&f, path);
     test_memory_report(&f);
+    test_kv_policy(&f);
     test_two_threads(&f);
     test_prefix_cache(&f);
     test_generate_with_pool(&f);

@@ -15,21 +15,45 @@ from .noise import seeded_normal
 
 
 class _KeyValueStore:
-    """Keys (after RoPE) and values of the positions seen so far, per virtual layer.
+    """Keys (after RoPE) and values per cache slot, row p = position p.
 
-    A whole-sequence pass fills each layer in one go; the `warm` state init, whose loop
-    input depends on the previous position's loop output, runs positions one at a time
-    and reads earlier positions from here."""
+    Exact caching gives every virtual layer its own slot. With `kv_ring` = N (docs/model.md,
+    "Approximate KV policies"; N = 1 is share_last) loop iteration i of core block c uses
+    slot (i - 1) mod N of that block, so a later iteration overwrites an earlier one's rows.
+    A call writes its positions' rows of a slot, then attends to every row up to its last
+    position: its own rows as just written, earlier positions' as last written."""
 
-    def __init__(self):
-        self._layers = {}
+    def __init__(self, kv_ring=None):
+        self._slots = {}
+        self.kv_ring = kv_ring
 
-    def extend(self, layer, k, v):
-        if layer in self._layers:
-            old_k, old_v = self._layers[layer]
-            k, v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
-        self._layers[layer] = (k, v)
-        return k, v
+    def _slot(self, layer):
+        if layer[0] == "core" and self.kv_ring is not None:
+            _, iteration, block = layer
+            return ("core", (iteration - 1) % self.kv_ring, block)
+        return layer
+
+    def write(self, layer, positions, k, v):
+        """Store rows `positions` of the layer's slot; return its rows 0..positions[-1]."""
+        slot, rows = self._slot(layer), int(positions[-1]) + 1
+        old_k, old_v = self._slots.get(slot, (k[:0], v[:0]))
+        new_k = np.zeros((max(rows, len(old_k)),) + k.shape[1:])
+        new_v = np.zeros((max(rows, len(old_v)),) + v.shape[1:])
+        new_k[:len(old_k)], new_v[:len(old_v)] = old_k, old_v
+        new_k[positions], new_v[positions] = k, v
+        self._slots[slot] = (new_k, new_v)
+        return new_k[:rows], new_v[:rows]
+
+
+def _call_spans(n, calls):
+    """[start, stop) of each forward call over n positions; calls = their lengths."""
+    if calls is None:
+        return [(0, n)]
+    calls = [int(c) for c in calls]
+    if any(c < 1 for c in calls) or sum(calls) != n:
+        raise ValueError(f"calls {calls} must be positive lengths summing to {n}")
+    stops = np.cumsum(calls)
+    return list(zip(stops - calls, stops))
 
 
 class ReferenceModel:
@@ -54,9 +78,13 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ public API
 
-    def logits(self, tokens, depth: int = 0) -> np.ndarray:
-        """Logits [n, V] of every position of `tokens` at loop depth `depth` (0 = default)."""
-        return self._forward(tokens, depth)[0]
+    def logits(self, tokens, depth: int = 0, kv_ring: int | None = None, calls=None) -> np.ndarray:
+        """Logits [n, V] of every position of `tokens` at loop depth `depth` (0 = default).
+
+        kv_ring = N: the approximate KV policy with N loop slots per core block (1 =
+        share_last; None = exact); calls: the lengths of the forward calls the sequence
+        went through (None = one call), on which such a policy's result depends."""
+        return self._forward(tokens, depth, kv_ring, calls)[0]
 
     def final_states(self, tokens, depth: int = 0) -> np.ndarray:
         """Loop states s [n, d] after the last iteration (before the coda)."""
@@ -68,7 +96,7 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ forward pass
 
-    def _forward(self, tokens, depth):
+    def _forward(self, tokens, depth, kv_ring=None, calls=None):
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0 or tokens.size > cfg.max_seq_len:
@@ -76,21 +104,26 @@ class ReferenceModel:
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
         depth = cfg.resolve_depth(depth)
-        kv = _KeyValueStore()
+        if kv_ring is not None and (isinstance(kv_ring, bool) or int(kv_ring) < 1):
+            raise ValueError(f"kv_ring must be >= 1 (or None: exact), got {kv_ring!r}")
+        kv = _KeyValueStore(kv_ring)
         positions = np.arange(tokens.size)
-        if cfg.state_init != "warm":
-            return self._forward_span(tokens, positions, depth, kv, previous_state=None)
-        # warm: position p starts its loop from position p-1's final state, so one at a time
+        spans = _call_spans(tokens.size, calls)
+        if cfg.state_init == "warm":
+            # position p starts its loop from position p-1's final state: one at a time,
+            # so under any KV policy each position is a call of its own
+            spans = [(p, p + 1) for p in positions]
         logits, states, previous = [], [], None
-        for p in positions:
-            lg, s = self._forward_span(tokens[p:p + 1], positions[p:p + 1], depth, kv, previous)
+        for start, stop in spans:
+            lg, s = self._forward_span(tokens[start:stop], positions[start:stop], depth, kv, previous)
             logits.append(lg)
             states.append(s)
-            previous = s[0]
+            previous = s[-1]
         return np.concatenate(logits), np.concatenate(states)
 
     def _forward_span(self, tokens, positions, depth, kv, previous_state):
-        """Positions `positions` (contiguous, after those already in `kv`) through the model."""
+        """Positions `positions` (one call: contiguous, after those already in `kv`) through
+        the model."""
         cfg, w = self.config, self.weights
         h = w["embed.weight"][tokens] * cfg.embed_scale
         for b in range(cfg.n_pre):
@@ -186,7 +219,7 @@ class ReferenceModel:
         v = self._projection(prefix + "attn.v", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
         q = ops.rope(q, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
         k = ops.rope(k, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
-        k_all, v_all = kv.extend(layer, k, v)
+        k_all, v_all = kv.write(layer, positions, k, v)
         o = ops.attention(q, k_all, v_all, positions, np.arange(k_all.shape[0]),
                           cfg.attn_scale, cfg.sliding_window)
         return self._linear(prefix + "attn.o.weight", o)

@@ -72,6 +72,19 @@ TL_API const char *tl_last_error(void);          /* thread-local, never NULL */
 TL_API const char *tl_status_name(tl_status status);
 
 /* ---- lifecycle ----------------------------------------------------------- */
+/* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies"). Every
+ * policy but TL_KV_EXACT is approximate by design: within one forward call rows see each
+ * other's K/V of the same iteration exactly, earlier positions are seen through a shared
+ * slot as last written, so results depend on where calls split the sequence. */
+typedef enum tl_kv_policy {
+    TL_KV_DEFAULT = 0,     /* a context: the model's load option; at load: exact      */
+    TL_KV_EXACT = 1,       /* one slot per loop iteration and core block              */
+    TL_KV_SHARE_LAST = 2,  /* one slot per core block: iterations share it, later
+                              calls see an earlier position's last iteration         */
+    TL_KV_RING = 3         /* kv_ring_slots slots per core block: iteration i uses
+                              slot (i - 1) mod N (N >= the depth: exact)             */
+} tl_kv_policy;
+
 typedef struct tl_load_options {
     uint32_t struct_size;
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
@@ -86,6 +99,8 @@ typedef struct tl_load_options {
                                   the whole vocabulary without one (default). 64-bit so
                                   that it lies past the first release's struct, whose
                                   tail padding a caller may have left unset          */
+    int32_t kv_policy;         /* contexts' KV policy, a tl_kv_policy (below); 0 = exact */
+    int32_t kv_ring_slots;     /* TL_KV_RING: slots per core block, >= 1; else 0     */
 } tl_load_options;
 
 TL_API void tl_load_options_default(tl_load_options *opts);
@@ -150,7 +165,10 @@ typedef struct tl_context_options {
     int32_t prefill_chunk;     /* 0 = the model's load option */
     int32_t keep_loop_states;  /* 1: keep each position's loop state (2 x max_seq_len x
                                   d_model floats) so that tl_context_deepen can continue the
-                                  sequence at a deeper depth; 0 = no (the default) */
+                                  sequence at a deeper depth; 0 = no (the default); not
+                                  with an approximate kv_policy */
+    int32_t kv_policy;         /* a tl_kv_policy; 0 = the model's load option       */
+    int32_t kv_ring_slots;     /* TL_KV_RING: slots per core block, >= 1; else 0     */
 } tl_context_options;
 
 TL_API void tl_context_options_default(tl_context_options *opts);

@@ -1,0 +1,30 @@
+/* kv_policy.h — the named KV-cache policies of tinyloop.h (tl_kv_policy): checking a
+ * requested policy, and how many loop slots per core block a context then holds
+ * (docs/model.md, "Approximate KV policies"). */
+#ifndef TL_KV_POLICY_H
+#define TL_KV_POLICY_H
+
+#include <stdint.h>
+
+#include "tinyloop/tinyloop.h"
+
+/* A resolved policy: kind is TL_KV_EXACT, TL_KV_SHARE_LAST or TL_KV_RING (ring_slots
+ * >= 1 with TL_KV_RING, else 0). */
+typedef struct tl_kv_choice {
+    int32_t kind;
+    int32_t ring_slots;
+} tl_kv_choice;
+
+/* The policy that kind / ring_slots (as a caller set them in `what`, e.g.
+ * "tl_context_options") ask for; TL_KV_DEFAULT takes `inherited` (NULL: exact). A clear
+ * TL_ERR_INVALID_ARGUMENT for an unknown kind or a ring_slots that does not fit it. */
+tl_status tl_kv_choice_resolve(int32_t kind, int32_t ring_slots, const tl_kv_choice *inherited,
+                               const char *what, tl_kv_choice *out);
+/* Distinct loop slots per core block for a context caching up to max_depth iterations:
+ * max_depth when exact, else at most the policy's slots. */
+int tl_kv_loop_slots(const tl_kv_choice *policy, int max_depth);
+static inline int tl_kv_is_exact(const tl_kv_choice *policy) { return policy->kind == TL_KV_EXACT; }
+/* "exact", "share_last" or "ring". */
+const char *tl_kv_policy_name(int32_t kind);
+
+#endif
