@@ -79,6 +79,14 @@ tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, i
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth);
 
+/* Nodes first..first+n-1 of a token tree (backend.h, tl_tree; n <= the chunk rows) at
+ * loop depth `depth`, their K/V into the cache rows tree->n_prefix + first.., each node
+ * attending to the prefix and its ancestors at its tree position. `out`: per-row fields
+ * (row_tokens, row_logits); with `draft` set, row_logits over the draft vocabulary
+ * (scattered, -inf elsewhere). Not for a warm state init. Changes no length. */
+tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
+                          int first, int depth, const tl_forward_out *out);
+
 /* One row of a batched decode step: a position of its own sequence. */
 typedef struct tl_batch_row {
     struct tl_context *ctx;   /* whose KV cache (and kept loop states) the row uses */

@@ -34,9 +34,13 @@
 
 #include "backend.h"
 #include "error.h"
+#include "tree_speculative.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
-    if (o->draft_depth == 0) return TL_OK;
+    if (o->draft_depth == 0)
+        return o->tree_widths[0] == 0 ? TL_OK
+                                      : tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_widths is set but draft_depth "
+                                                "is 0: a tree is drafted at draft_depth (-1 = the model's)");
     const struct tl_context *ctx = g->ctx;
     const tl_hparams *hp = &ctx->model->hp;
     if (o->draft_depth < -1)
@@ -54,6 +58,7 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     if (depth > g->depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "draft_depth %d is deeper than the generation's depth %d", depth, g->depth);
+    if (o->tree_widths[0] != 0) return tl_tree_speculative_begin(g, o, depth);
     if (o->n_draft < 0 || o->n_draft > TL_MAX_DRAFT)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d is out of range [0, %d] (0 = the "
                        "model's draft.n_draft, else %d)", o->n_draft, TL_MAX_DRAFT, TL_DEFAULT_DRAFT);
@@ -247,7 +252,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
 
 tl_status tl_speculative_next(struct tl_stream *g, int32_t *token) {
     if (g->ready_at == g->n_ready) {
-        tl_status st = g->greedy ? round_of_drafts(g) : round_of_samples(g);
+        tl_status st = g->tree ? tl_tree_speculative_round(g) : g->greedy ? round_of_drafts(g) : round_of_samples(g);
         if (st != TL_OK) return st;
     }
     *token = g->spec_ready[g->ready_at++];
@@ -277,6 +282,7 @@ void tl_speculative_release_states(struct tl_stream *g) {
 
 void tl_speculative_free(struct tl_stream *g) {
     tl_speculative_release_states(g);
+    tl_tree_speculative_free(g);
     free(g->spec_fed);
     free(g->spec_ready);
     free(g->spec_q);

@@ -1,0 +1,225 @@
+/* tree_speculative.c — tree speculation (docs/api.md, "Tree speculation").
+ *
+ * A round starts as a linear one (speculative.c): the context holds every generated
+ * token but the last one, p, at position n. p is the tree's root (node 0). Level by
+ * level, the nodes of the newest level are run at the draft depth in one tree-masked
+ * pass (forward.c, tl_forward_tree), and each gets as children the top widths[level]
+ * tokens of its draft logits (the draft vocabulary's when the model has one), until the
+ * levels or the node budget run out; the last level is never drafted from. Nodes are
+ * numbered breadth first, so a node's ancestors come before it; node i's K/V sit at cache
+ * row n + i, its position is n + its depth, and it attends to the prefix and its own
+ * ancestors (backend.h, tl_tree). Then one pass at the stream's depth runs every node:
+ * the verification's argmax of node i is the full depth's next token after the path to
+ * i, so walking from the root to the child whose token is that argmax, while there is
+ * one, gives the longest drafted path greedy decoding agrees with, plus the argmax after
+ * it. The accepted nodes' rows (every KV slot, and the kept loop states) are then moved
+ * to rows n + 1, n + 2, ..., where appending those tokens one by one would have put
+ * them: the verification computed exactly their linear K/V (same prefix, same ancestors,
+ * same positions), so decoding goes on as after plain steps. The rows of refused nodes
+ * past the kept length are overwritten by later appends.
+ *
+ * Greedy only: the tokens are plain greedy decoding's, up to near-ties that rounding in a
+ * many-row pass may resolve differently from one-row steps (as for linear drafts).
+ * Sampling would need multi-candidate speculative sampling; it is refused. */
+#include "tree_speculative.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "error.h"
+#include "forward.h"
+
+struct tl_tree_spec {
+    int n_levels;
+    int widths[TL_TREE_MAX_LEVELS];
+    int budget;                              /* drafted nodes at most (root excluded) */
+    tl_tree tree;
+    int32_t tokens[TL_TREE_MAX_NODES];       /* node tokens; node 0 = the pending token */
+    int parent[TL_TREE_MAX_NODES];
+    int32_t verified[TL_TREE_MAX_NODES];     /* full-depth argmax after each node */
+    float *rows;                             /* draft logits of a level's nodes, host */
+};
+
+/* The shape's full size: w1 + w1 w2 + ..., capped at the most a tree holds. */
+static int shape_nodes(const int *widths, int n_levels) {
+    long total = 0, level = 1;
+    for (int l = 0; l < n_levels; l++) {
+        level *= widths[l];
+        total += level;
+        if (total >= TL_TREE_MAX_NODES - 1) return TL_TREE_MAX_NODES - 1;
+    }
+    return (int)total;
+}
+
+static tl_status check_shape(const tl_generate_options *o, int *n_levels) {
+    *n_levels = 0;
+    for (int l = 0; l < TL_TREE_MAX_LEVELS; l++) {
+        int w = o->tree_widths[l];
+        if (w < 0 || w > TL_TREE_MAX_WIDTH)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_widths[%d] is %d, expected 1..%d (0 ends the tree)", l,
+                           w, TL_TREE_MAX_WIDTH);
+        if (w > 0 && *n_levels < l)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_widths[%d] is %d after a 0 at tree_widths[%d]: "
+                           "the levels end at the first 0", l, w, *n_levels);
+        if (w > 0) *n_levels = l + 1;
+    }
+    if (o->tree_budget < 0 || o->tree_budget > TL_TREE_MAX_NODES - 1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_budget %d is out of range [0, %d] (0 = the shape's "
+                       "size)", o->tree_budget, TL_TREE_MAX_NODES - 1);
+    return TL_OK;
+}
+
+tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_options *o, int32_t draft_depth) {
+    const struct tl_context *ctx = g->ctx;
+    const tl_hparams *hp = &ctx->model->hp;
+    int n_levels = 0;
+    tl_status st = check_shape(o, &n_levels);
+    if (st != TL_OK) return st;
+    if (o->n_draft != 0 || o->draft_p_min != 0.0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d / draft_p_min %g shape linear drafts; with "
+                       "tree_widths set the tree's shape is tree_widths and tree_budget (leave n_draft "
+                       "and draft_p_min 0)", o->n_draft, o->draft_p_min);
+    if (!g->greedy)
+        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation is greedy only (temperature 0, "
+                       "repetition_penalty 1): sampled trees would need multi-candidate speculative "
+                       "sampling; use linear drafts (n_draft) for sampling");
+    if (hp->state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with a warm state init each position "
+                       "starts from the previous one's final state, which differs per branch; use "
+                       "linear drafts");
+    const tl_backend_ops *ops = ctx->be->ops;
+    if (!ops->rope_tree || !ops->tree_attention)
+        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: the %s backend has no tree attention",
+                       ctx->be->name);
+    if (ctx->chunk_rows < 2)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree speculation verifies a tree in one pass, and the "
+                       "context's prefill chunk is %d row", ctx->chunk_rows);
+    struct tl_tree_spec *t = calloc(1, sizeof *t);
+    g->spec_ready = malloc((TL_TREE_MAX_LEVELS + 1) * sizeof *g->spec_ready);
+    if (t) t->rows = malloc((size_t)TL_TREE_MAX_NODES * (size_t)hp->vocab * sizeof *t->rows);
+    g->tree = t;
+    if (!t || !t->rows || !g->spec_ready)
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate tree speculation buffers");
+    t->n_levels = n_levels;
+    for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
+    t->budget = o->tree_budget ? o->tree_budget : shape_nodes(t->widths, n_levels);
+    g->draft_depth = draft_depth;
+    return TL_OK;
+}
+
+/* The w best of `count` logits (largest first, the lower id on ties, as argmax), skipping
+ * -inf (tokens outside a draft vocabulary); returns how many there are. */
+static int top_tokens(const float *x, int count, int w, int32_t *ids) {
+    int n = 0;
+    for (int32_t i = 0; i < count; i++) {
+        if (!(x[i] > -INFINITY)) continue;
+        if (n == w && !(x[i] > x[ids[n - 1]])) continue;
+        int at = n < w ? n++ : n - 1;
+        while (at > 0 && x[i] > x[ids[at - 1]]) {
+            ids[at] = ids[at - 1];
+            at--;
+        }
+        ids[at] = i;
+    }
+    return n;
+}
+
+/* Node `child` under `parent`, one level deeper. */
+static void add_node(struct tl_tree_spec *t, int child, int parent, int32_t token) {
+    tl_tree *tr = &t->tree;
+    t->tokens[child] = token;
+    t->parent[child] = parent;
+    tr->pos[child] = tr->pos[parent] + 1;
+    tr->visible[child] = tr->visible[parent] | (uint64_t)1 << child;
+}
+
+/* Drafts the tree below the root, level by level; returns the nodes (root included). */
+static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_nodes) {
+    struct tl_tree_spec *t = g->tree;
+    struct tl_context *ctx = g->ctx;
+    int V = ctx->model->hp.vocab, count = 1, level0 = 0;
+    for (int l = 0; l < levels && count <= budget; l++) {
+        int level1 = count;   /* the newest level: nodes [level0, level1) */
+        t->tree.n_nodes = count;
+        tl_forward_out out = { .draft = 1, .row_logits = t->rows, .n_row_logits = (size_t)(level1 - level0) };
+        tl_status st = tl_forward_tree(ctx, t->tokens + level0, level1 - level0, &t->tree, level0, g->draft_depth,
+                                       &out);
+        if (st != TL_OK) return st;
+        for (int p = level0; p < level1 && count <= budget; p++) {
+            int32_t ids[TL_TREE_MAX_WIDTH];
+            int k = top_tokens(t->rows + (size_t)(p - level0) * V, V, t->widths[l], ids);
+            for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, ids[c]);
+        }
+        level0 = level1;
+    }
+    *n_nodes = count;
+    return TL_OK;
+}
+
+/* The accepted path's nodes path[1..j] (path[0] = the root) to rows n + 1.. of every KV
+ * slot and of the kept loop states; ascending, so no row is overwritten before it moves. */
+static void compact_path(struct tl_context *ctx, size_t n, const int *path, int j) {
+    for (int m = 1; m <= j; m++) {
+        if (path[m] == m) continue;
+        tl_kv_cache_move_row(&ctx->kv, ctx->ex, (int)n + path[m], (int)n + m);
+        tl_buf *states[] = { ctx->loop_e, ctx->loop_s };
+        size_t d = (size_t)ctx->model->hp.d;
+        for (int i = 0; i < 2; i++)
+            if (states[i])
+                ctx->be->ops->copy_rows(ctx->ex, tl_act_at(states[i], (n + (size_t)m) * d), d,
+                                        tl_act_at(states[i], (n + (size_t)path[m]) * d), d, 1, (int)d);
+    }
+}
+
+tl_status tl_tree_speculative_round(struct tl_stream *g) {
+    struct tl_tree_spec *t = g->tree;
+    struct tl_context *ctx = g->ctx;
+    size_t n = ctx->n_tokens;
+    /* at most still - 1 kept drafts (the round adds one token), and rows that fit the
+     * context and one pass */
+    size_t still = g->max_tokens - g->n_generated;
+    int levels = t->n_levels < (int)(still - 1) ? t->n_levels : (int)(still - 1);
+    int budget = t->budget;
+    if ((size_t)budget > (size_t)ctx->max_seq - n - 1) budget = (int)((size_t)ctx->max_seq - n - 1);
+    if (budget > ctx->chunk_rows - 1) budget = ctx->chunk_rows - 1;
+
+    t->tree.n_prefix = (int)n;
+    t->tokens[0] = g->generated[g->n_generated - 1];
+    t->parent[0] = -1;
+    t->tree.pos[0] = (int32_t)n;
+    t->tree.visible[0] = 1;
+    int n_nodes = 1;
+    tl_status st = draft_tree(g, levels, budget, &n_nodes);
+    if (st != TL_OK) return st;
+    t->tree.n_nodes = n_nodes;
+    tl_forward_out out = { .row_tokens = t->verified, .n_row_tokens = (size_t)n_nodes };
+    st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
+    if (st != TL_OK) return st;
+
+    int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0;
+    for (;;) {
+        int32_t next = t->verified[node];
+        g->spec_ready[j] = next;
+        int child = 0;
+        for (int c = node + 1; c < n_nodes && !child; c++)
+            if (t->parent[c] == node && t->tokens[c] == next) child = c;
+        if (!child) break;
+        path[++j] = node = child;
+    }
+    compact_path(ctx, n, path, j);
+    for (int m = 0; m <= j; m++) ctx->tokens[n + (size_t)m] = t->tokens[path[m]];
+    tl_context_set_length(ctx, n + 1 + (size_t)j);
+    g->n_ready = (size_t)j + 1;
+    g->ready_at = 0;
+    g->n_drafted += (uint32_t)(n_nodes - 1);
+    g->n_accepted += (uint32_t)j;
+    return TL_OK;
+}
+
+void tl_tree_speculative_free(struct tl_stream *g) {
+    if (g->tree) free(g->tree->rows);
+    free(g->tree);
+    g->tree = NULL;
+}
