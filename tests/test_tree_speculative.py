@@ -254,3 +254,30 @@ def test_shipped_model_tree_equals_greedy():
             assert spec.tokens == plain.tokens, tree
             rounds = len(spec.tokens) - spec.accepted_tokens
             assert len(spec.tokens) / rounds > 1.5, (tree, spec.accepted_tokens)
+
+
+def test_mode_from_config(tmp_path):
+    """[modes.tree_speculative] through the CLI gives plain greedy decoding's tokens and
+    reports its drafts; a bad shape is a config error naming the key; with speculative on
+    too it is a conflict."""
+    import textmodel
+    from test_cli import last_json, run
+    from tinyloop.config import ConfigError, load_config
+    model_path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(model_path)
+    plain = last_json(run("generate", model_path, "Hello", "--max-tokens", 12, "--temperature", 0, "--threads", 1,
+                          "--json"))
+    config = tmp_path / "tinyloop.toml"
+    config.write_text("[sampling]\ntemperature = 0\n[modes.tree_speculative]\ndraft_depth = 1\nwidths = \"3, 2, 1\"\n")
+    tree = last_json(run("generate", model_path, "Hello", "--max-tokens", 12, "--threads", 1, "--config", config,
+                         "--json"))
+    assert tree["mode"] == "tree_speculative" and tree["tokens"] == plain["tokens"]
+    assert 0 <= tree["accepted_tokens"] <= tree["drafted_tokens"] and tree["drafted_tokens"] > 0
+    for widths, problem in (('"2, 0"', "level 1"), ('""', "levels"), ('"1,1,1,1,1,1,1,1,1"', "levels"),
+                            ('"2, x"', "level 1"), ("[3, 1]", "expected str")):
+        config.write_text(f"[modes.tree_speculative]\nwidths = {widths}\n")
+        with pytest.raises(ConfigError, match=f"modes.tree_speculative.widths: .*{problem}"):
+            load_config(config)
+    config.write_text("[modes.tree_speculative]\n[modes.speculative]\n")
+    with pytest.raises(ConfigError, match="conflict"):
+        load_config(config)

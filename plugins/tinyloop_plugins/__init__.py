@@ -4,13 +4,14 @@ Each built-in is a `tinyloop.plugins.Plugin` and is registered exactly like a
 third-party plugin (docs/plugins.md), except that it is listed here instead of in an
 entry point. The registry calls `builtin_plugins()` once per process.
 
-Shipped: `speculative` (self-speculative decoding). Tree speculation, paged KV
-and the fp16 body will each be added as a module of this package and listed in
-`builtin_plugins`.
+Shipped: `speculative` (self-speculative decoding) and `tree_speculative` (greedy
+tree speculation). Paged KV and the fp16 body will each be added as a module of this
+package and listed in `builtin_plugins`.
 """
 
 
 def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
     from .speculative import PLUGIN as speculative
-    return [speculative]
+    from .tree_speculative import PLUGIN as tree_speculative
+    return [speculative, tree_speculative]
