@@ -281,3 +281,28 @@ def test_mode_from_config(tmp_path):
     config.write_text("[modes.tree_speculative]\n[modes.speculative]\n")
     with pytest.raises(ConfigError, match="conflict"):
         load_config(config)
+
+
+def test_benchmark_tool_runs_trees(tmp_path):
+    """tools/bench/speculative.py --trees on a tiny model: a row per tree beside plain and
+    linear drafts (the tool fails when any run's tokens differ); sampling with trees is
+    refused."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import textmodel
+    path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(path)
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench" / "speculative.py"
+    out = tmp_path / "report.json"
+    args = [sys.executable, str(tool), "--model", str(path), "--threads", "1", "--new-tokens", "8", "--repeat", "1",
+            "--drafts", "1:2", "--trees", "1:3x1,1:2x2x1:5", "--json", str(out)]
+    subprocess.run(args, check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["config"] for row in rows] == ["plain", "draft depth 1, 2 drafts", "draft depth 1, tree 3x1",
+                                               "draft depth 1, tree 2x2x1 budget 5"]
+    assert all(0 <= row["acceptance"] <= 1 and row["tokens_per_full_pass"] >= 1 for row in rows[1:])
+    refused = subprocess.run(args + ["--temperature", "0.8"], timeout=300, capture_output=True, text=True)
+    assert refused.returncode != 0 and "greedy only" in refused.stderr
