@@ -562,8 +562,8 @@ tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, co
     return F.ops->status(F.ex);
 }
 
-/* A draft's logits of each of n rows over the draft vocabulary when the model has one
- * (scattered to vocab floats, -inf elsewhere), else the whole head. */
+/* A draft's logits of each of n rows (at rows + r * vocab): the draft vocabulary's n
+ * logits when the model has one (not scattered: its ids map them), else the whole head's. */
 static void draft_row_logits(const fwd *F, int n, float *rows) {
     struct tl_context *ctx = F->ctx;
     const tl_draft_vocab *dv = F->m->draft.n > 0 ? &F->m->draft : NULL;
@@ -578,7 +578,6 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
         for (int r = r0; r < r0 + count; r++) {
             float *row = rows + (size_t)r * V;
             F->ops->download(F->ex, row, tl_act_add(logits, (size_t)(r - r0) * n_logits), (size_t)n_logits);
-            if (dv) tl_draft_vocab_scatter(dv, row, V);
         }
     }
 }
@@ -592,8 +591,33 @@ tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, 
     embed_and_prelude(&F, tokens, n, row0);
     run_loop(&F, n, row0, F.hp->n_core > 0 ? depth : 0);
     store_loop_states(&F, n, row0);
+    if (out && out->keep_s.buf) {   /* the rows' e and s before the coda, for a resumed verification */
+        if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, n, F.d);
+        F.ops->copy_rows(F.ex, out->keep_s, F.d, buf0(ctx->h), F.d, n, F.d);
+    }
     coda(&F, n, row0);
     if (out && out->draft && out->row_logits) draft_row_logits(&F, n, out->row_logits);
     else if (out) outputs(&F, n, row0, out);
     return F.ops->status(F.ex);
+}
+
+tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
+                                  int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out) {
+    fwd F = fwd_for(ctx);
+    F.tree = tree;
+    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
+    int fresh = n - n_kept, inject = F.hp->injection != TL_INJECT_NONE;
+    /* the nodes no draft ran, up to iteration `from` in rows 0.., then moved up behind the
+     * kept ones, one row at a time from the last (a row never lands on one still to move) */
+    F.tree_first = n_kept;
+    embed_and_prelude(&F, tokens + n_kept, fresh, tree->n_prefix + n_kept);
+    run_loop(&F, fresh, tree->n_prefix + n_kept, from);
+    for (int r = fresh - 1; r >= 0; r--) {
+        size_t src = (size_t)r * F.d, dst = (size_t)(r + n_kept) * F.d;
+        F.ops->copy_rows(F.ex, tl_act_add(h, dst), F.d, tl_act_add(h, src), F.d, 1, F.d);
+        if (inject) F.ops->copy_rows(F.ex, tl_act_add(e, dst), F.d, tl_act_add(e, src), F.d, 1, F.d);
+    }
+    load_loop_states(&F, kept_e, kept_s, n_kept);
+    F.tree_first = 0;
+    return continue_loop(&F, n, tree->n_prefix, from, depth, out);
 }

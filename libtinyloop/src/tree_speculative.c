@@ -8,7 +8,10 @@
  * levels or the node budget run out; the last level is never drafted from. Nodes are
  * numbered breadth first, so a node's ancestors come before it; node i's K/V sit at cache
  * row n + i, its position is n + its depth, and it attends to the prefix and its own
- * ancestors (backend.h, tl_tree). Then one pass at the stream's depth runs every node:
+ * ancestors (backend.h, tl_tree). Then one pass at the stream's depth runs every node
+ * (the nodes a draft pass ran resume from their states after the draft depth, whose K/V
+ * are the full depth's already, as linear verification does; only the last level runs
+ * the prelude and the first draft-depth iterations there):
  * the verification's argmax of node i is the full depth's next token after the path to
  * i, so walking from the root to the child whose token is that argmax, while there is
  * one, gives the longest drafted path greedy decoding agrees with, plus the argmax after
@@ -106,11 +109,20 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
     for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
     t->budget = o->tree_budget ? o->tree_budget : shape_nodes(t->widths, n_levels);
     g->draft_depth = draft_depth;
-    return TL_OK;
+    /* The verification resumes the drafted nodes from their drafts' states (e and s after
+     * the draft depth; speculative.c says why not where steps are recorded). They live in
+     * g->spec_states as a linear round's, one row per node: n_draft is the node count,
+     * which tl_speculative_release_states sizes them by. */
+    if (ops->step_begin) return TL_OK;
+    g->n_draft = TL_TREE_MAX_NODES;
+    size_t floats = 2 * (size_t)TL_TREE_MAX_NODES * (size_t)hp->d;
+    st = ops->buf_alloc(ctx->be, floats, &g->spec_states);
+    if (st == TL_OK) tl_context_count_buffer(g->ctx, (int64_t)(floats * sizeof(float)));
+    return st;
 }
 
-/* The w best of `count` logits (largest first, the lower id on ties, as argmax), skipping
- * -inf (tokens outside a draft vocabulary); returns how many there are. */
+/* The w best of `count` logits (largest first, the lower index on ties, as argmax),
+ * skipping -inf; returns how many there are. */
 static int top_tokens(const float *x, int count, int w, int32_t *ids) {
     int n = 0;
     for (int32_t i = 0; i < count; i++) {
@@ -135,26 +147,40 @@ static void add_node(struct tl_tree_spec *t, int child, int parent, int32_t toke
     tr->visible[child] = tr->visible[parent] | (uint64_t)1 << child;
 }
 
-/* Drafts the tree below the root, level by level; returns the nodes (root included). */
-static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_nodes) {
+/* Node i's kept injection source (which 0) or loop state (1) in g->spec_states. */
+static tl_act kept_row(const struct tl_stream *g, int which, int i) {
+    size_t d = (size_t)g->ctx->model->hp.d;
+    return tl_act_at(g->spec_states, ((size_t)which * TL_TREE_MAX_NODES + (size_t)i) * d);
+}
+
+/* Drafts the tree below the root, level by level; returns the nodes (root included) and
+ * how many of them, the first ones, a draft pass ran. */
+static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_nodes, int *n_ran) {
     struct tl_tree_spec *t = g->tree;
     struct tl_context *ctx = g->ctx;
-    int V = ctx->model->hp.vocab, count = 1, level0 = 0;
+    const tl_draft_vocab *dv = ctx->model->draft.n > 0 ? &ctx->model->draft : NULL;
+    int V = ctx->model->hp.vocab, n_logits = dv ? dv->n : V, count = 1, level0 = 0;
     for (int l = 0; l < levels && count <= budget; l++) {
         int level1 = count;   /* the newest level: nodes [level0, level1) */
         t->tree.n_nodes = count;
         tl_forward_out out = { .draft = 1, .row_logits = t->rows, .n_row_logits = (size_t)(level1 - level0) };
+        if (g->spec_states) {
+            out.keep_e = kept_row(g, 0, level0);
+            out.keep_s = kept_row(g, 1, level0);
+        }
         tl_status st = tl_forward_tree(ctx, t->tokens + level0, level1 - level0, &t->tree, level0, g->draft_depth,
                                        &out);
         if (st != TL_OK) return st;
         for (int p = level0; p < level1 && count <= budget; p++) {
             int32_t ids[TL_TREE_MAX_WIDTH];
-            int k = top_tokens(t->rows + (size_t)(p - level0) * V, V, t->widths[l], ids);
-            for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, ids[c]);
+            int k = top_tokens(t->rows + (size_t)(p - level0) * V, n_logits, t->widths[l], ids);
+            /* a draft vocabulary's ids ascend, so its ties still go to the lower token id */
+            for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, dv ? dv->ids[ids[c]] : ids[c]);
         }
         level0 = level1;
     }
     *n_nodes = count;
+    *n_ran = level0;
     return TL_OK;
 }
 
@@ -190,12 +216,16 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
     t->parent[0] = -1;
     t->tree.pos[0] = (int32_t)n;
     t->tree.visible[0] = 1;
-    int n_nodes = 1;
-    tl_status st = draft_tree(g, levels, budget, &n_nodes);
+    int n_nodes = 1, n_ran = 0;
+    tl_status st = draft_tree(g, levels, budget, &n_nodes, &n_ran);
     if (st != TL_OK) return st;
     t->tree.n_nodes = n_nodes;
     tl_forward_out out = { .row_tokens = t->verified, .n_row_tokens = (size_t)n_nodes };
-    st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
+    if (g->spec_states && n_ran > 0 && n_ran < n_nodes)
+        st = tl_forward_tree_resumed(ctx, t->tokens, n_nodes, &t->tree, n_ran, g->draft_depth, g->depth,
+                                     kept_row(g, 0, 0), kept_row(g, 1, 0), &out);
+    else
+        st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
     if (st != TL_OK) return st;
 
     int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0;
