@@ -306,3 +306,25 @@ def test_benchmark_tool_runs_trees(tmp_path):
     assert all(0 <= row["acceptance"] <= 1 and row["tokens_per_full_pass"] >= 1 for row in rows[1:])
     refused = subprocess.run(args + ["--temperature", "0.8"], timeout=300, capture_output=True, text=True)
     assert refused.returncode != 0 and "greedy only" in refused.stderr
+
+
+@pytest.mark.parametrize("name", ["base", "huginn-q4"])
+def test_tree_drafts_over_a_draft_vocabulary(tmp_path, name):
+    """With a draft vocabulary the tree's candidates come from its tokens (their ids mapped
+    back): a one-wide chain drafts exactly the linear drafts' tokens (the same kept counts,
+    round by round), and every shape still gives plain greedy decoding's tokens."""
+    from test_draft_vocab import with_frequencies
+    path = with_frequencies(tmp_path, name, tied=False)
+    depth = case_config(name)["max_depth"]
+    with tinyloop.Model(path, device=DEVICE, draft_vocab=40) as model:
+        assert model.info.draft_vocab == 40
+        plain = model.generate(PROMPT, max_tokens=30, depth=depth, **GREEDY)
+        for n in (1, 3):
+            linear = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=2, n_draft=n, **GREEDY)
+            chain = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=2, tree=(1,) * n, **GREEDY)
+            assert chain.tokens == linear.tokens == plain.tokens, n
+            assert (chain.accepted_tokens, chain.drafted_tokens) == (linear.accepted_tokens, linear.drafted_tokens), n
+            assert chain.accepted_tokens > 0, n
+        for tree in ((3,), (4, 2, 1)):
+            spec = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=2, tree=tree, **GREEDY)
+            assert spec.tokens == plain.tokens, tree
