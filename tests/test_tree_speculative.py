@@ -328,3 +328,26 @@ def test_tree_drafts_over_a_draft_vocabulary(tmp_path, name):
         for tree in ((3,), (4, 2, 1)):
             spec = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=2, tree=tree, **GREEDY)
             assert spec.tokens == plain.tokens, tree
+
+
+def test_full_context_and_small_chunks(model_dir):
+    """A tree never writes past the context (it shrinks as the context fills, and the
+    stream stops with context_full where plain decoding does), and never holds more rows
+    than one pass (a 3-row prefill chunk caps it at 2 nodes); a 1-row chunk is refused."""
+    path = model_file(model_dir, "base")
+    with tinyloop.Model(path, device=DEVICE) as model:
+        with model.context(max_seq_len=14) as ctx:
+            plain = ctx.generate(PROMPT, max_tokens=30, depth=5, **GREEDY)
+        with model.context(max_seq_len=14) as ctx:
+            spec = ctx.generate(PROMPT, max_tokens=30, depth=5, draft_depth=1, tree=(4, 2, 1), **GREEDY)
+            assert len(ctx) == 14
+        assert spec.tokens == plain.tokens and spec.stop_reason == plain.stop_reason == "context_full"
+        full = model.generate(PROMPT, max_tokens=30, depth=5, **GREEDY)
+    with tinyloop.Model(path, device=DEVICE, prefill_chunk=3) as model:
+        spec = model.generate(PROMPT, max_tokens=30, depth=5, draft_depth=1, tree=(4, 2, 1), **GREEDY)
+        assert spec.tokens == full.tokens
+        rounds = len(spec.tokens) - spec.accepted_tokens
+        assert spec.drafted_tokens <= 2 * rounds
+    with tinyloop.Model(path, device=DEVICE, prefill_chunk=1) as model:
+        with pytest.raises(tinyloop.InvalidArgumentError, match="prefill chunk is 1 row"):
+            model.generate(PROMPT, max_tokens=4, depth=5, draft_depth=1, tree=(2,), **GREEDY)
