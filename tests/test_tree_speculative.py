@@ -9,8 +9,11 @@ speculation").
   shipped model, for several shapes, budgets and draft depths.
 - After a round the accepted path's K/V rows are where a linear append puts them: the
   context goes on and its next logits equal a fresh full scoring's.
-- Bad shapes, budgets, draft depths and combinations are clear errors; sampling and warm
-  state inits are TL_ERR_UNSUPPORTED.
+- Sampled tree speculation (multi-candidate speculative sampling) returns tokens
+  distributed as plain sampling's (counts over many seeds against the exact
+  distributions), is seeded, and leaves the context as plain decoding does.
+- Bad shapes, budgets, draft depths and combinations are clear errors; a warm state init
+  is TL_ERR_UNSUPPORTED.
 
 The random models have untied heads, as in test_speculative.py, so that greedy decoding
 does not repeat one token and the refusal path runs."""
@@ -229,10 +232,6 @@ def test_abi_call_and_option_errors(model_dir):
                 model.generate(PROMPT, draft_depth=1, tree=(2, width), **GREEDY)
         with pytest.raises(ValueError, match="levels"):
             model.generate(PROMPT, draft_depth=1, tree=(1,) * 9, **GREEDY)
-        with pytest.raises(tinyloop.UnsupportedError, match="greedy only"):
-            model.generate(PROMPT, draft_depth=1, tree=(2,), temperature=0.8)
-        with pytest.raises(tinyloop.UnsupportedError, match="greedy only"):
-            model.generate(PROMPT, draft_depth=1, tree=(2,), temperature=0, repetition_penalty=1.2)
     with tinyloop.Model(model_file(model_dir, "init-warm"), device=DEVICE) as model:
         with pytest.raises(tinyloop.UnsupportedError, match="warm"):
             model.generate(PROMPT, draft_depth=1, tree=(2,), **GREEDY)
@@ -285,8 +284,7 @@ def test_mode_from_config(tmp_path):
 
 def test_benchmark_tool_runs_trees(tmp_path):
     """tools/bench/speculative.py --trees on a tiny model: a row per tree beside plain and
-    linear drafts (the tool fails when any run's tokens differ); sampling with trees is
-    refused."""
+    linear drafts (the tool fails when any greedy run's tokens differ), greedy and sampled."""
     import json
     import subprocess
     import sys
@@ -304,8 +302,9 @@ def test_benchmark_tool_runs_trees(tmp_path):
     assert [row["config"] for row in rows] == ["plain", "draft depth 1, 2 drafts", "draft depth 1, tree 3x1",
                                                "draft depth 1, tree 2x2x1 budget 5"]
     assert all(0 <= row["acceptance"] <= 1 and row["tokens_per_full_pass"] >= 1 for row in rows[1:])
-    refused = subprocess.run(args + ["--temperature", "0.8"], timeout=300, capture_output=True, text=True)
-    assert refused.returncode != 0 and "greedy only" in refused.stderr
+    subprocess.run(args + ["--temperature", "0.8"], check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 0.8 and len(report["rows"]) == 4
 
 
 @pytest.mark.parametrize("name", ["base", "huginn-q4"])
@@ -351,3 +350,66 @@ def test_full_context_and_small_chunks(model_dir):
     with tinyloop.Model(path, device=DEVICE, prefill_chunk=1) as model:
         with pytest.raises(tinyloop.InvalidArgumentError, match="prefill chunk is 1 row"):
             model.generate(PROMPT, max_tokens=4, depth=5, draft_depth=1, tree=(2,), **GREEDY)
+
+
+@pytest.mark.parametrize("tree,sampling", [((3,), "plain"), ((2, 2), "plain"), ((3, 1), "truncated, penalized"),
+                                           ((4,), "truncated, penalized")])
+def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling):
+    """Multi-candidate speculative sampling: the first generated token comes from the
+    prefill, the second is the first round's (a kept child of the root, judged one by one
+    against p and then its residuals, or a draw from the last residual) and the third the
+    next level's or the next round's. Their counts over many seeds must fit the exact
+    full-depth distributions (the second token's marginal over the first; the third's
+    after the most frequent first token), far from the draft depth's."""
+    from test_speculative import SAMPLING, _chi_square, _next_token_marginal, _processed
+    config = case_config("base")
+    depth, vocab = config["max_depth"], config["vocab_size"]
+    options, n_runs = SAMPLING[sampling], 6000
+    with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE) as model:
+        results = [model.generate(PROMPT, seed=seed, draft_depth=1, tree=tree, max_tokens=4, depth=depth, eos=False,
+                                  **options) for seed in range(n_runs)]
+        runs = np.array([r.tokens for r in results])
+        kept = sum(r.accepted_tokens for r in results)
+        assert 0 < kept < sum(r.drafted_tokens for r in results)
+        first = _processed(model.score_last_token(PROMPT, depth=depth), PROMPT, options)
+        t1 = int(np.bincount(runs[:, 0]).argmax())
+        after_t1 = _processed(model.score_last_token(PROMPT + [t1], depth=depth), PROMPT + [t1], options)
+        checks = [
+            ("token 2", runs[:, 1],
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, options),
+             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, options)),
+            (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, options),
+             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, options)),
+        ]
+        for what, samples, full, draft in checks:
+            seen = np.bincount(samples, minlength=vocab)
+            stat, dof = _chi_square(seen, full)
+            limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
+            label = f"{tree} {sampling}, {what}: {seen.sum()} samples"
+            assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
+            draft_stat, _ = _chi_square(seen, draft)   # the test can tell the draft depth's apart
+            assert draft_stat > limit, f"{label}: the draft depth's distribution fits too ({draft_stat:.1f})"
+
+
+def test_sampled_trees_are_seeded_and_leave_the_context_as_plain_decoding(model_dir):
+    name = "huginn-q4"
+    depth = case_config(name)["max_depth"]
+    options = dict(max_tokens=20, depth=depth, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02,
+                   repetition_penalty=1.2, eos=False, draft_depth=1, tree=(3, 2, 1))
+    with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
+        a = model.generate(PROMPT, seed=7, **options)
+        b = model.generate(PROMPT, seed=7, **options)
+        c = model.generate(PROMPT, seed=8, **options)
+        assert a.tokens == b.tokens and a.tokens != c.tokens
+        assert a.drafted_tokens > 0 and 0 <= a.accepted_tokens <= a.drafted_tokens
+        with model.stream(PROMPT, seed=7, **options) as stream:
+            assert list(stream) == a.tokens
+        with model.context() as ctx:
+            tokens = ctx.generate(PROMPT, seed=7, **options).tokens
+            assert tokens == a.tokens and len(ctx) == len(PROMPT) + len(tokens) - 1
+            follow = ctx.append([7])
+        with model.context() as fresh:
+            fresh.append(PROMPT + tokens[:-1], depth=depth)
+            expected = fresh.append([7])
+        np.testing.assert_allclose(follow, expected, rtol=1e-4, atol=1e-4)

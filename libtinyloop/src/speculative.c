@@ -172,10 +172,8 @@ static double top_weight(const double *q, int n) {
     return top;
 }
 
-/* p's support becomes what p has beyond q, max(p - q, 0) (the ids only q holds would be 0
- * there and stay out); returns its total. */
-static double residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
-                       int n_q) {
+double tl_speculative_residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
+                               int n_q) {
     double total = 0.0;
     int j = 0;
     for (int i = 0; i < n_p; i++) {
@@ -187,8 +185,7 @@ static double residual(double *p, const int32_t *p_ids, int n_p, const double *q
     return total;
 }
 
-/* A number in [0, 1) from the stream's generator. */
-static double uniform(struct tl_stream *g) {
+double tl_speculative_uniform(struct tl_stream *g) {
     return (double)(tl_sampler_random(&g->sampler) >> 11) * 0x1p-53;
 }
 
@@ -236,12 +233,12 @@ static tl_status round_of_samples(struct tl_stream *g) {
         int n_q = g->spec_q_n[j];
         int32_t x = fed[j + 1];
         /* kept with probability min(1, p(x) / q(x)) */
-        if (uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
+        if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
             ready[j] = x;
             continue;
         }
         /* refused: draw from what p has beyond q */
-        double total = residual(p, p_ids, n_p, q, q_ids, n_q);
+        double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
         int32_t t = tl_sample_from(p_ids, p, n_p, total, step.random);
         ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
         break;

@@ -21,9 +21,11 @@
  * same positions), so decoding goes on as after plain steps. The rows of refused nodes
  * past the kept length are overwritten by later appends.
  *
- * Greedy only: the tokens are plain greedy decoding's, up to near-ties that rounding in a
+ * Greedy, the tokens are plain greedy decoding's, up to near-ties that rounding in a
  * many-row pass may resolve differently from one-row steps (as for linear drafts).
- * Sampling would need multi-candidate speculative sampling; it is refused. */
+ * Sampling: a node's children are drawn independently from its draft distribution q and
+ * judged by multi-candidate speculative sampling (sampled_child), so every token is
+ * distributed as plain sampling's. */
 #include "tree_speculative.h"
 
 #include <math.h>
@@ -33,6 +35,7 @@
 #include "backend.h"
 #include "error.h"
 #include "forward.h"
+#include "speculative.h"
 
 struct tl_tree_spec {
     int n_levels;
@@ -42,7 +45,14 @@ struct tl_tree_spec {
     int32_t tokens[TL_TREE_MAX_NODES];       /* node tokens; node 0 = the pending token */
     int parent[TL_TREE_MAX_NODES];
     int32_t verified[TL_TREE_MAX_NODES];     /* full-depth argmax after each node */
-    float *rows;                             /* draft logits of a level's nodes, host */
+    float *rows;                             /* logits of a pass's nodes, host */
+    /* sampling: each drafted-from node's draft distribution as a support (q, its ids, its
+     * size; tl_sample_distribution), and a verification row's (p) */
+    double *q;
+    int32_t *q_ids;
+    int q_n[TL_TREE_MAX_NODES];
+    double *p;
+    int32_t *p_ids;
 };
 
 /* The shape's full size: w1 + w1 w2 + ..., capped at the most a tree holds. */
@@ -84,10 +94,6 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d / draft_p_min %g shape linear drafts; with "
                        "tree_widths set the tree's shape is tree_widths and tree_budget (leave n_draft "
                        "and draft_p_min 0)", o->n_draft, o->draft_p_min);
-    if (!g->greedy)
-        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation is greedy only (temperature 0, "
-                       "repetition_penalty 1): sampled trees would need multi-candidate speculative "
-                       "sampling; use linear drafts (n_draft) for sampling");
     if (hp->state_init == TL_INIT_WARM)
         return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with a warm state init each position "
                        "starts from the previous one's final state, which differs per branch; use "
@@ -101,10 +107,18 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
                        "context's prefill chunk is %d row", ctx->chunk_rows);
     struct tl_tree_spec *t = calloc(1, sizeof *t);
     g->spec_ready = malloc((TL_TREE_MAX_LEVELS + 1) * sizeof *g->spec_ready);
-    if (t) t->rows = malloc((size_t)TL_TREE_MAX_NODES * (size_t)hp->vocab * sizeof *t->rows);
+    size_t V = (size_t)hp->vocab, nodes = TL_TREE_MAX_NODES;
+    if (t) t->rows = malloc(nodes * V * sizeof *t->rows);
+    if (t && !g->greedy) {
+        t->q = malloc(nodes * V * sizeof *t->q);
+        t->q_ids = malloc(nodes * V * sizeof *t->q_ids);
+        t->p = malloc(V * sizeof *t->p);
+        t->p_ids = malloc(V * sizeof *t->p_ids);
+    }
     g->tree = t;
-    if (!t || !t->rows || !g->spec_ready)
-        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate tree speculation buffers");
+    if (!t || !t->rows || !g->spec_ready || (!g->greedy && (!t->q || !t->q_ids || !t->p || !t->p_ids)))
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate tree speculation buffers (%zu nodes x %zu "
+                       "tokens)", nodes, V);
     t->n_levels = n_levels;
     for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
     t->budget = o->tree_budget ? o->tree_budget : shape_nodes(t->widths, n_levels);
@@ -153,6 +167,42 @@ static tl_act kept_row(const struct tl_stream *g, int which, int i) {
     return tl_act_at(g->spec_states, ((size_t)which * TL_TREE_MAX_NODES + (size_t)i) * d);
 }
 
+/* The tokens of the path from the root to `node` into out; returns how many. */
+static int path_tokens(const struct tl_tree_spec *t, int node, int32_t *out) {
+    int len = 0;
+    for (int at = node; at >= 0; at = t->parent[at]) len++;
+    int i = len;
+    for (int at = node; at >= 0; at = t->parent[at]) out[--i] = t->tokens[at];
+    return len;
+}
+
+/* Starts the sampling step of the position after `node` (the penalty's history: the
+ * sequence, then the path to it). */
+static void begin_step_after(struct tl_stream *g, int node, tl_sample_step *step) {
+    int32_t path[TL_TREE_MAX_LEVELS + 1];
+    int len = path_tokens(g->tree, node, path);
+    tl_sampler_begin_step(&g->sampler, g->ctx->tokens, g->ctx->n_tokens, path, (size_t)len, step);
+}
+
+/* Sampled drafting: node p's draft distribution q (its logits in `row`, the draft
+ * vocabulary's unscattered when there is one), kept, and up to w children drawn from it
+ * independently (a token may come twice: multi-candidate speculative sampling wants
+ * independent draws, and the second copy is then judged against the residual). */
+static int sample_children(struct tl_stream *g, int p, float *row, int w, int32_t *ids) {
+    struct tl_tree_spec *t = g->tree;
+    const tl_draft_vocab *dv = g->ctx->model->draft.n > 0 ? &g->ctx->model->draft : NULL;
+    int V = g->ctx->model->hp.vocab;
+    if (dv) tl_draft_vocab_scatter(dv, row, V);
+    tl_sample_step step;
+    begin_step_after(g, p, &step);
+    double *q = t->q + (size_t)p * V;
+    int32_t *q_ids = t->q_ids + (size_t)p * V;
+    int n_q = t->q_n[p] = tl_sample_distribution(row, V, &step, q_ids, q);
+    for (int c = 0; c < w; c++)
+        ids[c] = tl_sample_from(q_ids, q, n_q, 1.0, c == 0 ? step.random : tl_sampler_random(&g->sampler));
+    return w;
+}
+
 /* Drafts the tree below the root, level by level; returns the nodes (root included) and
  * how many of them, the first ones, a draft pass ran. */
 static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_nodes, int *n_ran) {
@@ -173,7 +223,13 @@ static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_
         if (st != TL_OK) return st;
         for (int p = level0; p < level1 && count <= budget; p++) {
             int32_t ids[TL_TREE_MAX_WIDTH];
-            int k = top_tokens(t->rows + (size_t)(p - level0) * V, n_logits, t->widths[l], ids);
+            float *row = t->rows + (size_t)(p - level0) * V;
+            if (!g->greedy) {
+                int k = sample_children(g, p, row, t->widths[l], ids);
+                for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, ids[c]);
+                continue;
+            }
+            int k = top_tokens(row, n_logits, t->widths[l], ids);
             /* a draft vocabulary's ids ascend, so its ties still go to the lower token id */
             for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, dv ? dv->ids[ids[c]] : ids[c]);
         }
@@ -199,6 +255,55 @@ static void compact_path(struct tl_context *ctx, size_t n, const int *path, int 
     }
 }
 
+/* The child of `node` whose token is the verification's argmax after it (that argmax into
+ * g->spec_ready at the node's depth), or 0 when none is. */
+static int greedy_child(struct tl_stream *g, int node, int n_nodes) {
+    const struct tl_tree_spec *t = g->tree;
+    int32_t next = t->verified[node];
+    g->spec_ready[t->tree.pos[node] - t->tree.n_prefix] = next;
+    for (int c = node + 1; c < n_nodes; c++)
+        if (t->parent[c] == node && t->tokens[c] == next) return c;
+    return 0;
+}
+
+/* The child of `node` that multi-candidate speculative sampling keeps (its token into
+ * g->spec_ready at the node's depth), or 0 with the token drawn there instead. With p the
+ * full depth's distribution after `node` and q the draft's, the children (drawn
+ * independently from q) are judged in order: x is kept with probability
+ * min(1, p(x) / q(x)); a refusal replaces p by its residual max(p - q, 0), normalised,
+ * against which the next child is judged; when none is kept the token is drawn from the
+ * last p. Each stage is speculative sampling of its p from q, so the token is distributed
+ * as the first p: plain sampling's (SpecInfer's multi-step speculative sampling). */
+static int sampled_child(struct tl_stream *g, int node, int n_nodes) {
+    struct tl_tree_spec *t = g->tree;
+    int V = g->ctx->model->hp.vocab, depth = t->tree.pos[node] - t->tree.n_prefix;
+    tl_sample_step step;
+    begin_step_after(g, node, &step);
+    double *p = t->p;
+    int32_t *p_ids = t->p_ids;
+    int n_p = tl_sample_distribution(t->rows + (size_t)node * V, V, &step, p_ids, p);
+    const double *q = t->q + (size_t)node * V;
+    const int32_t *q_ids = t->q_ids + (size_t)node * V;
+    for (int c = node + 1; c < n_nodes; c++) {
+        if (t->parent[c] != node) continue;
+        int32_t x = t->tokens[c];
+        int n_q = t->q_n[node];
+        if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) <
+            tl_sample_probability(p_ids, p, n_p, x)) {
+            g->spec_ready[depth] = x;
+            return c;
+        }
+        double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
+        if (!(total > 0.0)) {   /* p <= q everywhere means p == q: x is never refused */
+            g->spec_ready[depth] = x;
+            return c;
+        }
+        for (int i = 0; i < n_p; i++) p[i] /= total;
+    }
+    g->spec_ready[depth] = tl_sample_from(p_ids, p, n_p, 1.0, step.random);
+    return 0;
+}
+
 tl_status tl_tree_speculative_round(struct tl_stream *g) {
     struct tl_tree_spec *t = g->tree;
     struct tl_context *ctx = g->ctx;
@@ -221,6 +326,7 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
     if (st != TL_OK) return st;
     t->tree.n_nodes = n_nodes;
     tl_forward_out out = { .row_tokens = t->verified, .n_row_tokens = (size_t)n_nodes };
+    if (!g->greedy) out = (tl_forward_out){ .row_logits = t->rows, .n_row_logits = (size_t)n_nodes };
     if (g->spec_states && n_ran > 0 && n_ran < n_nodes)
         st = tl_forward_tree_resumed(ctx, t->tokens, n_nodes, &t->tree, n_ran, g->draft_depth, g->depth,
                                      kept_row(g, 0, 0), kept_row(g, 1, 0), &out);
@@ -228,16 +334,9 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
         st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
     if (st != TL_OK) return st;
 
-    int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0;
-    for (;;) {
-        int32_t next = t->verified[node];
-        g->spec_ready[j] = next;
-        int child = 0;
-        for (int c = node + 1; c < n_nodes && !child; c++)
-            if (t->parent[c] == node && t->tokens[c] == next) child = c;
-        if (!child) break;
+    int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0, child;
+    while ((child = g->greedy ? greedy_child(g, node, n_nodes) : sampled_child(g, node, n_nodes)) != 0)
         path[++j] = node = child;
-    }
     compact_path(ctx, n, path, j);
     for (int m = 0; m <= j; m++) ctx->tokens[n + (size_t)m] = t->tokens[path[m]];
     tl_context_set_length(ctx, n + 1 + (size_t)j);
@@ -249,7 +348,13 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
 }
 
 void tl_tree_speculative_free(struct tl_stream *g) {
-    if (g->tree) free(g->tree->rows);
+    if (g->tree) {
+        free(g->tree->rows);
+        free(g->tree->q);
+        free(g->tree->q_ids);
+        free(g->tree->p);
+        free(g->tree->p_ids);
+    }
     free(g->tree);
     g->tree = NULL;
 }

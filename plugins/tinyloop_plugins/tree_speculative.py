@@ -1,12 +1,13 @@
-"""The `tree_speculative` mode: greedy tree speculation (docs/plugins.md, docs/api.md).
+"""The `tree_speculative` mode: tree speculation (docs/plugins.md, docs/api.md).
 
 Each round drafts a small token tree at the shallow loop depth `draft_depth` (the top
 `widths[0]` tokens after the pending one, then `widths[1]` under each of those, ...,
 at most `budget` nodes) and verifies every node in one tree-masked pass at the
 generation's depth; the longest path the verification agrees with is kept, plus the
-verification's own next token. The tokens are plain greedy decoding's. Greedy only:
-a sampled generation with this mode on is refused (TL_ERR_UNSUPPORTED). The library does
-the work (tl_generate_options.tree_widths / tree_budget); this mode switches it on:
+verification's own next token. Greedy, the tokens are plain greedy decoding's; sampling,
+the candidates are drawn from the draft's distribution and judged by multi-candidate
+speculative sampling, so the tokens follow plain sampling's distribution. The library
+does the work (tl_generate_options.tree_widths / tree_budget); this mode switches it on:
 
     [modes.tree_speculative]
     draft_depth = -1       # the model file's draft.depth (2 for the shipped model), else 1
@@ -50,7 +51,7 @@ def _configure_load(config, load_options):
 
 PLUGIN = Plugin(
     name="tree_speculative",
-    description="token trees drafted at a shallow loop depth, verified in one pass (greedy)",
+    description="token trees drafted at a shallow loop depth, verified in one pass",
     options=(
         Option("draft_depth", int, -1, "loop depth of the drafts (at most the generation's); "
                "-1 = the model file's draft.depth, else 1", minimum=-1),

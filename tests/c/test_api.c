@@ -756,7 +756,7 @@ static void test_speculative(fixture *f) {
     tl_context_free(ctx);
 }
 
-/* Greedy tree speculation: plain greedy tokens for a few shapes, a pull stream over a
+/* Tree speculation: plain greedy tokens for a few shapes, seeded sampling, a pull stream over a
  * context that the caller frees first, a first-release or pre-tree options struct that
  * never turns trees on, and clear refusals. */
 static void test_tree_speculative(fixture *f) {
@@ -791,10 +791,16 @@ static void test_tree_speculative(fixture *f) {
                  TL_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, NULL, 1, 0, out, 4, NULL),
                  TL_ERR_INVALID_ARGUMENT);
+    /* sampled trees: seeded, in range (the distribution is tested from Python) */
     tl_generate_options sampled = o;
     sampled.temperature = 0.8f;
-    CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &sampled, 1, shapes[1], 1, 0, out, 4, NULL),
-                 TL_ERR_UNSUPPORTED);
+    sampled.seed = 3;
+    int32_t again[N];
+    CHECK_OK(tl_generate_tree_speculative(f->model, f->tokens, 5, &sampled, 1, shapes[2], 4, 0, tree, N, &r));
+    CHECK_OK(tl_generate_tree_speculative(f->model, f->tokens, 5, &sampled, 1, shapes[2], 4, 0, again, N, NULL));
+    CHECK(r.n_tokens == N && memcmp(tree, again, sizeof tree) == 0, "sampled trees are seeded");
+    for (int i = 0; i < N; i++)
+        CHECK(tree[i] >= 0 && tree[i] < f->info.vocab_size, "sampled tree token %d out of range", tree[i]);
     /* a struct from before trees: its tree fields are never read */
     tl_generate_options older = o;
     older.struct_size = (uint32_t)offsetof(tl_generate_options, tree_widths);

@@ -16,7 +16,7 @@ time), which bounds what a draft can save.
     python tools/bench/speculative.py --device cuda --repeat 5 --drafts 1:1,1:2 --json gpu.json
     python tools/bench/speculative.py --model m.tinyloop --drafts 1:2,1:2:8192 --json vocab.json
     python tools/bench/speculative.py --drafts 2:2,2:6 --draft-p-min 0,0.3,0.5
-    python tools/bench/speculative.py --drafts 2:2 --trees 2:3x1x1,2:4x2x1:12   # tree speculation (greedy)
+    python tools/bench/speculative.py --drafts 2:2 --trees 2:3x1x1,2:4x2x1:12   # tree speculation
 """
 import argparse
 import contextlib
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-p-min", default="0",
                     help="comma list: each draft config runs with each draft_p_min")
     ap.add_argument("--trees", default="",
-                    help="comma list of DRAFT_DEPTH:W1xW2x...[:BUDGET]: tree speculation (greedy "
-                         "only), the tree's branching per level and its node budget")
+                    help="comma list of DRAFT_DEPTH:W1xW2x...[:BUDGET]: tree speculation, the "
+                         "tree's branching per level and its node budget")
     ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tokens checked equal)")
     ap.add_argument("--json", help="write the report here")
@@ -104,8 +104,6 @@ def main(argv=None) -> int:
     drafts = [parse_draft(item) for item in args.drafts.split(",") if item]
     p_mins = [float(v) for v in args.draft_p_min.split(",")]
     trees = [parse_tree(item) for item in args.trees.split(",") if item]
-    if trees and args.temperature > 0:
-        raise SystemExit("--trees: tree speculation is greedy only (--temperature 0)")
     path = args.model or str(default_model_path())
 
     with contextlib.ExitStack() as stack:

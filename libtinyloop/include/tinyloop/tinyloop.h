@@ -333,8 +333,8 @@ TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt,
                                          size_t out_capacity, tl_generate_result *result);
 
 /* tl_generate with opts->draft_depth, tree_widths (n_levels of them, at most
- * TL_TREE_MAX_LEVELS) and tree_budget set to these: greedy tree speculation, whose
- * tokens are plain greedy decoding's. */
+ * TL_TREE_MAX_LEVELS) and tree_budget set to these: tree speculation (greedy: plain
+ * greedy decoding's tokens; sampling: plain sampling's distribution). */
 TL_API tl_status tl_generate_tree_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
                                               const tl_generate_options *opts, int32_t draft_depth,
                                               const int32_t *widths, size_t n_levels, int32_t budget,
