@@ -220,7 +220,7 @@ def test_abi_call_and_option_errors(model_dir):
             (dict(widths=[2], draft_depth=0), "draft_depth is 0"),
             (dict(widths=[2], draft_depth=6), "deeper than the generation's depth"),
             (dict(widths=[2], n_draft=3), "n_draft 3"),
-            (dict(widths=[2], draft_p_min=0.5), "draft_p_min"),
+            (dict(widths=[2], draft_p_min=1.5), "draft_p_min 1.5"),
         ]
         for args, message in bad:
             with pytest.raises(tinyloop.InvalidArgumentError, match=message):
@@ -352,22 +352,24 @@ def test_full_context_and_small_chunks(model_dir):
             model.generate(PROMPT, max_tokens=4, depth=5, draft_depth=1, tree=(2,), **GREEDY)
 
 
-@pytest.mark.parametrize("tree,sampling", [((3,), "plain"), ((2, 2), "plain"), ((3, 1), "truncated, penalized"),
-                                           ((4,), "truncated, penalized")])
-def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling):
+@pytest.mark.parametrize("tree,sampling,p_min", [((3,), "plain", 0.0), ((2, 2), "plain", 0.0),
+                                                 ((3, 1), "truncated, penalized", 0.0),
+                                                 ((4,), "truncated, penalized", 0.0), ((3, 1), "plain", 0.1)])
+def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling, p_min):
     """Multi-candidate speculative sampling: the first generated token comes from the
     prefill, the second is the first round's (a kept child of the root, judged one by one
     against p and then its residuals, or a draw from the last residual) and the third the
     next level's or the next round's. Their counts over many seeds must fit the exact
     full-depth distributions (the second token's marginal over the first; the third's
-    after the most frequent first token), far from the draft depth's."""
+    after the most frequent first token), far from the draft depth's. With draft_p_min the
+    number of draws per node depends on q alone, which keeps them fair."""
     from test_speculative import SAMPLING, _chi_square, _next_token_marginal, _processed
     config = case_config("base")
     depth, vocab = config["max_depth"], config["vocab_size"]
     options, n_runs = SAMPLING[sampling], 6000
     with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE) as model:
         results = [model.generate(PROMPT, seed=seed, draft_depth=1, tree=tree, max_tokens=4, depth=depth, eos=False,
-                                  **options) for seed in range(n_runs)]
+                                  draft_p_min=p_min, **options) for seed in range(n_runs)]
         runs = np.array([r.tokens for r in results])
         kept = sum(r.accepted_tokens for r in results)
         assert 0 < kept < sum(r.drafted_tokens for r in results)
@@ -386,7 +388,7 @@ def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling):
             seen = np.bincount(samples, minlength=vocab)
             stat, dof = _chi_square(seen, full)
             limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
-            label = f"{tree} {sampling}, {what}: {seen.sum()} samples"
+            label = f"{tree} {sampling} p_min {p_min}, {what}: {seen.sum()} samples"
             assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
             draft_stat, _ = _chi_square(seen, draft)   # the test can tell the draft depth's apart
             assert draft_stat > limit, f"{label}: the draft depth's distribution fits too ({draft_stat:.1f})"
@@ -413,3 +415,30 @@ def test_sampled_trees_are_seeded_and_leave_the_context_as_plain_decoding(model_
             fresh.append(PROMPT + tokens[:-1], depth=depth)
             expected = fresh.append([7])
         np.testing.assert_allclose(follow, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_unsure_candidates_are_not_drafted(tmp_path, draft_vocab):
+    """draft_p_min on a tree: a candidate less likely than it (by the draft's softmax;
+    sampling, by q) is not drafted, and a branch with none ends. A one-wide chain with it
+    is linear drafting with it (the same drafts, kept counts and tokens, greedy and
+    sampled); a wide tree drafts fewer nodes than without it; the tokens stay plain
+    greedy decoding's."""
+    from test_draft_vocab import with_frequencies
+    name = "base"
+    path = with_frequencies(tmp_path, name, tied=False)
+    depth = case_config(name)["max_depth"]
+    with tinyloop.Model(path, device=DEVICE, draft_vocab=draft_vocab) as model:
+        plain = model.generate(PROMPT, max_tokens=30, depth=depth, **GREEDY)
+        for sampled in (dict(**GREEDY), dict(temperature=0.9, eos=False, seed=4)):
+            linear = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=1, n_draft=3, draft_p_min=0.3,
+                                    **sampled)
+            chain = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=1, tree=(1, 1, 1),
+                                   draft_p_min=0.3, **sampled)
+            assert chain.tokens == linear.tokens, sampled
+            assert (chain.accepted_tokens, chain.drafted_tokens) == (linear.accepted_tokens, linear.drafted_tokens)
+        everything = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=1, tree=(4, 2, 1), **GREEDY)
+        sure = model.generate(PROMPT, max_tokens=30, depth=depth, draft_depth=1, tree=(4, 2, 1), draft_p_min=0.2,
+                              **GREEDY)
+        assert sure.tokens == everything.tokens == plain.tokens
+        assert 0 < sure.drafted_tokens < everything.drafted_tokens

@@ -41,6 +41,7 @@ struct tl_tree_spec {
     int n_levels;
     int widths[TL_TREE_MAX_LEVELS];
     int budget;                              /* drafted nodes at most (root excluded) */
+    double p_min;                            /* a candidate less likely than this is not drafted */
     tl_tree tree;
     int32_t tokens[TL_TREE_MAX_NODES];       /* node tokens; node 0 = the pending token */
     int parent[TL_TREE_MAX_NODES];
@@ -90,10 +91,12 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
     int n_levels = 0;
     tl_status st = check_shape(o, &n_levels);
     if (st != TL_OK) return st;
-    if (o->n_draft != 0 || o->draft_p_min != 0.0)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d / draft_p_min %g shape linear drafts; with "
-                       "tree_widths set the tree's shape is tree_widths and tree_budget (leave n_draft "
-                       "and draft_p_min 0)", o->n_draft, o->draft_p_min);
+    if (o->n_draft != 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d sets linear drafts; with tree_widths set the "
+                       "tree's shape is tree_widths and tree_budget (leave n_draft 0)", o->n_draft);
+    if (!(o->draft_p_min >= 0.0 && o->draft_p_min <= 1.0))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_p_min %g is outside [0, 1] (0 = draft every "
+                       "candidate of the tree's shape)", o->draft_p_min);
     if (hp->state_init == TL_INIT_WARM)
         return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with a warm state init each position "
                        "starts from the previous one's final state, which differs per branch; use "
@@ -122,6 +125,7 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
     t->n_levels = n_levels;
     for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
     t->budget = o->tree_budget ? o->tree_budget : shape_nodes(t->widths, n_levels);
+    t->p_min = o->draft_p_min;
     g->draft_depth = draft_depth;
     /* The verification resumes the drafted nodes from their drafts' states (e and s after
      * the draft depth; speculative.c says why not where steps are recorded). They live in
@@ -150,6 +154,19 @@ static int top_tokens(const float *x, int count, int w, int32_t *ids) {
         ids[at] = i;
     }
     return n;
+}
+
+/* How many of the k best logits (ids, best first, of x[0..count)) have a softmax
+ * probability of at least p_min (as a linear draft's top probability: in double, then
+ * float). */
+static int sure_candidates(const float *x, int count, const int32_t *ids, int k, double p_min) {
+    if (p_min <= 0.0 || k == 0) return k;
+    double max = x[ids[0]], sum = 0.0;
+    for (int i = 0; i < count; i++)
+        if (x[i] > -INFINITY) sum += exp((double)x[i] - max);
+    int sure = 0;
+    while (sure < k && (float)(exp((double)x[ids[sure]] - max) / sum) >= p_min) sure++;
+    return sure;
 }
 
 /* Node `child` under `parent`, one level deeper. */
@@ -187,7 +204,9 @@ static void begin_step_after(struct tl_stream *g, int node, tl_sample_step *step
 /* Sampled drafting: node p's draft distribution q (its logits in `row`, the draft
  * vocabulary's unscattered when there is one), kept, and up to w children drawn from it
  * independently (a token may come twice: multi-candidate speculative sampling wants
- * independent draws, and the second copy is then judged against the residual). */
+ * independent draws, and the second copy is then judged against the residual). With
+ * draft_p_min, no more draws than q has tokens at least that likely (none: the branch
+ * ends); the count depends on q alone, so the draws stay independent draws of q. */
 static int sample_children(struct tl_stream *g, int p, float *row, int w, int32_t *ids) {
     struct tl_tree_spec *t = g->tree;
     const tl_draft_vocab *dv = g->ctx->model->draft.n > 0 ? &g->ctx->model->draft : NULL;
@@ -198,6 +217,11 @@ static int sample_children(struct tl_stream *g, int p, float *row, int w, int32_
     double *q = t->q + (size_t)p * V;
     int32_t *q_ids = t->q_ids + (size_t)p * V;
     int n_q = t->q_n[p] = tl_sample_distribution(row, V, &step, q_ids, q);
+    if (t->p_min > 0.0) {   /* as many draws as tokens of q at least p_min likely: a rule on q alone */
+        int sure = 0;
+        for (int i = 0; i < n_q; i++) sure += q[i] >= t->p_min;
+        if (w > sure) w = sure;
+    }
     for (int c = 0; c < w; c++)
         ids[c] = tl_sample_from(q_ids, q, n_q, 1.0, c == 0 ? step.random : tl_sampler_random(&g->sampler));
     return w;
@@ -230,6 +254,7 @@ static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_
                 continue;
             }
             int k = top_tokens(row, n_logits, t->widths[l], ids);
+            k = sure_candidates(row, n_logits, ids, k, t->p_min);
             /* a draft vocabulary's ids ascend, so its ties still go to the lower token id */
             for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, dv ? dv->ids[ids[c]] : ids[c]);
         }

@@ -13,6 +13,7 @@ does the work (tl_generate_options.tree_widths / tree_budget); this mode switche
     draft_depth = -1       # the model file's draft.depth (2 for the shipped model), else 1
     widths = "3, 1, 1"     # branching per level, each 1..8, at most 8 levels
     budget = 0             # drafted nodes per round at most, 1..63; 0 = the shape's size
+    draft_p_min = 0.0      # candidates less likely than this are not drafted; 0 = all
     draft_vocab = -1       # drafts score the file's N most frequent tokens; 0 = all
 """
 
@@ -42,7 +43,7 @@ class _Widths(Option):
 
 def _strategy(model, prompt_ids, generate_options, config):
     return model.stream(prompt_ids, **generate_options, draft_depth=config["draft_depth"],
-                        tree=config["widths"], tree_budget=config["budget"])
+                        tree=config["widths"], tree_budget=config["budget"], draft_p_min=config["draft_p_min"])
 
 
 def _configure_load(config, load_options):
@@ -59,6 +60,8 @@ PLUGIN = Plugin(
                 f"separated, each 1..{MAX_WIDTH}, at most {MAX_LEVELS} levels"),
         Option("budget", int, 0, "drafted nodes per round at most; 0 = the shape's size (at "
                "most 63)", minimum=0, maximum=63),
+        Option("draft_p_min", float, 0.0, "a candidate less likely than this (by the draft's "
+               "distribution) is not drafted; 0 = every candidate of the shape", minimum=0.0, maximum=1.0),
         Option("draft_vocab", int, -1, "drafts score only this many of the most frequent tokens "
                "(the file's vocab.frequency); -1 = the file's draft.vocab_size, 0 = every token",
                minimum=-1),

@@ -122,8 +122,9 @@ def main(argv=None) -> int:
                 if name not in {c[0] for c in configs}:   # two sizes may resolve to the same one
                     configs.append((name, models[v], dict(draft_depth=d, n_draft=n, draft_p_min=p_min)))
         for d, widths, budget in trees:
-            configs.append((tree_name(d, widths, budget, model), model,
-                            dict(draft_depth=d, tree=widths, tree_budget=budget)))
+            for p_min in p_mins:
+                configs.append((tree_name(d, widths, budget, model) + (f", p_min {p_min:g}" if p_min else ""), model,
+                                dict(draft_depth=d, tree=widths, tree_budget=budget, draft_p_min=p_min)))
         speed = {name: [] for name, _, _ in configs}
         kept = {name: [0, 0, 0, 0] for name, _, _ in configs}  # accepted, drafted, tokens, rounds
         for round_index in range(args.repeat):
