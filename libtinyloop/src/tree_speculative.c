@@ -57,7 +57,7 @@ struct tl_tree_spec {
 };
 
 /* The shape's full size: w1 + w1 w2 + ..., capped at the most a tree holds. */
-static int shape_nodes(const int *widths, int n_levels) {
+static int shape_nodes(const int32_t *widths, int n_levels) {
     long total = 0, level = 1;
     for (int l = 0; l < n_levels; l++) {
         level *= widths[l];
@@ -110,7 +110,8 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
                        "context's prefill chunk is %d row", ctx->chunk_rows);
     struct tl_tree_spec *t = calloc(1, sizeof *t);
     g->spec_ready = malloc((TL_TREE_MAX_LEVELS + 1) * sizeof *g->spec_ready);
-    size_t V = (size_t)hp->vocab, nodes = TL_TREE_MAX_NODES;
+    int budget = o->tree_budget ? o->tree_budget : shape_nodes(o->tree_widths, n_levels);
+    size_t V = (size_t)hp->vocab, nodes = (size_t)budget + 1;   /* a round holds at most these */
     if (t) t->rows = malloc(nodes * V * sizeof *t->rows);
     if (t && !g->greedy) {
         t->q = malloc(nodes * V * sizeof *t->q);
@@ -124,7 +125,7 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
                        "tokens)", nodes, V);
     t->n_levels = n_levels;
     for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
-    t->budget = o->tree_budget ? o->tree_budget : shape_nodes(t->widths, n_levels);
+    t->budget = budget;
     t->p_min = o->draft_p_min;
     g->draft_depth = draft_depth;
     /* The verification resumes the drafted nodes from their drafts' states (e and s after
