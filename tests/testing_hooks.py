@@ -12,6 +12,8 @@ tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n
 int32_t tl_testing_cpu_level(int32_t which);
 tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_depth,
                                   float *logits, int32_t *argmax);
+tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,
+                                 int32_t n_nodes, int32_t n_first, int32_t depth, float *logits);
 """
 _opened = {}
 

@@ -377,6 +377,20 @@ void cuda_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache, tl_a
     launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out));
 }
 
+// Tree speculation's passes are never inside a recorded step (forward.c brackets only
+// one-row chunks), so these take their positions as they are.
+void cuda_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, const tl_tree *tree, int first,
+                    const tl_rope_params *p) {
+    if (bind(ex)) return;
+    launch_rope_tree(ex, P(x), n, n_heads, head_dim, *tree, first, *p);
+}
+
+void cuda_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
+                         tl_act v_cache, const tl_attn_geom *g, tl_act out) {
+    if (bind(ex)) return;
+    launch_tree_attention(ex, P(q), n, *tree, first, P(k_cache), P(v_cache), *g, P(out));
+}
+
 void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0,
                    int width) {
     if (bind(ex)) return;
@@ -603,6 +617,8 @@ const tl_backend_ops cuda_ops = {
     /* argmax_chained */ cuda_argmax_chained,
     /* chained_token */ cuda_chained_token,
     /* step_token_on_device */ cuda_step_token_on_device,
+    /* rope_tree */ cuda_rope_tree,
+    /* tree_attention */ cuda_tree_attention,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

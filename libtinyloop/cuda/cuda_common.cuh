@@ -358,6 +358,11 @@ void launch_argmax(tl_exec *ex, const float *x, int count, int32_t *d_out, const
 // cuda_attention.cu
 // Floats of split-sequence scratch attention needs for this geometry (decode rows).
 size_t attention_partial_floats(int n_head, int head_dim, int max_seq);
+// cuda_tree_attention.cu: tree speculation's RoPE and attention (backend.h, tl_tree)
+void launch_rope_tree(tl_exec *ex, float *x, int n, int n_heads, int head_dim, const tl_tree &tree, int first,
+                      const tl_rope_params &p);
+void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const float *k_cache,
+                           const float *v_cache, const tl_attn_geom &g, float *out);
 void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
                       const float *v_cache, const tl_attn_geom &g, float *out);
 

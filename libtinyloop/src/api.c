@@ -675,6 +675,10 @@ tl_status read_generate_options(const tl_generate_options *opts, tl_generate_opt
         o->draft_depth = o->n_draft = 0;
     if (opts && size < offsetof(tl_generate_options, draft_p_min) + sizeof o->draft_p_min)
         o->draft_p_min = 0.0;   /* a struct from before it: its tail padding is no value */
+    if (opts && size < offsetof(tl_generate_options, tree_budget) + sizeof o->tree_budget) {
+        memset(o->tree_widths, 0, sizeof o->tree_widths);   /* a struct from before trees */
+        o->tree_budget = 0;
+    }
     return st;
 }
 
@@ -950,5 +954,27 @@ tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt, size_t
                        draft_depth);
     o.draft_depth = draft_depth;
     o.n_draft = n_draft;
+    return tl_generate(model, prompt, n_prompt, &o, out_tokens, out_capacity, result);
+}
+
+tl_status tl_generate_tree_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                                       const tl_generate_options *opts, int32_t draft_depth,
+                                       const int32_t *widths, size_t n_levels, int32_t budget,
+                                       int32_t *out_tokens, size_t out_capacity, tl_generate_result *result) {
+    tl_generate_options o;
+    tl_status st = read_generate_options(opts, &o);
+    if (st != TL_OK) return st;
+    NEED(widths, "widths");
+    if (n_levels < 1 || n_levels > TL_TREE_MAX_LEVELS)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "a token tree has %zu levels, expected 1..%d", n_levels,
+                       TL_TREE_MAX_LEVELS);
+    for (size_t i = 0; i < n_levels; i++)
+        if (widths[i] < 1)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "widths[%zu] is %d: every level of a token tree "
+                           "branches at least once", i, widths[i]);
+    memset(o.tree_widths, 0, sizeof o.tree_widths);
+    memcpy(o.tree_widths, widths, n_levels * sizeof *widths);
+    o.draft_depth = draft_depth;
+    o.tree_budget = budget;
     return tl_generate(model, prompt, n_prompt, &o, out_tokens, out_capacity, result);
 }

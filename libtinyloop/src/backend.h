@@ -68,6 +68,17 @@ typedef struct tl_matmul_in {
     tl_activation act;                 /* GATED */
 } tl_matmul_in;
 
+/* A token tree after a committed prefix (tree speculation, tree_speculative.c): node i
+ * (0 = the root) keeps its K/V at cache row n_prefix + i, takes its RoPE position pos[i]
+ * (n_prefix + its depth in the tree), and sees the prefix (within the sliding window of
+ * its position) and the nodes whose bits are set in visible[i]: its ancestors and itself. */
+#define TL_TREE_MAX_NODES 64
+typedef struct tl_tree {
+    int n_prefix, n_nodes;
+    int32_t pos[TL_TREE_MAX_NODES];
+    uint64_t visible[TL_TREE_MAX_NODES];
+} tl_tree;
+
 typedef struct tl_backend tl_backend;
 struct tl_sample_step;   /* sample_math.h */
 
@@ -195,6 +206,15 @@ typedef struct tl_backend_ops {
     void (*argmax_chained)(tl_exec *ex, tl_act x, int count, int pos);
     int32_t (*chained_token)(tl_exec *ex);
     void (*step_token_on_device)(tl_exec *ex);
+
+    /* Optional (NULL = no tree speculation: TL_ERR_UNSUPPORTED). rope_tree: RoPE on n rows
+     * of x at positions tree->pos[first + i]. tree_attention: n query rows, nodes
+     * first..first+n-1 of `tree` whose K/V are stored already, each against the prefix
+     * rows and the nodes it sees (tl_tree), keys in cache-row order as `attention`. */
+    void (*rope_tree)(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, const tl_tree *tree,
+                      int first, const tl_rope_params *p);
+    void (*tree_attention)(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
+                           tl_act v_cache, const tl_attn_geom *g, tl_act out);
 } tl_backend_ops;
 
 struct tl_backend {

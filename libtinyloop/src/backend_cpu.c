@@ -307,6 +307,20 @@ static void cpu_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, in
     tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
 }
 
+/* RoPE at a tree's positions; the next cpu_rope rebuilds its table. */
+static void cpu_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, const tl_tree *tree,
+                          int first, const tl_rope_params *p) {
+    tl_cpu_rope_table(n, p->rope_dims, p->theta, tree->pos + first, ex->rope_table);
+    ex->rope_rows = -1;
+    tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
+}
+
+static void cpu_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
+                               tl_act v_cache, const tl_attn_geom *g, tl_act out) {
+    tl_cpu_tree_attention(P(q), n, tree, first, P(k_cache), P(v_cache), g->n_head, g->n_kv_head, g->head_dim,
+                          g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
+}
+
 static void cpu_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count,
                           tl_activation act) {
     tl_cpu_gated_act(P(gate), P(up), count, act == TL_ACT_GELU_TANH ? 1 : 0, P(gate));
@@ -374,6 +388,8 @@ static const tl_backend_ops cpu_ops = {
     .argmax = cpu_argmax,
     .kv_store = cpu_kv_store,
     .sample = cpu_sample,
+    .rope_tree = cpu_rope_tree,
+    .tree_attention = cpu_tree_attention,
 };
 
 tl_status tl_backend_cpu_create(tl_backend **out) {

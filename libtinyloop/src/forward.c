@@ -26,6 +26,9 @@ typedef struct fwd {
     const tl_batch_row *batch;   /* a batched decode step: row r is one position of its own
                                     sequence (tl_forward_batch); NULL: rows are consecutive
                                     positions of ctx's sequence */
+    const tl_tree *tree;         /* a token tree's nodes tree_first.. (tl_forward_tree): rows
+                                    at consecutive cache rows, at the tree's positions */
+    int tree_first;
 } fwd;
 
 /* A KV slot by what it caches; its index depends on the context (its KV policy maps
@@ -143,6 +146,15 @@ static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_
     const tl_kv_cache *kv = &F->ctx->kv;
     int index = slot_index(F, F->ctx, slot);
     tl_act k_cache = tl_kv_keys(kv, index), v_cache = tl_kv_values(kv, index);
+    if (F->tree) {   /* RoPE at the nodes' positions, attention along their paths */
+        qkv_rows(F, w, &in, n, q, k_new, v_new);
+        F->ops->rope_tree(F->ex, q, n, F->hp->n_head, F->hp->head_dim, F->tree, F->tree_first, &F->rope);
+        F->ops->rope_tree(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, F->tree, F->tree_first, &F->rope);
+        F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+        F->ops->tree_attention(F->ex, q, n, F->tree, F->tree_first, k_cache, v_cache, &F->geom, att);
+        output_projection(F, w, att, n, out, accumulate);
+        return;
+    }
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
     if (F->hp->qkv_bias || !F->ops->matmul_rope_store ||
         !F->ops->matmul_rope_store(F->ex, ws, &in, n, q, pos0, &F->rope, &F->geom, k_cache, v_cache)) {
@@ -247,13 +259,14 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
         F->ops->fill(F->ex, h, count, 0.0f);
         break;
     case TL_INIT_NOISE:
-        if (!F->batch) {
+        if (!F->batch && !F->tree) {
             F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
             break;
         }
         for (int r = 0; r < n; r++)   /* each row's noise is its own position's */
             F->ops->fill_noise(F->ex, tl_act_add(h, (size_t)r * F->d), 1, F->d, F->hp->noise_seed,
-                               F->batch[r].pos, F->hp->noise_sigma);
+                               F->batch ? F->batch[r].pos : F->tree->pos[F->tree_first + r],
+                               F->hp->noise_sigma);
         break;
     }
 }
@@ -552,4 +565,64 @@ tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, co
     coda(&F, n, 0);
     batch_outputs(&F, n, outs);
     return F.ops->status(F.ex);
+}
+
+/* A draft's logits of each of n rows (at rows + r * vocab): the draft vocabulary's n
+ * logits when the model has one (not scattered: its ids map them), else the whole head's. */
+static void draft_row_logits(const fwd *F, int n, float *rows) {
+    struct tl_context *ctx = F->ctx;
+    const tl_draft_vocab *dv = F->m->draft.n > 0 ? &F->m->draft : NULL;
+    const tl_tensor *head = dv ? &dv->head : &F->m->output;
+    int V = F->hp->vocab, n_logits = dv ? dv->n : V;
+    size_t ld_logits = (size_t)n_logits;
+    tl_act h = buf0(ctx->h), logits = buf0(ctx->logits);
+    for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
+        int count = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
+        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        matmul_in(F, &head, 1, &in, count, &logits, &ld_logits, 0);
+        for (int r = r0; r < r0 + count; r++) {
+            float *row = rows + (size_t)r * V;
+            F->ops->download(F->ex, row, tl_act_add(logits, (size_t)(r - r0) * n_logits), (size_t)n_logits);
+        }
+    }
+}
+
+tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
+                          int first, int depth, const tl_forward_out *out) {
+    fwd F = fwd_for(ctx);
+    F.tree = tree;
+    F.tree_first = first;
+    int row0 = tree->n_prefix + first;   /* the cache row of node `first` */
+    embed_and_prelude(&F, tokens, n, row0);
+    run_loop(&F, n, row0, F.hp->n_core > 0 ? depth : 0);
+    store_loop_states(&F, n, row0);
+    if (out && out->keep_s.buf) {   /* the rows' e and s before the coda, for a resumed verification */
+        if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, n, F.d);
+        F.ops->copy_rows(F.ex, out->keep_s, F.d, buf0(ctx->h), F.d, n, F.d);
+    }
+    coda(&F, n, row0);
+    if (out && out->draft && out->row_logits) draft_row_logits(&F, n, out->row_logits);
+    else if (out) outputs(&F, n, row0, out);
+    return F.ops->status(F.ex);
+}
+
+tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
+                                  int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out) {
+    fwd F = fwd_for(ctx);
+    F.tree = tree;
+    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
+    int fresh = n - n_kept, inject = F.hp->injection != TL_INJECT_NONE;
+    /* the nodes no draft ran, up to iteration `from` in rows 0.., then moved up behind the
+     * kept ones, one row at a time from the last (a row never lands on one still to move) */
+    F.tree_first = n_kept;
+    embed_and_prelude(&F, tokens + n_kept, fresh, tree->n_prefix + n_kept);
+    run_loop(&F, fresh, tree->n_prefix + n_kept, from);
+    for (int r = fresh - 1; r >= 0; r--) {
+        size_t src = (size_t)r * F.d, dst = (size_t)(r + n_kept) * F.d;
+        F.ops->copy_rows(F.ex, tl_act_add(h, dst), F.d, tl_act_add(h, src), F.d, 1, F.d);
+        if (inject) F.ops->copy_rows(F.ex, tl_act_add(e, dst), F.d, tl_act_add(e, src), F.d, 1, F.d);
+    }
+    load_loop_states(&F, kept_e, kept_s, n_kept);
+    F.tree_first = 0;
+    return continue_loop(&F, n, tree->n_prefix, from, depth, out);
 }

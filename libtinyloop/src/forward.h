@@ -50,7 +50,8 @@ typedef struct tl_forward_out {
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
                                   state before the coda go (.buf NULL: not kept), for
                                   tl_forward_resume; not on a backend that records steps
-                                  (the destinations move from draft to draft)          */
+                                  (the destinations move from draft to draft). Every row's,
+                                  in tl_forward_tree                                   */
 } tl_forward_out;
 
 /* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already
@@ -84,6 +85,24 @@ tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, i
  * K/V at positions [0, n); does not change the context's length. */
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth);
+
+/* Nodes first..first+n-1 of a token tree (backend.h, tl_tree; n <= the chunk rows) at
+ * loop depth `depth`, their K/V into the cache rows tree->n_prefix + first.., each node
+ * attending to the prefix and its ancestors at its tree position. `out`: per-row fields
+ * (row_tokens, row_logits); with `draft` set, row_logits of the draft head: the draft
+ * vocabulary's logits when the model has one (in the order of its ids, at a stride of
+ * vocab floats), else the whole vocabulary's. Not for a warm state init. Changes no
+ * length. */
+tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
+                          int first, int depth, const tl_forward_out *out);
+
+/* tl_forward_tree over nodes 0..n-1 at `depth` as a verification whose first n_kept
+ * nodes (1 <= n_kept < n) resume where their drafts left them: rows kept_e / kept_s hold
+ * each one's injection source and loop state after iteration `from` (tl_forward_out.keep_e
+ * / keep_s of tl_forward_tree), their K/V up to it is in the cache. The other nodes run
+ * from the embedding to iteration `from`; then all n run from+1..depth, the coda, `out`. */
+tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
+                                  int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out);
 
 /* One row of a batched decode step: a position of its own sequence. */
 typedef struct tl_batch_row {

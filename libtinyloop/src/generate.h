@@ -48,6 +48,8 @@ struct tl_stream {
     struct tl_buf *spec_states;    /* backend rows: the drafts' injection sources [n_draft],
                                       then their loop states [n_draft]; NULL when the
                                       verification does not resume (speculative.c)       */
+    struct tl_tree_spec *tree;     /* tree speculation's round state (tree_speculative.c); NULL
+                                      for linear drafts                                  */
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
     /* log-probabilities of the returned tokens (tl_generate_options.logprobs) */
     int logprobs;                  /* kept for every step                               */

@@ -76,3 +76,13 @@ void tl_kv_cache_copy(tl_kv_cache *dst, const tl_kv_cache *src, tl_exec *ex, int
                                 1, (int)count);
     }
 }
+
+void tl_kv_cache_move_row(tl_kv_cache *kv, tl_exec *ex, int from, int to) {
+    if (!kv->k) return;
+    /* one strided copy per plane: a slot's rows are max_seq rows apart */
+    size_t stride = (size_t)kv->max_seq * (size_t)kv->kv_dim, w = (size_t)kv->kv_dim;
+    tl_buf *planes[] = { kv->k, kv->v };
+    for (int i = 0; i < 2; i++)
+        kv->be->ops->copy_rows(ex, tl_act_at(planes[i], (size_t)to * w), stride, tl_act_at(planes[i], (size_t)from * w),
+                               stride, kv->n_slots, kv->kv_dim);
+}

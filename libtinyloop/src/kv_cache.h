@@ -31,5 +31,7 @@ tl_act tl_kv_keys(const tl_kv_cache *kv, int slot);
 tl_act tl_kv_values(const tl_kv_cache *kv, int slot);
 /* Copy the first n_rows positions of every slot of src into dst (same geometry). */
 void tl_kv_cache_copy(tl_kv_cache *dst, const tl_kv_cache *src, tl_exec *ex, int n_rows);
+/* Row `from` of every slot to row `to` (distinct rows; tree speculation's accepted path). */
+void tl_kv_cache_move_row(tl_kv_cache *kv, tl_exec *ex, int from, int to);
 
 #endif

@@ -34,9 +34,13 @@
 
 #include "backend.h"
 #include "error.h"
+#include "tree_speculative.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
-    if (o->draft_depth == 0) return TL_OK;
+    if (o->draft_depth == 0)
+        return o->tree_widths[0] == 0 ? TL_OK
+                                      : tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_widths is set but draft_depth "
+                                                "is 0: a tree is drafted at draft_depth (-1 = the model's)");
     const struct tl_context *ctx = g->ctx;
     const tl_hparams *hp = &ctx->model->hp;
     if (o->draft_depth < -1)
@@ -60,6 +64,7 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     if (depth > g->depth)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "draft_depth %d is deeper than the generation's depth %d", depth, g->depth);
+    if (o->tree_widths[0] != 0) return tl_tree_speculative_begin(g, o, depth);
     if (o->n_draft < 0 || o->n_draft > TL_MAX_DRAFT)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft %d is out of range [0, %d] (0 = the "
                        "model's draft.n_draft, else %d)", o->n_draft, TL_MAX_DRAFT, TL_DEFAULT_DRAFT);
@@ -173,10 +178,8 @@ static double top_weight(const double *q, int n) {
     return top;
 }
 
-/* p's support becomes what p has beyond q, max(p - q, 0) (the ids only q holds would be 0
- * there and stay out); returns its total. */
-static double residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
-                       int n_q) {
+double tl_speculative_residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
+                               int n_q) {
     double total = 0.0;
     int j = 0;
     for (int i = 0; i < n_p; i++) {
@@ -188,8 +191,7 @@ static double residual(double *p, const int32_t *p_ids, int n_p, const double *q
     return total;
 }
 
-/* A number in [0, 1) from the stream's generator. */
-static double uniform(struct tl_stream *g) {
+double tl_speculative_uniform(struct tl_stream *g) {
     return (double)(tl_sampler_random(&g->sampler) >> 11) * 0x1p-53;
 }
 
@@ -237,12 +239,12 @@ static tl_status round_of_samples(struct tl_stream *g) {
         int n_q = g->spec_q_n[j];
         int32_t x = fed[j + 1];
         /* kept with probability min(1, p(x) / q(x)) */
-        if (uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
+        if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
             ready[j] = x;
             continue;
         }
         /* refused: draw from what p has beyond q */
-        double total = residual(p, p_ids, n_p, q, q_ids, n_q);
+        double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
         int32_t t = tl_sample_from(p_ids, p, n_p, total, step.random);
         ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
         break;
@@ -253,7 +255,7 @@ static tl_status round_of_samples(struct tl_stream *g) {
 
 tl_status tl_speculative_next(struct tl_stream *g, int32_t *token) {
     if (g->ready_at == g->n_ready) {
-        tl_status st = g->greedy ? round_of_drafts(g) : round_of_samples(g);
+        tl_status st = g->tree ? tl_tree_speculative_round(g) : g->greedy ? round_of_drafts(g) : round_of_samples(g);
         if (st != TL_OK) return st;
     }
     *token = g->spec_ready[g->ready_at++];
@@ -283,6 +285,7 @@ void tl_speculative_release_states(struct tl_stream *g) {
 
 void tl_speculative_free(struct tl_stream *g) {
     tl_speculative_release_states(g);
+    tl_tree_speculative_free(g);
     free(g->spec_fed);
     free(g->spec_ready);
     free(g->spec_q);

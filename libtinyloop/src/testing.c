@@ -64,3 +64,39 @@ tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_
     tl_context_set_length(ctx, n);
     return st;
 }
+
+tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,
+                                 int32_t n_nodes, int32_t n_first, int32_t depth, float *logits) {
+    if (!ctx || !tokens || !parents || !logits || n_nodes < 1 || n_nodes > TL_TREE_MAX_NODES ||
+        n_nodes > ctx->chunk_rows || n_first < 0 || n_first > n_nodes || ctx->n_tokens == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_testing_tree_logits: bad arguments");
+    const tl_backend_ops *ops = ctx->be->ops;
+    if (!ops->rope_tree || !ops->tree_attention)
+        return tl_fail(TL_ERR_UNSUPPORTED, "backend %s has no tree attention", ctx->be->name);
+    if (ctx->model->hp.state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "a token tree's rows cannot start warm (each branch has its "
+                       "own previous state)");
+    if (depth < (ctx->max_depth ? 1 : 0) || depth > ctx->max_depth ||
+        (size_t)n_nodes > (size_t)ctx->max_seq - ctx->n_tokens)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_testing_tree_logits: depth %d or %d nodes do not fit",
+                       depth, n_nodes);
+    tl_status st = tl_context_check_tokens(ctx, tokens, (size_t)n_nodes);
+    if (st != TL_OK) return st;
+    tl_tree tree = { .n_prefix = (int)ctx->n_tokens, .n_nodes = n_nodes };
+    for (int i = 0; i < n_nodes; i++) {
+        int p = parents[i];
+        if (p >= i || p < -1) return tl_fail(TL_ERR_INVALID_ARGUMENT, "parents[%d] = %d is not before it", i, p);
+        tree.pos[i] = p < 0 ? tree.n_prefix : tree.pos[p] + 1;
+        tree.visible[i] = (p < 0 ? 0 : tree.visible[p]) | (uint64_t)1 << i;
+    }
+    /* nodes [0, n_first) in one pass, then the rest in another, as drafting's levels go */
+    int cuts[3] = { 0, n_first ? n_first : n_nodes, n_nodes };
+    size_t V = (size_t)ctx->model->hp.vocab;
+    for (int c = 0; c < 2 && st == TL_OK; c++) {
+        int n = cuts[c + 1] - cuts[c];
+        if (n == 0) continue;
+        tl_forward_out out = { .row_logits = logits + (size_t)cuts[c] * V, .n_row_logits = (size_t)n };
+        st = tl_forward_tree(ctx, tokens + cuts[c], n, &tree, cuts[c], depth, &out);
+    }
+    return st;
+}

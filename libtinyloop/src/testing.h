@@ -30,4 +30,11 @@ TL_API int32_t tl_testing_cpu_level(int32_t which);
 TL_API tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_depth,
                                          float *logits, int32_t *argmax);
 
+/* Nodes of a token tree after ctx's sequence (node i's parent parents[i] < i, -1 = the
+ * sequence's last token), run by tl_forward_tree at `depth`: nodes [0, n_first) in one
+ * pass, then the rest in a second (n_first 0: all in one); logits[i * vocab ..] = node
+ * i's. The sequence's length stays; its rows past it are overwritten. */
+TL_API tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,
+                                        int32_t n_nodes, int32_t n_first, int32_t depth, float *logits);
+
 #endif

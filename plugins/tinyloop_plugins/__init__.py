@@ -4,10 +4,10 @@ Each built-in is a `tinyloop.plugins.Plugin` and is registered exactly like a
 third-party plugin (docs/plugins.md), except that it is listed here instead of in an
 entry point. The registry calls `builtin_plugins()` once per process.
 
-Shipped: `speculative` (self-speculative decoding) and `kv_share` (loop iterations
-share K/V slots, approximate). Tree speculation, paged KV
-and the fp16 body will each be added as a module of this package and listed in
-`builtin_plugins`.
+Shipped: `speculative` (self-speculative decoding), `tree_speculative` (tree
+speculation, greedy and sampled) and `kv_share` (loop iterations share K/V slots,
+approximate). Paged KV and the fp16 body will each be added as a module of this
+package and listed in `builtin_plugins`.
 """
 
 
@@ -15,4 +15,5 @@ def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
     from .kv_share import PLUGIN as kv_share
     from .speculative import PLUGIN as speculative
-    return [speculative, kv_share]
+    from .tree_speculative import PLUGIN as tree_speculative
+    return [speculative, tree_speculative, kv_share]

@@ -123,13 +123,14 @@ class _GenerateOptions:
 
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
-               "n_draft", "draft_p_min", "logprobs", "top_logprobs", "presence_penalty",
-               "frequency_penalty", "logit_bias")
+               "n_draft", "draft_p_min", "tree", "tree_budget", "logprobs", "top_logprobs",
+               "presence_penalty", "frequency_penalty", "logit_bias")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, logprobs=False,
-                 top_logprobs=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None):
+                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, tree=(),
+                 tree_budget=0, logprobs=False, top_logprobs=0, presence_penalty=0.0,
+                 frequency_penalty=0.0, logit_bias=None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -150,6 +151,13 @@ class _GenerateOptions:
         opts.draft_depth = _args.integer("draft_depth", draft_depth, minimum=-1, maximum=2**31 - 1)
         opts.n_draft = _args.integer("n_draft", n_draft, minimum=0, maximum=32)
         opts.draft_p_min = _args.real("draft_p_min", draft_p_min, minimum=0.0, maximum=1.0)
+        # tree speculation: the drafts' branching per level (the library checks the shape)
+        tree = tuple(tree or ())
+        if len(tree) > len(opts.tree_widths):
+            raise ValueError(f"tree has {len(tree)} levels, at most {len(opts.tree_widths)}")
+        for level, width in enumerate(tree):
+            opts.tree_widths[level] = _args.integer(f"tree[{level}]", width, minimum=1, maximum=8)
+        opts.tree_budget = _args.integer("tree_budget", tree_budget, minimum=0, maximum=63)
         if not isinstance(logprobs, bool):
             raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
         opts.logprobs = int(logprobs)
@@ -400,11 +408,13 @@ class _Scoring:
         draft_depth, verified at `depth`; draft_depth 0 = off, -1 = the model file's
         recommendation (else 1); n_draft 0 = the file's, else 4; greedy or sampled), draft_p_min
         (a round stops drafting at a draft whose most likely token is less likely than
-        this; 0 = never), pool (a PrefixPool to start from its longest prefix of the prompt;
-        Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not with
-        drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each step),
-        presence_penalty, frequency_penalty and logit_bias (OpenAI's, docs/sampling.md).
-        `text` is set when the prompt was a str."""
+        this; 0 = never), tree and tree_budget (tree speculation with draft_depth: the
+        drafts' branching per level, e.g. (4, 2, 1), and the most drafted nodes per round,
+        0 = the shape's size), pool (a PrefixPool to start from its longest prefix of the
+        prompt; Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not
+        with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
+        step), presence_penalty, frequency_penalty and logit_bias (OpenAI's,
+        docs/sampling.md). `text` is set when the prompt was a str."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)

@@ -834,6 +834,79 @@ static void test_speculative(fixture *f) {
     tl_context_free(ctx);
 }
 
+/* Tree speculation: plain greedy tokens for a few shapes, seeded sampling, a pull stream over a
+ * context that the caller frees first, a first-release or pre-tree options struct that
+ * never turns trees on, and clear refusals. */
+static void test_tree_speculative(fixture *f) {
+    enum { N = 20 };
+    int32_t plain[N], tree[N], out[4];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    const int32_t shapes[][4] = { { 1, 0 }, { 3, 0 }, { 2, 2, 1, 1 } };
+    const size_t levels[] = { 1, 1, 4 };
+    if (f->info.n_core == 0) {
+        CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, shapes[1], 1, 0, tree, N, NULL),
+                     TL_ERR_UNSUPPORTED);
+        return;
+    }
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &o, plain, N, NULL));
+    for (int draft = 1; draft <= f->info.default_depth; draft++)
+        for (size_t k = 0; k < 3; k++) {
+            tl_generate_result_default(&r);
+            memset(tree, 0xff, sizeof tree);
+            CHECK_OK(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, draft, shapes[k], levels[k], 0, tree,
+                                                  N, &r));
+            CHECK(r.n_tokens == N && memcmp(tree, plain, sizeof plain) == 0,
+                  "draft depth %d, shape %zu: not plain greedy's tokens", draft, k);
+            CHECK(r.n_accepted <= r.n_drafted && r.n_drafted > 0, "counters %u of %u", r.n_accepted, r.n_drafted);
+        }
+    const int32_t zero_width[] = { 2, 0 }, wide[] = { 9 };
+    CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, zero_width, 2, 0, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, wide, 1, 0, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, shapes[1], 1, 64, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate_tree_speculative(f->model, f->tokens, 5, &o, 1, NULL, 1, 0, out, 4, NULL),
+                 TL_ERR_INVALID_ARGUMENT);
+    /* sampled trees: seeded, in range (the distribution is tested from Python) */
+    tl_generate_options sampled = o;
+    sampled.temperature = 0.8f;
+    sampled.seed = 3;
+    int32_t again[N];
+    CHECK_OK(tl_generate_tree_speculative(f->model, f->tokens, 5, &sampled, 1, shapes[2], 4, 0, tree, N, &r));
+    CHECK_OK(tl_generate_tree_speculative(f->model, f->tokens, 5, &sampled, 1, shapes[2], 4, 0, again, N, NULL));
+    CHECK(r.n_tokens == N && memcmp(tree, again, sizeof tree) == 0, "sampled trees are seeded");
+    for (int i = 0; i < N; i++)
+        CHECK(tree[i] >= 0 && tree[i] < f->info.vocab_size, "sampled tree token %d out of range", tree[i]);
+    /* a struct from before trees: its tree fields are never read */
+    tl_generate_options older = o;
+    older.struct_size = (uint32_t)offsetof(tl_generate_options, tree_widths);
+    older.tree_widths[0] = 99;
+    older.tree_budget = -5;
+    CHECK_OK(tl_generate(f->model, f->tokens, 5, &older, tree, N, NULL));
+    CHECK(memcmp(tree, plain, sizeof plain) == 0, "a pre-tree options struct decodes plainly");
+
+    tl_context *ctx = NULL;
+    tl_stream *s = NULL;
+    tl_generate_options drafting = o;
+    drafting.draft_depth = 1;
+    drafting.tree_widths[0] = 3;
+    drafting.tree_widths[1] = 2;
+    CHECK_OK(tl_context_create(f->model, NULL, &ctx));
+    if (ctx) CHECK_OK(tl_stream_start(f->model, ctx, f->tokens, 5, &drafting, &s));
+    if (s) {
+        int32_t tok;
+        tl_stop_reason why = TL_STOP_NONE;
+        for (int i = 0; i < 3; i++) {
+            CHECK_OK(tl_stream_next(s, &tok, &why));
+            CHECK(tok == plain[i], "tree stream token %d", i);
+        }
+        free_context_then_stream(&ctx, s, "a tree-drafting stream");
+    }
+    tl_context_free(ctx);
+}
+
 /* The model at path loaded with lo, and its info; NULL (a failed check) if it fails. */
 static tl_model *load_with_info(const char *path, const tl_load_options *lo, tl_model_info *info) {
     tl_model *m = NULL;
@@ -1444,6 +1517,7 @@ static void run_model(const char *path) {
     test_stream_and_callback(&f);
     test_errors(&f, path);
     test_speculative(&f);
+    test_tree_speculative(&f);
     test_draft_vocab(&f, path);
     test_memory_report(&f);
     test_kv_policy(&f);

@@ -16,6 +16,7 @@ time), which bounds what a draft can save.
     python tools/bench/speculative.py --device cuda --repeat 5 --drafts 1:1,1:2 --json gpu.json
     python tools/bench/speculative.py --model m.tinyloop --drafts 1:2,1:2:8192 --json vocab.json
     python tools/bench/speculative.py --drafts 2:2,2:6 --draft-p-min 0,0.3,0.5
+    python tools/bench/speculative.py --drafts 2:2 --trees 2:3x1x1,2:4x2x1:12   # tree speculation
 """
 import argparse
 import contextlib
@@ -58,6 +59,21 @@ def parse_draft(item: str) -> tuple:
     return tuple(values) if len(values) == 3 else (*values, -1)
 
 
+def parse_tree(item: str) -> tuple:
+    """DRAFT_DEPTH:W1xW2x...[:BUDGET] -> (depth, widths, budget); budget 0 = the shape's size."""
+    parts = item.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--trees item {item!r}: expected DRAFT_DEPTH:W1xW2x...[:BUDGET]")
+    return int(parts[0]), tuple(int(w) for w in parts[1].split("x")), int(parts[2]) if len(parts) == 3 else 0
+
+
+def tree_name(depth: int, widths: tuple, budget: int, model) -> str:
+    vocab = model.info.draft_vocab
+    return (("the file's draft depth" if depth == -1 else f"draft depth {depth}") + ", tree "
+            + "x".join(map(str, widths)) + (f" budget {budget}" if budget else "")
+            + (f", {vocab} tokens" if vocab else ""))
+
+
 def draft_name(depth: int, n: int, model, p_min: float) -> str:
     vocab = model.info.draft_vocab
     return (("the file's draft depth" if depth == -1 else f"draft depth {depth}")
@@ -78,12 +94,16 @@ def main(argv=None) -> int:
                          "-1, the default, = the file's choice)")
     ap.add_argument("--draft-p-min", default="0",
                     help="comma list: each draft config runs with each draft_p_min")
+    ap.add_argument("--trees", default="",
+                    help="comma list of DRAFT_DEPTH:W1xW2x...[:BUDGET]: tree speculation, the "
+                         "tree's branching per level and its node budget")
     ap.add_argument("--repeat", type=int, default=5, help="alternating rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tokens checked equal)")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
-    drafts = [parse_draft(item) for item in args.drafts.split(",")]
+    drafts = [parse_draft(item) for item in args.drafts.split(",") if item]
     p_mins = [float(v) for v in args.draft_p_min.split(",")]
+    trees = [parse_tree(item) for item in args.trees.split(",") if item]
     path = args.model or str(default_model_path())
 
     with contextlib.ExitStack() as stack:
@@ -101,6 +121,10 @@ def main(argv=None) -> int:
                 name = draft_name(d, n, models[v], p_min)
                 if name not in {c[0] for c in configs}:   # two sizes may resolve to the same one
                     configs.append((name, models[v], dict(draft_depth=d, n_draft=n, draft_p_min=p_min)))
+        for d, widths, budget in trees:
+            for p_min in p_mins:
+                configs.append((tree_name(d, widths, budget, model) + (f", p_min {p_min:g}" if p_min else ""), model,
+                                dict(draft_depth=d, tree=widths, tree_budget=budget, draft_p_min=p_min)))
         speed = {name: [] for name, _, _ in configs}
         kept = {name: [0, 0, 0, 0] for name, _, _ in configs}  # accepted, drafted, tokens, rounds
         for round_index in range(args.repeat):
@@ -123,7 +147,7 @@ def main(argv=None) -> int:
                     k[3] += len(r.tokens) - 1 - r.accepted_tokens  # full-depth passes
         device_name = model.info.device_name
         steps = {d: step_seconds(model, prompts[0], d, 40)
-                 for d in sorted({d for d, _, _ in drafts if d > 0} | {depth})}
+                 for d in sorted({d for d, _, _ in drafts + trees if d > 0} | {depth})}
 
     rows = []
     plain = statistics.median(speed["plain"])

@@ -269,6 +269,7 @@ TL_API tl_status tl_score_with_consistency_escalation(tl_model *model, const int
                                                       int32_t *depth_used);
 
 /* ---- generation ---------------------------------------------------------- */
+#define TL_TREE_MAX_LEVELS 8   /* levels of a speculative token tree */
 typedef struct tl_generate_options {
     uint32_t struct_size;
     int32_t max_tokens;            /* new tokens at most; default 128                  */
@@ -294,6 +295,12 @@ typedef struct tl_generate_options {
                                       logits; sampling: of its distribution); 0..1, 0 =
                                       never (default). 8 bytes: past the end of the struct
                                       before it, whose tail padding may be unset        */
+    int32_t tree_widths[TL_TREE_MAX_LEVELS]; /* tree speculation (with draft_depth): the
+                                      drafts' branching per level, each 1..8 (level 1 =
+                                      the top tree_widths[0] tokens after the pending
+                                      one), up to the first 0; all 0 = linear drafts    */
+    int32_t tree_budget;           /* drafted nodes of a tree at most, 1..63; 0 = the
+                                      shape's full size, capped at 63                   */
     int32_t logprobs;              /* 1: keep each generated token's log-probability for
                                       tl_stream_logprobs (the model's distribution at the
                                       generation's depth, before temperature, filters and
@@ -379,6 +386,14 @@ TL_API tl_status tl_generate_speculative(tl_model *model, const int32_t *prompt,
                                          int32_t n_draft, int32_t *out_tokens,
                                          size_t out_capacity, tl_generate_result *result);
 
+/* tl_generate with opts->draft_depth, tree_widths (n_levels of them, at most
+ * TL_TREE_MAX_LEVELS) and tree_budget set to these: tree speculation (greedy: plain
+ * greedy decoding's tokens; sampling: plain sampling's distribution). */
+TL_API tl_status tl_generate_tree_speculative(tl_model *model, const int32_t *prompt, size_t n_prompt,
+                                              const tl_generate_options *opts, int32_t draft_depth,
+                                              const int32_t *widths, size_t n_levels, int32_t budget,
+                                              int32_t *out_tokens, size_t out_capacity,
+                                              tl_generate_result *result);
 /* ---- prefix caches and pools (docs/api.md, "Prefix caches and pools") ------------
  * A prefix cache is an immutable snapshot of a sequence's first tokens (their KV in
  * every slot, the warm state init's states, kept loop states when the source context

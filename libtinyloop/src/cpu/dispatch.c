@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../backend.h"
 #include "kernels.h"
 #include "kernels_impl.h"
 
@@ -435,4 +436,62 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
         attention_one_row(&job, pool);
     else
         tl_parallel_for(pool, n * n_head, 1, attention_task, &job);
+}
+
+/* ---- tree attention (tree speculation) ------------------------------------------ */
+
+typedef struct tree_attention_job {
+    attention_job a;
+    const tl_tree *tree;
+    int first;
+} tree_attention_job;
+
+/* One item per (row, head): the prefix's keys in one run, then each visible node's key,
+ * in cache-row order; a path's rows then score, sum and accumulate in the order of a
+ * causal pass over the same tokens laid out in a line (the same floats). */
+static void tree_attention_task(void *arg, int begin, int end, int thread_index) {
+    const tree_attention_job *job = arg;
+    const attention_job *a = &job->a;
+    const tl_cpu_ops *k = a->ops;
+    const tl_tree *t = job->tree;
+    float *scores = a->scratch + (size_t)thread_index * a->stride;
+    int hd = a->head_dim;
+    for (int item = begin; item < end; item++) {
+        int i = item / a->n_head, h = item % a->n_head, node = job->first + i;
+        int pos = t->pos[node];
+        int first = first_key(pos, a->window), prefix = t->n_prefix - first;
+        if (prefix < 0) prefix = 0, first = t->n_prefix;
+        size_t q_off = ((size_t)i * a->n_head + h) * hd, col = (size_t)(h / a->group) * hd;
+        const float *q = a->q + q_off;
+        k->dot_rows(q, a->k_cache + (size_t)first * a->kv_stride + col, a->kv_stride, prefix, hd, a->scale, scores);
+        int len = prefix;
+        for (int j = 0; j < t->n_nodes; j++)
+            if ((t->visible[node] >> j & 1) && (a->window <= 0 || pos - t->pos[j] < a->window))
+                k->dot_rows(q, a->k_cache + (size_t)(t->n_prefix + j) * a->kv_stride + col, a->kv_stride, 1, hd,
+                            a->scale, scores + len++);
+        float max = max_of(scores, len);
+        float sum = k->exp_sum(scores, scores, len, max);
+        float *o = a->out + q_off;
+        memset(o, 0, (size_t)hd * sizeof *o);
+        k->axpy_rows(o, scores, a->v_cache + (size_t)first * a->kv_stride + col, a->kv_stride, prefix, hd);
+        int at = prefix;
+        for (int j = 0; j < t->n_nodes; j++)
+            if ((t->visible[node] >> j & 1) && (a->window <= 0 || pos - t->pos[j] < a->window))
+                k->axpy_rows(o, scores + at++, a->v_cache + (size_t)(t->n_prefix + j) * a->kv_stride + col,
+                             a->kv_stride, 1, hd);
+        k->scale(o, 1.0f / sum, hd);
+    }
+}
+
+void tl_cpu_tree_attention(const float *q, int n, const tl_tree *tree, int first, const float *k_cache,
+                           const float *v_cache, int n_head, int n_kv_head, int head_dim, float scale,
+                           int window, float *out, void *scratch, tl_threadpool *pool) {
+    tree_attention_job job = {
+        .a = { .ops = ops(), .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+               .scratch = scratch, .n_head = n_head, .head_dim = head_dim,
+               .group = n_head / n_kv_head, .window = window,
+               .kv_stride = (size_t)n_kv_head * head_dim,
+               .stride = score_stride(tree->n_prefix + tree->n_nodes), .scale = scale },
+        .tree = tree, .first = first };
+    tl_parallel_for(pool, n * n_head, 1, tree_attention_task, &job);
 }

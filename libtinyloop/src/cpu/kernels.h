@@ -92,6 +92,15 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
                       float scale, int window, float *out, void *scratch,
                       tl_threadpool *pool);
 
+/* tl_cpu_attention for n rows of a token tree (backend.h, tl_tree): query row i is node
+ * first + i at position tree->pos[first + i], against the prefix rows and the nodes it
+ * sees. The same scratch. */
+struct tl_tree;
+void tl_cpu_tree_attention(const float *q, int n, const struct tl_tree *tree, int first,
+                           const float *k_cache, const float *v_cache, int n_head, int n_kv_head,
+                           int head_dim, float scale, int window, float *out, void *scratch,
+                           tl_threadpool *pool);
+
 /* log-softmax helpers for scoring and sampling */
 float tl_cpu_logsumexp(const float *x, int n);
 
