@@ -318,6 +318,34 @@ SAMPLING = {
 }
 
 
+def check_follows_plain_sampling(model, prompt, runs, depth, options, label, draft_margin=1.0):
+    """runs (seeds x 3 generated tokens after prompt): the second token's counts must fit
+    its exact marginal at `depth` over the first, and the third's after the most frequent
+    first token, within six standard deviations of the chi-square statistic; the same
+    counts must be further than draft_margin times that from the draft depth's (1), so
+    that drafts kept without the acceptance test would fail."""
+    vocab = model.info.vocab_size
+    first = _processed(model.score_last_token(prompt, depth=depth), prompt, options)
+    t1 = int(np.bincount(runs[:, 0]).argmax())
+    after_t1 = _processed(model.score_last_token(prompt + [t1], depth=depth), prompt + [t1], options)
+    checks = [  # (what, samples, exact distribution, the same at the draft depth)
+        ("token 2", runs[:, 1],
+         _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, options),
+         _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, options)),
+        (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
+         _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, options),
+         _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, options)),
+    ]
+    for what, samples, full, draft in checks:
+        seen = np.bincount(samples, minlength=vocab)
+        stat, dof = _chi_square(seen, full)
+        limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
+        where = f"{label}{what}: {seen.sum()} samples"
+        assert stat < limit, f"{where}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
+        draft_stat = _chi_square(seen, draft)[0]
+        assert draft_stat > draft_margin * limit, f"{where}: drafts and full depth too alike ({draft_stat:.1f})"
+
+
 @pytest.mark.parametrize("n_draft,sampling,draft_vocab,p_min",
                          [(n, s, 0, 0.0) for n in (1, 3) for s in SAMPLING]
                          + [(3, s, 30, 0.0) for s in SAMPLING] + [(3, s, 0, 0.2) for s in SAMPLING])
@@ -334,7 +362,7 @@ def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draf
     draft's distribution is flat (a rule on q alone, before its draw)."""
     name = "base"
     config = case_config(name)
-    depth, vocab = config["max_depth"], config["vocab_size"]
+    depth = config["max_depth"]
     options, n_runs = SAMPLING[sampling], 8000
     path = with_frequencies(model_dir, name, tied=False) if draft_vocab else model_file(model_dir, name)
     with tinyloop.Model(path, device=DEVICE, draft_vocab=draft_vocab) as model:
@@ -345,24 +373,7 @@ def test_sampled_tokens_follow_plain_sampling(model_dir, n_draft, sampling, draf
         if p_min:   # the rule ran: some rounds stopped early, some drafted
             drafted = sum(r.drafted_tokens for r in results)
             assert 0 < drafted < n_runs * min(n_draft, 3), drafted
-        first = _processed(model.score_last_token(PROMPT, depth=depth), PROMPT, options)
-        t1 = int(np.bincount(runs[:, 0]).argmax())
-        after_t1 = _processed(model.score_last_token(PROMPT + [t1], depth=depth), PROMPT + [t1], options)
-        checks = [  # (what, samples, exact distribution, the same at the draft depth)
-            ("token 2", runs[:, 1],
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, options),
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, options)),
-            (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, options),
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, options)),
-        ]
-        for what, samples, full, draft in checks:
-            seen = np.bincount(samples, minlength=vocab)
-            stat, dof = _chi_square(seen, full)
-            limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
-            label = f"{what}: {seen.sum()} samples"
-            assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
-            assert _chi_square(seen, draft)[0] > 3 * limit, f"{label}: drafts and full depth too alike"
+        check_follows_plain_sampling(model, PROMPT, runs, depth, options, "", draft_margin=3)
 
 
 @pytest.mark.parametrize("stop", ["max_tokens", "stream_closed"])

@@ -363,9 +363,9 @@ def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling, p_
     full-depth distributions (the second token's marginal over the first; the third's
     after the most frequent first token), far from the draft depth's. With draft_p_min the
     number of draws per node depends on q alone, which keeps them fair."""
-    from test_speculative import SAMPLING, _chi_square, _next_token_marginal, _processed
+    from test_speculative import SAMPLING, check_follows_plain_sampling
     config = case_config("base")
-    depth, vocab = config["max_depth"], config["vocab_size"]
+    depth = config["max_depth"]
     options, n_runs = SAMPLING[sampling], 6000
     with tinyloop.Model(model_file(model_dir, "base"), device=DEVICE) as model:
         results = [model.generate(PROMPT, seed=seed, draft_depth=1, tree=tree, max_tokens=4, depth=depth, eos=False,
@@ -373,25 +373,7 @@ def test_sampled_tree_tokens_follow_plain_sampling(model_dir, tree, sampling, p_
         runs = np.array([r.tokens for r in results])
         kept = sum(r.accepted_tokens for r in results)
         assert 0 < kept < sum(r.drafted_tokens for r in results)
-        first = _processed(model.score_last_token(PROMPT, depth=depth), PROMPT, options)
-        t1 = int(np.bincount(runs[:, 0]).argmax())
-        after_t1 = _processed(model.score_last_token(PROMPT + [t1], depth=depth), PROMPT + [t1], options)
-        checks = [
-            ("token 2", runs[:, 1],
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], depth, options),
-             _next_token_marginal(model, [([t], first[t]) for t in range(vocab)], 1, options)),
-            (f"token 3 after {t1}", runs[runs[:, 0] == t1, 2],
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], depth, options),
-             _next_token_marginal(model, [([t1, t], after_t1[t]) for t in range(vocab)], 1, options)),
-        ]
-        for what, samples, full, draft in checks:
-            seen = np.bincount(samples, minlength=vocab)
-            stat, dof = _chi_square(seen, full)
-            limit = dof + 6 * np.sqrt(2 * dof)   # six standard deviations of the statistic
-            label = f"{tree} {sampling} p_min {p_min}, {what}: {seen.sum()} samples"
-            assert stat < limit, f"{label}: chi-square {stat:.1f} over {limit:.1f} ({dof} dof)"
-            draft_stat, _ = _chi_square(seen, draft)   # the test can tell the draft depth's apart
-            assert draft_stat > limit, f"{label}: the draft depth's distribution fits too ({draft_stat:.1f})"
+        check_follows_plain_sampling(model, PROMPT, runs, depth, options, f"{tree} {sampling} p_min {p_min}, ")
 
 
 def test_sampled_trees_are_seeded_and_leave_the_context_as_plain_decoding(model_dir):

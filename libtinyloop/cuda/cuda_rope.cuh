@@ -46,4 +46,31 @@ __device__ __forceinline__ void rope_rotate(float *head, int p, int pairs, int s
     head[ib] = rope_member(a, b, s, c, true);
 }
 
+// Rows at consecutive positions from base (a chunk of a sequence).
+struct rope_consecutive {
+    int base;
+    __device__ __forceinline__ int operator()(int row) const { return base + row; }
+};
+
+// Rows at positions of their own (the nodes of a speculation tree).
+struct rope_listed {
+    const int32_t *pos;
+    __device__ __forceinline__ int operator()(int row) const { return pos[row]; }
+};
+
+// The body of a RoPE kernel with one thread per (row, head, pair) of n rows, row i at
+// position row_pos(i).
+template <class RowPos>
+__device__ __forceinline__ void rope_rows(float *x, int n, int n_heads, int head_dim, int pairs, int style,
+                                          const rope_freqs &freqs, RowPos row_pos) {
+    const int total = n * n_heads * pairs;
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    const int p = e % pairs, rest = e / pairs;
+    const int h = rest % n_heads, i = rest / n_heads;
+    float s, c;
+    rope_angle(row_pos(i), freqs, p, &s, &c);
+    rope_rotate(x + ((size_t)i * n_heads + h) * head_dim, p, pairs, style, s, c);
+}
+
 #endif

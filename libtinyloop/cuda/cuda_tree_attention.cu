@@ -17,14 +17,7 @@ __global__ void rope_tree_kernel(float *x, int n, int n_heads, int head_dim, tl_
                                  int style, rope_freqs freqs) {
     pdl_wait();
     pdl_trigger();
-    const int total = n * n_heads * pairs;
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= total) return;
-    const int p = e % pairs, rest = e / pairs;
-    const int h = rest % n_heads, i = rest / n_heads;
-    float s, c;
-    rope_angle(tree.pos[first + i], freqs, p, &s, &c);
-    rope_rotate(x + ((size_t)i * n_heads + h) * head_dim, p, pairs, style, s, c);
+    rope_rows(x, n, n_heads, head_dim, pairs, style, freqs, rope_listed{ tree.pos + first });
 }
 
 struct tree_attn_args {
