@@ -151,3 +151,21 @@ def test_logprob_errors(files):
             status = native.lib.tl_stream_logprobs(stream._handle, lp, ffi.NULL, ffi.NULL)
             assert ffi.string(native.lib.tl_status_name(status)) == b"TL_ERR_INVALID_ARGUMENT"
             assert b"2 alternatives" in ffi.string(native.lib.tl_last_error())
+
+
+def test_benchmark_tool(tmp_path):
+    """tools/bench/logprobs.py on a tiny text model: a row per way, plain first at 1.0
+    (the tool fails when logprobs change the tokens)."""
+    import json
+
+    import textmodel
+    from tool_module import load_tool
+    path = tmp_path / "text.tinyloop"
+    textmodel.make_text_model(path)
+    out = tmp_path / "report.json"
+    tool = load_tool("bench/logprobs.py", "bench_logprobs")
+    assert tool.main(["--model", str(path), "--threads", "1", "--new-tokens", "6", "--repeat", "1",
+                      "--prompt", "Hello", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["way"] for row in rows] == list(tool.WAYS)
+    assert rows[0]["vs_plain"] == 1.0 and all(row["decode_tokens_per_s"] > 0 for row in rows)
