@@ -352,6 +352,16 @@ static float top_probability(const float *x, int n) {
     return (float)(1.0 / sum);
 }
 
+/* log(sum(exp(row))) of a row of logits on the backend, whose copy on the host is `host`:
+ * the backend's log-softmax of token 0 is host[0] minus it, so only one float comes back
+ * (a pass over the vocabulary on the device, not on the host). */
+static float log_norm(const fwd *F, tl_act row, int V, const float *host) {
+    const int32_t first = 0;
+    float logprob = 0.0f;
+    F->ops->logprobs(F->ex, row, 1, V, &first, &logprob);
+    return host[0] - logprob;
+}
+
 /* Final norm and head for the rows the caller asked for; h holds the coda output (rows
  * at positions pos0 ..). */
 static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
@@ -375,6 +385,7 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         if (out->last_logits) {
             F->ops->download(F->ex, out->last_logits, logits, (size_t)n_logits);
             if (dv) tl_draft_vocab_scatter(dv, out->last_logits, V);
+            else if (out->last_log_norm) *out->last_log_norm = log_norm(F, logits, V, out->last_logits);
         }
         if (dv && out->last_token)
             *out->last_token = dv->ids[F->ops->argmax(F->ex, logits, n_logits)];
@@ -406,10 +417,12 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
             for (int r = r0; (out->entropies || out->top_k > 0) && r < r0 + scored; r++) {
                 F->ops->download(F->ex, out->host_row, tl_act_add(logits, (size_t)(r - r0) * V), (size_t)V);
                 if (out->entropies) out->entropies[r] = softmax_entropy(out->host_row, V);
-                if (out->top_k > 0)
-                    tl_top_logprobs(out->host_row, V, tl_log_sum_exp(out->host_row, V), out->top_k,
-                                    out->top_ids + (size_t)r * out->top_k,
+                if (out->top_k > 0) {
+                    /* the row's log-sum-exp from its target's log-prob, which the backend gave */
+                    double log_norm = (double)out->host_row[out->targets[r]] - out->logprobs[r];
+                    tl_top_logprobs(out->host_row, V, log_norm, out->top_k, out->top_ids + (size_t)r * out->top_k,
                                     out->top_logprobs + (size_t)r * out->top_k);
+                }
             }
         }
     }
@@ -549,6 +562,7 @@ static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
             const tl_forward_out *o = &outs[r];
             tl_act row = tl_act_add(logits, (size_t)(r - r0) * V);
             if (o->last_logits) F->ops->download(F->ex, o->last_logits, row, (size_t)V);
+            if (o->last_logits && o->last_log_norm) *o->last_log_norm = log_norm(F, row, V, o->last_logits);
             if (o->last_token)
                 *o->last_token = o->sample ? F->ops->sample(F->ex, row, V, o->sample) : F->ops->argmax(F->ex, row, V);
         }

@@ -43,6 +43,9 @@ typedef struct tl_forward_out {
                                   model's draft vocabulary when it has one (draft_vocab.h;
                                   last_logits then holds -inf at the other tokens); not
                                   with sample or chain_token                          */
+    float *last_log_norm;      /* host, with last_logits: log(sum(exp(logits))) of the last
+                                  row, through the backend's logprobs op (so on the
+                                  device); or NULL. Not for a draft                   */
     float *last_top_prob;      /* host: softmax probability of the last row's largest
                                   logit (over the draft vocabulary for a draft); its
                                   logits pass through `top_prob_row` (vocab floats)   */

@@ -108,10 +108,11 @@ static tl_status logprobs_begin(struct tl_stream *g, const tl_generate_options *
     return TL_OK;
 }
 
-/* The log-probabilities of token t under the step's logits (kept in logprob_row). */
+/* The log-probabilities of token t under the step's logits (kept in logprob_row, their
+ * log-sum-exp in log_norm). */
 static void keep_logprobs(struct tl_stream *g, int32_t t) {
     int V = g->ctx->model->hp.vocab;
-    double lse = tl_log_sum_exp(g->logprob_row, V);
+    double lse = g->log_norm;
     g->token_logprob = (float)((double)g->logprob_row[t] - lse);
     tl_top_logprobs(g->logprob_row, V, lse, g->top_logprobs, g->top_ids, g->top_lps);
     g->has_logprobs = 1;
@@ -159,6 +160,7 @@ static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens,
         out.sample = &g->step;
     } else {
         out.last_logits = g->logits;
+        if (g->logprobs) out.last_log_norm = &g->log_norm;
     }
     return out;
 }

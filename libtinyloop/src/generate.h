@@ -57,6 +57,7 @@ struct tl_stream {
                                       from its logits on the host                       */
     int32_t top_logprobs;          /* alternatives kept per step                        */
     float *logprob_row;            /* [vocab]: a step's logits before sampling edits them */
+    float log_norm;                /* logprobs: the step's log(sum(exp(logits)))        */
     int has_logprobs;              /* the fields below are the last returned token's    */
     float token_logprob;
     int32_t top_ids[TL_MAX_TOP_LOGPROBS];

@@ -3,17 +3,6 @@
 
 #include <math.h>
 
-double tl_log_sum_exp(const float *x, int n) {
-    float max = -INFINITY;
-    for (int i = 0; i < n; i++) max = fmaxf(max, x[i]);
-    if (!(max > -INFINITY)) return -INFINITY;
-    if (max == INFINITY) return INFINITY;
-    double sum = 0.0;
-    for (int i = 0; i < n; i++)
-        if (x[i] > -INFINITY) sum += exp((double)x[i] - max);
-    return (double)max + log(sum);
-}
-
 /* Whether token a ranks before token b: the larger logit first, the lower id on ties
  * (NaN ranks last). */
 static int ranks_before(const float *x, int32_t a, int32_t b) {
@@ -29,7 +18,11 @@ void tl_top_logprobs(const float *x, int n, double log_sum_exp, int k, int32_t *
     /* insertion into the k best seen so far: k is at most TL_MAX_TOP_LOGPROBS, so one
      * pass over the row with a short sorted list beats sorting the vocabulary */
     for (int32_t i = 0; i < n; i++) {
-        if (kept == k && !ranks_before(x, i, ids[k - 1])) continue;
+        if (kept == k) {   /* the common case first: not above the k-th best */
+            float worst = x[ids[k - 1]];
+            if (!isnan(worst) && !(x[i] > worst)) continue;
+            if (!ranks_before(x, i, ids[k - 1])) continue;
+        }
         int j = kept < k ? kept++ : k - 1;
         while (j > 0 && ranks_before(x, i, ids[j - 1])) {
             ids[j] = ids[j - 1];

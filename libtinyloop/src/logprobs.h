@@ -6,11 +6,9 @@
 
 #include <stdint.h>
 
-/* log(sum(exp(x))) over n logits, in double; -inf when none is finite from below. */
-double tl_log_sum_exp(const float *x, int n);
 /* The k most likely tokens of a row (k <= n): ids[j] and their log-probabilities
- * logprobs[j] = x[ids[j]] - log_sum_exp, most likely first, the lower id first on ties.
- * log_sum_exp is tl_log_sum_exp(x, n). */
+ * logprobs[j] = x[ids[j]] - log_sum_exp, most likely first, the lower id first on ties
+ * (log_sum_exp: the row's, as the backend's log-softmax gives it). */
 void tl_top_logprobs(const float *x, int n, double log_sum_exp, int k, int32_t *ids, float *logprobs);
 
 #endif
