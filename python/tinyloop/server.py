@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import server_api
@@ -171,112 +172,165 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _completions(self, body) -> None:
         request = server_api.completion_request(body, self.server.model, self.server.name)
+        name = request.model
         self._generate(request, "cmpl", server_api.completion_body,
-                       lambda rid, text, lp: server_api.completion_chunk(rid, request.model, text, None, lp),
-                       lambda rid, finish, lp=None: server_api.completion_chunk(rid, request.model, "",
-                                                                                finish, lp),
+                       lambda rid, i, text, lp: server_api.completion_chunk(rid, name, text, None, lp, i),
+                       lambda rid, i, finish, lp=None: server_api.completion_chunk(rid, name, "", finish,
+                                                                                   lp, i),
                        chat=False)
 
     def _chat(self, body) -> None:
         request = server_api.chat_request(body, self.server.model, self.server.name,
                                           self.server.template)
+        name = request.model
         self._generate(request, "chatcmpl", server_api.chat_body,
-                       lambda rid, text, lp: server_api.chat_chunk(rid, request.model, {"content": text},
-                                                                   None, lp),
-                       lambda rid, finish, lp=None: server_api.chat_chunk(rid, request.model, {}, finish, lp),
+                       lambda rid, i, text, lp: server_api.chat_chunk(rid, name, {"content": text},
+                                                                      None, lp, i),
+                       lambda rid, i, finish, lp=None: server_api.chat_chunk(rid, name, {}, finish, lp, i),
                        chat=True,
-                       first=lambda rid: server_api.chat_chunk(rid, request.model,
-                                                               {"role": "assistant", "content": ""}))
+                       first=lambda rid, i: server_api.chat_chunk(
+                           rid, name, {"role": "assistant", "content": ""}, index=i))
 
     # -- generation -----------------------------------------------------------------------
     def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, chat, first=None) -> None:
+        """Run the request's choices one after another in its slot and answer them, whole
+        or streamed (each chunk names its choice's index)."""
         rid = server_api.new_id(prefix)
-        record = TextGeneration(prompt_tokens=len(request.prompt_ids))
-        report = LogprobReport(self.server.model, request, record, chat)
-        echoed = request.prompt_text if request.echo else ""
         server = self.server
+        choices = request.choices()
+        # the prompt cache serves single-choice requests; several choices start afresh
+        use_cache = server.cache is not None and len(choices) == 1
+        echoes = {}   # the echoed prompts' logprobs, scored once per prompt
+
+        def echoed(run):
+            p = run.choice.prompt_index
+            if p not in echoes:
+                echoes[p] = run.report.prompt(server.model, run.choice)
+            return (run.choice.prompt_text if run.choice.echo else ""), echoes[p]
+
+        records = []
+
+        def usage():
+            return server_api.usage(sum(len(ids) for ids, _ in request.prompts),
+                                    sum(r.completion_tokens for r in records),
+                                    sum(r.cached_tokens for r in records))
+
         with server.slots:
             if server.stopping.is_set():
                 raise RequestError("the server is shutting down", status=503, kind="server_error")
-            prompt, options, lease = request.prompt_ids, request.options, None
-            if server.cache is not None:
-                # a kept sequence has one depth: name it, so that 0 cannot mean another
-                options = dict(options, depth=options.get("depth") or server.model.info.default_depth)
-                try:
-                    lease = server.cache.acquire(prompt, options["depth"])
-                except TinyLoopError as e:
-                    raise _library_error(e) from None
-                prompt, record.cached_tokens = lease.rest, lease.cached
-            if options["max_tokens"] > 0:
-                pieces = generate_text(server.model, prompt, request.stops, options, record,
-                                       cancelled=lambda: server.stopping.is_set() or self._client_gone(),
-                                       context=lease.context if lease else None, batcher=server.batcher)
-            else:   # echo with max_tokens 0: the prompt alone
-                pieces = _nothing_generated(record)
-            ok = False
             try:
-                prompt_logprobs = report.prompt(server.model, request)
                 if request.stream:
-                    ok = self._stream(rid, request, pieces, record, report, (echoed, prompt_logprobs),
-                                      piece_chunk, last_chunk, first)
-                else:
-                    text = echoed + "".join(pieces)
-                    logprobs = joined([prompt_logprobs, report.take()], chat)
-                    if logprobs is None and report.wanted:
-                        logprobs = report.empty()
-                    self._send_json(200, whole_body(rid, request.model, text, record.finish_reason,
-                                                    record.prompt_tokens, record.completion_tokens,
-                                                    record.cached_tokens, logprobs))
-                    ok = True
+                    events = _Events(self)
+                    for choice in choices:
+                        with self._run(choice, chat, use_cache) as run:
+                            records.append(run.record)
+                            if not self._stream(events, rid, run, echoed, piece_chunk, last_chunk,
+                                                first):
+                                return
+                            run.ok = True
+                    if request.include_usage:
+                        events.send(dict(last_chunk(rid, 0, None), choices=[], usage=usage()))
+                    events.send("[DONE]")
+                    return
+                answers = []
+                for choice in choices:
+                    with self._run(choice, chat, use_cache) as run:
+                        records.append(run.record)
+                        echo_text, echo_logprobs = echoed(run)
+                        text = echo_text + "".join(run.pieces)
+                        logprobs = joined([echo_logprobs, run.report.take()], chat)
+                        if logprobs is None and run.report.wanted:
+                            logprobs = run.report.empty()
+                        answers.append((text, run.record.finish_reason, logprobs))
+                        run.ok = True
+                self._send_json(200, whole_body(rid, request.model, answers, usage()))
             except TinyLoopError as e:
                 raise _library_error(e) from None
-            finally:
-                pieces.close()
-                if lease is not None:
-                    server.cache.release(lease, request.prompt_ids + record.token_ids, ok)
 
-    def _stream(self, rid, request, pieces, record, report, echo, piece_chunk, last_chunk, first) -> bool:
-        """Send the generation as server-sent events; False when the library failed after
-        the stream had started (the error went out as the last event)."""
-        started = False
-
-        def send(payload: dict | str) -> None:
-            nonlocal started
-            if not started:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                started = True
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            self.wfile.write(f"data: {data}\n\n".encode())
-            self.wfile.flush()
-
-        # the first piece starts the library's stream: its refusals are still a 4xx
-        head = next(pieces, "")
+    @contextmanager
+    def _run(self, choice, chat, use_cache):
+        """One choice's generation (its pieces, record and logprob report), continuing a
+        kept sequence when `use_cache`; the sequence is kept again afterwards, emptied
+        unless the caller set `ok` (the generation went through)."""
+        server = self.server
+        record = TextGeneration(prompt_tokens=len(choice.prompt_ids))
+        run = _ChoiceRun(choice, record, LogprobReport(server.model, choice, record, chat))
+        prompt, options, lease = choice.prompt_ids, choice.options, None
+        if use_cache:
+            # a kept sequence has one depth: name it, so that 0 cannot mean another
+            options = dict(options, depth=options.get("depth") or server.model.info.default_depth)
+            try:
+                lease = server.cache.acquire(prompt, options["depth"])
+            except TinyLoopError as e:
+                raise _library_error(e) from None
+            prompt, record.cached_tokens = lease.rest, lease.cached
+        if options["max_tokens"] > 0:
+            run.pieces = generate_text(server.model, prompt, choice.stops, options, record,
+                                       cancelled=lambda: server.stopping.is_set() or self._client_gone(),
+                                       context=lease.context if lease else None, batcher=server.batcher)
+        else:   # echo with max_tokens 0: the prompt alone
+            run.pieces = _nothing_generated(record)
         try:
+            yield run
+        finally:
+            run.pieces.close()
+            if lease is not None:
+                server.cache.release(lease, choice.prompt_ids + record.token_ids, run.ok)
+
+    def _stream(self, events, rid, run, echoed, piece_chunk, last_chunk, first) -> bool:
+        """Send one choice as server-sent events; False when the library failed after the
+        stream had started (the error went out as the last event)."""
+        index, report = run.choice.index, run.report
+        try:
+            # the first piece starts the library's stream: before the 200 went out, its
+            # refusals are still a 4xx
+            echo_text, echo_logprobs = echoed(run)
+            head = next(run.pieces, "")
             if first:
-                send(first(rid))
-            echoed_text, echoed_logprobs = echo
-            if echoed_text:
-                send(piece_chunk(rid, echoed_text, echoed_logprobs))
+                events.send(first(rid, index))
+            if echo_text:
+                events.send(piece_chunk(rid, index, echo_text, echo_logprobs))
             if head:
-                send(piece_chunk(rid, head, report.take()))
-            for piece in pieces:
+                events.send(piece_chunk(rid, index, head, report.take()))
+            for piece in run.pieces:
                 if piece:
-                    send(piece_chunk(rid, piece, report.take()))
-        except TinyLoopError as e:   # after the 200: the error goes in the event stream
-            send({"error": _library_error(e).body()["error"]})
+                    events.send(piece_chunk(rid, index, piece, report.take()))
+        except TinyLoopError as e:
+            if not events.started:
+                raise
+            events.send({"error": _library_error(e).body()["error"]})
             return False
-        send(last_chunk(rid, record.finish_reason, report.take()))
-        if request.include_usage:
-            send(dict(last_chunk(rid, None), choices=[],
-                      usage=server_api.usage(record.prompt_tokens, record.completion_tokens,
-                                             record.cached_tokens)))
-        send("[DONE]")
+        events.send(last_chunk(rid, index, run.record.finish_reason, report.take()))
         return True
+
+
+class _ChoiceRun:
+    def __init__(self, choice, record, report):
+        self.choice, self.record, self.report = choice, record, report
+        self.pieces = None
+        self.ok = False
+
+
+class _Events:
+    """A response's server-sent events: the 200 and its headers go out before the first."""
+
+    def __init__(self, handler):
+        self._handler = handler
+        self.started = False
+
+    def send(self, payload: dict | str) -> None:
+        handler = self._handler
+        if not self.started:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.send_header("Cache-Control", "no-cache")
+            handler.send_header("Connection", "close")
+            handler.end_headers()
+            handler.close_connection = True
+            self.started = True
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        handler.wfile.write(f"data: {data}\n\n".encode())
+        handler.wfile.flush()
 
 
 def _nothing_generated(record):

@@ -11,7 +11,7 @@ import math
 import numbers
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplateError, ChatTemplateUnavailable
 
@@ -27,6 +27,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_com
 _ROLES = ("system", "user", "assistant")
 _MAX_STOPS = 4
 _MAX_TOP_LOGPROBS = 20   # the library's limit (TL_MAX_TOP_LOGPROBS), OpenAI's for chat
+MAX_CHOICES = 16         # n
+MAX_PROMPTS = 32         # prompts in one completions request
 
 
 class RequestError(Exception):
@@ -54,6 +56,32 @@ class GenerationRequest:
     #: completions: the prompt is returned before the completion (with its logprobs)
     echo: bool = False
     prompt_text: str = ""
+    #: choices per prompt
+    n: int = 1
+    #: completions: the prompts after the first, as (prompt_ids, prompt_text)
+    more_prompts: list = field(default_factory=list)
+    #: whether the request gave its seed (choice i then uses seed + i)
+    seeded: bool = True
+    #: this choice's place in the response (choices[].index), and its prompt's
+    index: int = 0
+    prompt_index: int = 0
+
+    @property
+    def prompts(self) -> list:
+        return [(self.prompt_ids, self.prompt_text)] + self.more_prompts
+
+    def choices(self) -> list:
+        """One request per choice, prompt-major as OpenAI orders them (index = prompt
+        index * n + i): choice i of a prompt samples with seed + i, or without a given
+        seed with a random seed of its own."""
+        out = []
+        for p, (ids, text) in enumerate(self.prompts):
+            for i in range(self.n):
+                seed = self.options["seed"] + i if self.seeded or i == 0 else secrets.randbits(63)
+                out.append(replace(self, prompt_ids=ids, prompt_text=text, more_prompts=[],
+                                   n=1, index=p * self.n + i, prompt_index=p,
+                                   options=dict(self.options, seed=seed)))
+        return out
 
 
 # -- field checks ----------------------------------------------------------------------
@@ -114,8 +142,12 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
     if name is not None and name != served_name:
         raise RequestError(f"model {name!r} is not served here (this server runs {served_name!r})",
                            "model", status=404, code="model_not_found")
-    _only(body, "n", (1,), "one choice per request")
-    _only(body, "best_of", (1,), "one choice per request")
+    n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
+    best_of = _number(body, "best_of", None, lo=1, hi=MAX_CHOICES, integer=True)
+    if best_of is not None and best_of != n:
+        raise RequestError(f"best_of = {best_of} with n = {n} is not supported: best_of above n "
+                           f"would rank the choices by their log-probability, which this server "
+                           f"does not do (give best_of = n or leave it out)", "best_of")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user must be a string", "user")
     info = model.info
@@ -139,7 +171,7 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
-    return options
+    return options, n, seed is not None
 
 
 def _logit_bias(body, vocab_size: int) -> dict:
@@ -193,40 +225,57 @@ def _ask_logprobs(options: dict, top: int | None) -> int | None:
 def completion_request(body, model, served_name: str) -> GenerationRequest:
     echo = _flag(body, "echo") if isinstance(body, dict) else False
     # with echo, max_tokens 0 scores the prompt alone (as evaluation harnesses ask)
-    options = _common(body, model, served_name, COMPLETION_FIELDS, min_tokens=0 if echo else 1)
+    options, n, seeded = _common(body, model, served_name, COMPLETION_FIELDS,
+                                 min_tokens=0 if echo else 1)
     if options["max_tokens"] is None:
         options["max_tokens"] = 16            # OpenAI's default for completions
     top = _ask_logprobs(options, _number(body, "logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS,
                                          integer=True))
     _only(body, "suffix", ("",), "no insertion")
-    prompt = body.get("prompt")
-    prompt_ids = _prompt_ids(prompt, model)
-    _fit(options, prompt_ids, model, "prompt")
+    prompts = []
+    for prompt, param in _prompt_list(body.get("prompt")):
+        prompt_ids = _prompt_ids(prompt, model, param)
+        _fit(options, prompt_ids, model, param)
+        prompts.append((prompt_ids, prompt if isinstance(prompt, str)
+                        else model.tokenizer.decode(prompt_ids)))
     stream, usage = _stream_flags(body)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    prompt_text = prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt_ids)
+    (prompt_ids, prompt_text), *more = prompts
     return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
-                             top_logprobs=top, echo=echo, prompt_text=prompt_text)
+                             top_logprobs=top, echo=echo, prompt_text=prompt_text, n=n,
+                             more_prompts=more, seeded=seeded)
 
 
-def _prompt_ids(prompt, model) -> list:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                    # a batch of one
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in value)
+
+
+def _prompt_list(prompt) -> list:
+    """The request's prompts with the param naming each: one (a string or a list of token
+    ids) or a list of several (strings or lists of token ids), named prompt[i]."""
+    if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
+        return [(prompt, "prompt")]
+    if not (isinstance(prompt, list) and prompt):
+        raise RequestError("prompt must be a non-empty string or list of token ids, or a list "
+                           "of those", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are "
+                           f"accepted in one request", "prompt")
+    return [(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def _prompt_ids(prompt, model, param: str) -> list:
     if isinstance(prompt, str):
         if not prompt:
-            raise RequestError("prompt is empty", "prompt")
-        return _encode(model, prompt, "prompt", add_bos=None)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
+            raise RequestError(f"{param} is empty", param)
+        return _encode(model, prompt, param, add_bos=None)
+    if _is_token_list(prompt) and prompt:
         bad = [t for t in prompt if not 0 <= t < model.info.vocab_size]
         if bad:
-            raise RequestError(f"prompt token {bad[0]} is out of range for vocab size "
-                               f"{model.info.vocab_size}", "prompt")
+            raise RequestError(f"{param} token {bad[0]} is out of range for vocab size "
+                               f"{model.info.vocab_size}", param)
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise RequestError("one prompt per request (a batch of several is not supported)", "prompt")
-    raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
+    raise RequestError(f"{param} must be a non-empty string or list of token ids", param)
 
 
 def _encode(model, text: str, param: str, add_bos) -> list:
@@ -243,7 +292,7 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
             raise RequestError("give max_tokens or max_completion_tokens, not both",
                                "max_completion_tokens")
         name = "max_completion_tokens"
-    options = _common(body, model, served_name, CHAT_FIELDS, name)
+    options, n, seeded = _common(body, model, served_name, CHAT_FIELDS, name)
     wanted = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS, integer=True)
     if top is not None and not wanted:
@@ -263,7 +312,7 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
     _fit(options, prompt_ids, model, "messages")
     stream, usage = _stream_flags(body)
     return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
-                             top_logprobs=top)
+                             top_logprobs=top, n=n, seeded=seeded)
 
 
 def _messages(messages) -> list:
@@ -298,33 +347,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _envelope(rid, model_name, obj: str, choice: dict, logprobs=None) -> dict:
+def _envelope(rid, model_name, obj: str, choices: list) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-            "choices": [dict(index=0, **choice, logprobs=logprobs)]}
+            "choices": choices}
 
 
-def completion_chunk(rid, model_name, text, finish=None, logprobs=None) -> dict:
-    return _envelope(rid, model_name, "text_completion", {"text": text, "finish_reason": finish},
-                     logprobs)
+def completion_chunk(rid, model_name, text, finish=None, logprobs=None, index=0) -> dict:
+    return _envelope(rid, model_name, "text_completion", [
+        {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}])
 
 
-def chat_chunk(rid, model_name, delta: dict, finish=None, logprobs=None) -> dict:
-    return _envelope(rid, model_name, "chat.completion.chunk",
-                     {"delta": delta, "finish_reason": finish}, logprobs)
+def chat_chunk(rid, model_name, delta: dict, finish=None, logprobs=None, index=0) -> dict:
+    return _envelope(rid, model_name, "chat.completion.chunk", [
+        {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
 
 
-def completion_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
-                    cached_tokens=0, logprobs=None) -> dict:
-    return dict(completion_chunk(rid, model_name, text, finish, logprobs),
-                usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+def completion_body(rid, model_name, choices: list, usage_: dict) -> dict:
+    """A whole answer; `choices` holds (text, finish_reason, logprobs) in index order."""
+    return dict(_envelope(rid, model_name, "text_completion", [
+        {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        for i, (text, finish, logprobs) in enumerate(choices)]), usage=usage_)
 
 
-def chat_body(rid, model_name, text, finish, prompt_tokens, completion_tokens,
-              cached_tokens=0, logprobs=None) -> dict:
-    message = {"role": "assistant", "content": text}
-    return dict(_envelope(rid, model_name, "chat.completion",
-                          {"message": message, "finish_reason": finish}, logprobs),
-                usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+def chat_body(rid, model_name, choices: list, usage_: dict) -> dict:
+    return dict(_envelope(rid, model_name, "chat.completion", [
+        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+         "logprobs": logprobs}
+        for i, (text, finish, logprobs) in enumerate(choices)]), usage=usage_)
 
 
 # -- log-probabilities ----------------------------------------------------------------------
