@@ -145,9 +145,9 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
     n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     best_of = _number(body, "best_of", None, lo=1, hi=MAX_CHOICES, integer=True)
     if best_of is not None and best_of != n:
-        raise RequestError(f"best_of = {best_of} with n = {n} is not supported: best_of above n "
-                           f"would rank the choices by their log-probability, which this server "
-                           f"does not do (give best_of = n or leave it out)", "best_of")
+        raise RequestError(f"best_of = {best_of} with n = {n}: only best_of = n is supported "
+                           f"(best_of above n would rank the choices by their log-probability, "
+                           f"which this server does not do)", "best_of")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user must be a string", "user")
     info = model.info
