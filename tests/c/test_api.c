@@ -169,6 +169,45 @@ static void test_logprobs(fixture *f) {
     CHECK_OK(tl_score(f->model, seq, 8 + NEW, NULL, scored));
     CHECK(max_abs_diff(token_lp, scored + 7, NEW) < 1e-4f, "stream logprobs differ from scoring by %g",
           max_abs_diff(token_lp, scored + 7, NEW));
+    /* EOS is never returned, so its step's log-probabilities are not the last returned
+     * token's: after EOS the call still reports that token's, and a stream that ends
+     * with EOS at once has returned no token */
+    o.eos_token = plain[2];
+    o.top_logprobs = 0;
+    int eos_at = 0;
+    while (eos_at < 2 && plain[eos_at] != plain[2]) eos_at++;
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s));
+    for (int i = 0; s && i <= eos_at; i++) {
+        int32_t t = 0;
+        tl_stop_reason why = TL_STOP_NONE;
+        CHECK_OK(tl_stream_next(s, &t, &why));
+        float got = 0.0f;
+        if (i < eos_at) {
+            CHECK_OK(tl_stream_logprobs(s, &got, NULL, NULL));
+            CHECK(got == token_lp[i], "token %d: log-prob %g, %g before", i, got, token_lp[i]);
+        } else if (eos_at > 0) {
+            CHECK(t == -1 && why == TL_STOP_EOS, "no EOS at step %d", i);
+            CHECK_OK(tl_stream_logprobs(s, &got, NULL, NULL));
+            CHECK(got == token_lp[i - 1], "after EOS: log-prob %g, not the last token's %g", got,
+                  token_lp[i - 1]);
+        } else {
+            CHECK(t == -1 && why == TL_STOP_EOS, "no EOS at the first step");
+            CHECK_STATUS(tl_stream_logprobs(s, &got, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+        }
+    }
+    tl_stream_free(s);
+    o.eos_token = plain[0];   /* the first step is EOS: no token was returned */
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s));
+    if (s) {
+        int32_t t = 0;
+        float got = 0.0f;
+        CHECK_OK(tl_stream_next(s, &t, NULL));
+        CHECK(t == -1, "EOS first: token %d returned", t);
+        CHECK_STATUS(tl_stream_logprobs(s, &got, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    }
+    tl_stream_free(s);
+    o.eos_token = -2;
+    o.top_logprobs = K;
     o.draft_depth = f->info.max_depth > 0 ? 1 : 0;
     if (o.draft_depth) CHECK_STATUS(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s), TL_ERR_UNSUPPORTED);
     o.draft_depth = 0;
