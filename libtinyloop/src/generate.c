@@ -266,6 +266,7 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
                              tl_stop_reason *reason) {
     g->has_pending = 0;
     int32_t t = g->next;
+    int host_sampled = 0;
     if (st == TL_OK && g->chained) {
         /* feed the queued token on the device now, unless it is certain to be the last */
         struct tl_context *ctx = g->ctx;
@@ -294,7 +295,7 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
         if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
         tl_logit_adjust_apply(&g->adjust, g->logits);
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
-        if (g->logprobs) keep_logprobs(g, t);
+        host_sampled = 1;
     }
     g->decode_seconds += now_seconds() - t0;
     if (st != TL_OK) {
@@ -307,6 +308,8 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
         *reason = TL_STOP_EOS;
         return TL_OK;
     }
+    /* after the EOS check: EOS is never returned, so its step's are not kept */
+    if (host_sampled && g->logprobs) keep_logprobs(g, t);
     g->generated[g->n_generated++] = t;
     tl_logit_adjust_count(&g->adjust, t);
     g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
