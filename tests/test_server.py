@@ -264,6 +264,7 @@ def test_chat_without_template_is_refused(server):
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", "must be in"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+    ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias", "not a token id"),
     ({"prompt": "x", "logit_bias": {"3": 200}}, "3", "must be in"),
     ({"prompt": "x", "logit_bias": {"3": 1}, "draft_depth": 1}, None, "speculative"),
     ({"prompt": "x", "stop": ["a", ""]}, "stop", "must not be empty"),
