@@ -183,7 +183,8 @@ def _logit_bias(body, vocab_size: int) -> dict:
         raise RequestError("logit_bias must be an object of token ids to biases", "logit_bias")
     bias = {}
     for key, b in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+        # isdecimal and isascii: "²" is a digit to isdigit(), and no number to int()
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and int(key) < vocab_size):
             raise RequestError(f"logit_bias key {key!r} is not a token id below the vocabulary size "
                                f"{vocab_size}", "logit_bias")
         bias[int(key)] = _number(value, key, 0.0, lo=-100.0, hi=100.0)
