@@ -187,7 +187,11 @@ def _logit_bias(body, vocab_size: int) -> dict:
         if not (isinstance(key, str) and key.isascii() and key.isdecimal() and int(key) < vocab_size):
             raise RequestError(f"logit_bias key {key!r} is not a token id below the vocabulary size "
                                f"{vocab_size}", "logit_bias")
-        bias[int(key)] = _number(value, key, 0.0, lo=-100.0, hi=100.0)
+        name = f"logit_bias[{key}]"   # the message names the field, not the bare key
+        try:
+            bias[int(key)] = _number({name: b}, name, 0.0, lo=-100.0, hi=100.0)
+        except RequestError as e:
+            raise RequestError(e.message, "logit_bias") from None
     return bias
 
 
