@@ -81,6 +81,22 @@ def test_streamed_logprobs_cover_the_streamed_tokens(server):
     assert tokens == whole["logprobs"]["tokens"] and logprobs == whole["logprobs"]["token_logprobs"]
 
 
+def test_streamed_echo_of_a_prompt_without_text_keeps_its_logprobs(server):
+    """A prompt whose text is empty (one BOS token) still echoes its token's entry when
+    streamed, as the whole answer does."""
+    bos = server.model.tokenizer.encode("x")[0]
+    assert server.model.tokenizer.decode([bos]) == ""
+    request = {"prompt": [bos], "max_tokens": 2, "echo": True, "logprobs": 2, **GREEDY}
+    whole = server.post("/v1/completions", request)[1]["choices"][0]["logprobs"]
+    assert whole["token_logprobs"][0] is None and len(whole["tokens"]) == 3
+    streamed = {key: [] for key in whole}
+    for e in server.events("/v1/completions", dict(request, stream=True)):
+        lp = e["choices"][0]["logprobs"]
+        for key in streamed:
+            streamed[key] += lp[key] if lp else []
+    assert streamed == whole
+
+
 def test_stop_string_drops_the_tokens_after_it(server):
     text = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 20, **GREEDY})[1]["choices"][0]["text"]
     stop = text[4:6]
