@@ -288,7 +288,7 @@ class _Handler(BaseHTTPRequestHandler):
             head = next(run.pieces, "")
             if first:
                 events.send(first(rid, index))
-            if echo_text:
+            if echo_text or echo_logprobs:   # a prompt of no text still has its tokens
                 events.send(piece_chunk(rid, index, echo_text, echo_logprobs))
             if head:
                 events.send(piece_chunk(rid, index, head, report.take()))
