@@ -145,6 +145,26 @@ def test_partial_character_tokens_are_named_by_their_bytes(server):
             assert text == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+@pytest.mark.parametrize("decoder", ["metaspace", "llama"])
+def test_sentencepiece_tokens_keep_their_leading_space(decoder):
+    """With a SentencePiece-style tokenizer (a Metaspace decoder, or Llama's Replace /
+    ByteFallback / Fuse / Strip) a word-initial token stands for " world", as OpenAI
+    names it and as the text it is part of shows, not for "world" (what decoding it alone
+    gives, the start of a text losing its space)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tinyloop import server_api
+    from tinyloop.tokenizer import Tokenizer
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "ly": 3, "<0x41>": 4}
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    d = tokenizers.decoders
+    hf.decoder = d.Metaspace() if decoder == "metaspace" else d.Sequence(
+        [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)])
+    tokenizer = Tokenizer(hf.to_str())
+    assert tokenizer.decode([1, 2, 3]) == "Hello worldly"
+    assert [tokenizer.token_bytes(t) for t in (1, 2, 3, 4)] == [b" Hello", b" world", b"ly", b"A"]
+    assert server_api.token_text(tokenizer, 2) == (" world", b" world")
+
+
 def test_byte_level_pieces_of_a_character():
     """The default model's byte-level tokenizer splits '☃' (e2 98 83) into pieces that
     are no text alone: each is named by its bytes, and the bytes join to the character."""
