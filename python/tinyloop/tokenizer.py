@@ -83,7 +83,11 @@ class Tokenizer:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        return self.decode([token], skip_special_tokens=False).encode("utf-8")
+        # decoders drop a word-initial space at the start of a text (SentencePiece's
+        # Metaspace, Llama's Strip): the token's text after a copy of itself keeps it
+        alone = self.decode([token], skip_special_tokens=False)
+        twice = self.decode([token, token], skip_special_tokens=False)
+        return (twice[len(alone):] if twice.startswith(alone) else alone).encode("utf-8")
 
     def incremental_decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)
