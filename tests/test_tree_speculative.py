@@ -273,7 +273,7 @@ def test_mode_from_config(tmp_path):
     assert tree["mode"] == "tree_speculative" and tree["tokens"] == plain["tokens"]
     assert 0 <= tree["accepted_tokens"] <= tree["drafted_tokens"] and tree["drafted_tokens"] > 0
     for widths, problem in (('"2, 0"', "level 1"), ('""', "levels"), ('"1,1,1,1,1,1,1,1,1"', "levels"),
-                            ('"2, x"', "level 1"), ("[3, 1]", "expected str")):
+                            ('"2, x"', "level 1"), ('"2, \u00b2"', "level 1"), ("[3, 1]", "expected str")):
         config.write_text(f"[modes.tree_speculative]\nwidths = {widths}\n")
         with pytest.raises(ConfigError, match=f"modes.tree_speculative.widths: .*{problem}"):
             load_config(config)
