@@ -36,7 +36,8 @@ class _Widths(Option):
         if not 1 <= len(parts) <= MAX_LEVELS:
             raise error(key, f"needs 1..{MAX_LEVELS} levels, got {len(parts)} in {value!r}")
         for level, part in enumerate(parts):
-            if not part.isdigit() or not 1 <= int(part) <= MAX_WIDTH:
+            # isascii and isdecimal: "²" is a digit to isdigit(), and no number to int()
+            if not (part.isascii() and part.isdecimal()) or not 1 <= int(part) <= MAX_WIDTH:
                 raise error(key, f"level {level}: expected an int in 1..{MAX_WIDTH}, got {part!r}")
         return tuple(int(part) for part in parts)
 
