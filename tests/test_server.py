@@ -313,6 +313,10 @@ def test_bad_http_is_refused_and_the_server_lives_on(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
         assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
+    # a Content-Length of a non-ASCII digit (latin-1 "\xb2", a digit to str.isdigit)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n")
+        assert b" 400 " in s.recv(4096).split(b"\r\n")[0]
     assert server.request("POST", "/v1/nothing", {"prompt": "x"})[0] == 404
     assert server.post("/v1/completions", {"prompt": "fine", "max_tokens": 2})[0] == 200
 
