@@ -112,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise RequestError("a Content-Length header is required", status=411)
-        if not length.strip().isdigit():
+        if not (length.strip().isascii() and length.strip().isdigit()):
             raise RequestError(f"bad Content-Length {length!r}")
         n = int(length)
         if n > MAX_BODY_BYTES:
