@@ -227,6 +227,9 @@ def test_abi_call_and_option_errors(model_dir):
                 _tree_call(model, **args)
         with pytest.raises(tinyloop.InvalidArgumentError, match="tree_widths is set but draft_depth is 0"):
             model.generate(PROMPT, tree=(2,), **GREEDY)
+        for draft_depth in (0, 1):   # a budget without a tree would silently do nothing
+            with pytest.raises(tinyloop.InvalidArgumentError, match="tree_budget 5 is set but tree_widths is not"):
+                model.generate(PROMPT, draft_depth=draft_depth, tree_budget=5, **GREEDY)
         for width in (0, 9):
             with pytest.raises(ValueError, match="tree"):
                 model.generate(PROMPT, draft_depth=1, tree=(2, width), **GREEDY)

@@ -37,6 +37,9 @@
 #include "tree_speculative.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
+    if (o->tree_budget != 0 && o->tree_widths[0] == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_budget %d is set but tree_widths is not: the budget "
+                       "bounds a tree's nodes", o->tree_budget);
     if (o->draft_depth == 0)
         return o->tree_widths[0] == 0 ? TL_OK
                                       : tl_fail(TL_ERR_INVALID_ARGUMENT, "tree_widths is set but draft_depth "
