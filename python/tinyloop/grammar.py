@@ -6,6 +6,8 @@ prefix of a sentence of the grammar. JSON_GBNF is a built-in grammar of JSON val
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from .prefix import _ModelChild
@@ -76,3 +78,33 @@ class Grammar(_ModelChild):
         handle, self._handle = self._handle, None
         if handle is not None:
             self._model._native.lib.tl_grammar_free(handle)
+
+
+# ---- the server's grammars (docs/server.md, response_format and grammar) ------------
+
+_vocabularies: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_json_objects: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _cached_vocabulary(model: "Model") -> list:
+    with _lock:
+        pieces = _vocabularies.get(model)
+        if pieces is None:
+            pieces = _vocabularies[model] = _vocabulary_bytes(model)
+        return pieces
+
+
+def json_object_grammar(model: "Model") -> Grammar:
+    """JSON_OBJECT_GBNF compiled for `model` once and shared (a grammar is immutable)."""
+    pieces = _cached_vocabulary(model)
+    with _lock:
+        grammar = _json_objects.get(model)
+        if grammar is None or grammar.closed:
+            grammar = _json_objects[model] = Grammar(model, JSON_OBJECT_GBNF, token_bytes=pieces)
+        return grammar
+
+
+def request_grammar(model: "Model", gbnf: str) -> Grammar:
+    """A request's own GBNF grammar, compiled against the model's cached vocabulary."""
+    return Grammar(model, gbnf, token_bytes=_cached_vocabulary(model))
