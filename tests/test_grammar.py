@@ -241,3 +241,78 @@ def test_shipped_model_json(shipped):
         r = shipped.generate(prompt, max_tokens=48, grammar=g, temperature=0.0)
         assert r.stop_reason == "eos", r.text
         assert isinstance(json.loads(r.text), dict)
+
+
+# ---- the server ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    from test_server import CHATML, Running
+    folder = tmp_path_factory.mktemp("grammar-server")
+    plain, chat = folder / "plain.tinyloop", folder / "chat.tinyloop"
+    textmodel.make_text_model(plain)
+    textmodel.make_text_model(chat, chat_template=CHATML)
+    running = [Running(plain), Running(chat)]
+    yield running
+    for r in running:
+        r.close()
+
+
+JSON_OBJECT = {"type": "json_object"}
+
+
+def test_server_json_object(servers):
+    """response_format json_object: completions and chat answers that the grammar ended
+    parse as JSON objects (finish_reason "stop"), streamed ones too."""
+    plain, chat = servers
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    stopped = 0
+    for seed in range(6):
+        body = {"prompt": "{", "max_tokens": 40, "temperature": 1.5, "seed": seed, "response_format": JSON_OBJECT}
+        status, reply = plain.post("/v1/completions", body)
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["text"]), dict)
+            stopped += 1
+        events = plain.events("/v1/completions", dict(body, stream=True))
+        assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+        status, reply = chat.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "json please"}], "max_tokens": 40, "temperature": 1.5,
+            "seed": seed, "response_format": JSON_OBJECT})
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+            stopped += 1
+    assert stopped >= 3, "too few answers ended: the test would check little"
+
+
+def test_server_grammar_field(servers):
+    plain, _ = servers
+    status, reply = plain.post("/v1/completions", {"prompt": "x", "max_tokens": 20,
+                                                   "grammar": 'root ::= "yes" | "no"'})
+    assert status == 200, reply
+    assert reply["choices"][0]["text"] in ("yes", "no")
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    status, reply = plain.post("/v1/completions", {"prompt": "x", "max_tokens": 20, "grammar": 'root ::= "é"'})
+    assert status == 200 and reply["choices"][0]["text"] == ""
+    assert reply["choices"][0]["finish_reason"] == "stop"   # a dead end
+    body = {"prompt": "x", "max_tokens": 5, "temperature": 0}
+    assert (plain.post("/v1/completions", dict(body, response_format={"type": "text"}))[1]["choices"][0]["text"]
+            == plain.post("/v1/completions", body)[1]["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is not supported"),
+    ({"response_format": "json"}, "response_format", "must be"),
+    ({"grammar": 5}, "grammar", "GBNF"),
+    ({"grammar": 'root ::= "a'}, "grammar", "line 1 column 10: unterminated string literal"),
+    ({"grammar": 'root ::= "a"', "response_format": JSON_OBJECT}, "grammar", "exclude each other"),
+    ({"grammar": 'root ::= "a"', "draft_depth": 1}, None, "speculative"),
+])
+def test_server_grammar_errors(servers, extra, param, words):
+    plain, _ = servers
+    status, reply = plain.post("/v1/completions", dict({"prompt": "x"}, **extra))
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and words in reply["error"]["message"], reply

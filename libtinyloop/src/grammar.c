@@ -93,13 +93,14 @@ static void set_free(stack_set *s) {
 /* Add a stack unless the set holds it already. */
 static void set_add(tl_grammar_matcher *m, stack_set *s, const uint32_t *st, size_t len) {
     for (size_t i = 0; i < s->n; i++)
-        if (s->stacks[i][1] == len && memcmp(s->data + s->stacks[i][0], st, len * sizeof *st) == 0) return;
+        if (s->stacks[i][1] == len && (len == 0 || memcmp(s->data + s->stacks[i][0], st, len * sizeof *st) == 0))
+            return;
     if (!ensure((void **)&s->data, &s->cap_data, s->n_data + len, sizeof *s->data) ||
         !ensure((void **)&s->stacks, &s->cap, s->n + 1, sizeof *s->stacks)) {
         m->failed = 1;
         return;
     }
-    memcpy(s->data + s->n_data, st, len * sizeof *st);
+    if (len) memcpy(s->data + s->n_data, st, len * sizeof *st);
     s->stacks[s->n][0] = (uint32_t)s->n_data;
     s->stacks[s->n][1] = (uint32_t)len;
     s->n++;
@@ -128,7 +129,7 @@ static void expand(tl_grammar_matcher *m, stack_set *out, size_t at, size_t len)
             m->failed = 1;
             return;
         }
-        memmove(m->work + copy, m->work + at, len * sizeof *m->work);
+        if (len) memmove(m->work + copy, m->work + at, len * sizeof *m->work);
         uint32_t first = R->alts[a];
         size_t n = len;
         if (R->elems[first].kind != GE_END) m->work[copy + n++] = first;
@@ -157,7 +158,7 @@ static void advance(tl_grammar_matcher *m, const stack_set *in, uint32_t cp, sta
             m->failed = 1;
             return;
         }
-        memcpy(m->work, st, len * sizeof *st);
+        memcpy(m->work, st, len * sizeof *st);   /* len >= 1 here */
         if (R->elems[pos + 1].kind != GE_END) {
             m->work[len - 1] = pos + 1;
         } else {

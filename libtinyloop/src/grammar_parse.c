@@ -386,7 +386,7 @@ static tl_status flatten(parser_t *P, tl_grammar_rules *g) {
         for (size_t a = 0; a < P->rules[r].n_alts; a++) {
             const seq_t *s = &P->rules[r].alts[a];
             g->alts[k++] = (uint32_t)e;
-            memcpy(g->elems + e, s->e, s->n * sizeof *s->e);
+            if (s->n) memcpy(g->elems + e, s->e, s->n * sizeof *s->e);
             e += s->n;
             g->elems[e++] = (tl_gelem){ GE_END, 0 };
         }
