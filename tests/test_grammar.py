@@ -213,6 +213,13 @@ def test_grammar_errors(text_model, small_model):
             small_model.generate([1], grammar=g)
     with pytest.raises(TinyLoopError, match="closed"):
         text_model.generate("x", grammar=g)
+    # a running stream holds the grammar: closing it early changes nothing
+    g = Grammar(text_model, 'root ::= "abcdef"')
+    stream = text_model.stream("x", max_tokens=20, grammar=g)
+    first = next(stream)
+    g.close()
+    assert bytes([first] + list(stream)) == b"abcdef"
+
     with pytest.raises(ValueError, match="token_bytes has 3 entries"):
         Grammar(text_model, 'root ::= "a"', token_bytes=[b"a", b"b", b"c"])
     with pytest.raises(TypeError):

@@ -23,6 +23,7 @@ typedef struct trie_node {
 } trie_node;
 
 struct tl_grammar {
+    int refs;               /* the caller's reference and one per matcher (atomic) */
     tl_grammar_rules rules;
     int32_t vocab;
     trie_node *nodes;
@@ -181,6 +182,7 @@ tl_status tl_grammar_matcher_new(const tl_grammar *g, tl_grammar_matcher **out) 
     tl_grammar_matcher *m = calloc(1, sizeof *m);
     if (!m) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a grammar matcher");
     m->g = g;
+    __atomic_add_fetch(&((tl_grammar *)g)->refs, 1, __ATOMIC_RELAXED);   /* released with m */
     m->levels = calloc((size_t)g->max_cps + 2, sizeof *m->levels);
     m->allowed = malloc((size_t)g->vocab + 1);
     m->cap_work = 0;
@@ -212,7 +214,9 @@ void tl_grammar_matcher_free(tl_grammar_matcher *m) {
     free(m->levels);
     free(m->work);
     free(m->allowed);
+    tl_grammar *g = (tl_grammar *)m->g;
     free(m);
+    tl_grammar_free(g);
 }
 
 /* Mark the tokens below trie node `node`, whose path the stacks levels[depth] follow. */
@@ -325,6 +329,7 @@ tl_status tl_grammar_create(tl_model *model, const char *gbnf, const uint8_t *co
     tl_grammar *g = calloc(1, sizeof *g);
     if (!g) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a grammar");
     g->vocab = model->hp.vocab;
+    g->refs = 1;
     tl_status st = tl_grammar_parse(gbnf, &g->rules);
     if (st == TL_OK) st = build_vocabulary(g, token_bytes, token_lengths);
     if (st != TL_OK) {
@@ -335,8 +340,11 @@ tl_status tl_grammar_create(tl_model *model, const char *gbnf, const uint8_t *co
     return TL_OK;
 }
 
+/* Drops a reference: the caller's, or a matcher's (a generation may outlive the
+ * caller's tl_grammar_free). */
 tl_status tl_grammar_free(tl_grammar *g) {
     if (!g) return TL_OK;
+    if (__atomic_sub_fetch(&g->refs, 1, __ATOMIC_ACQ_REL) > 0) return TL_OK;
     tl_grammar_rules_free(&g->rules);
     free(g->nodes);
     free(g->next_token);

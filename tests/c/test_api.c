@@ -250,10 +250,20 @@ static void test_grammar(fixture *f) {
     text[n] = 0;
     CHECK(r.stop_reason == TL_STOP_EOS && (!strcmp(text, "abe") || !strcmp(text, "abce") || !strcmp(text, "abde")),
           "grammar generation gave \"%s\", stop reason %d", text, (int)r.stop_reason);
+    uint32_t n_sentence = r.n_tokens;
     o.draft_depth = f->info.max_depth > 0 ? 1 : 0;
     if (o.draft_depth) CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r), TL_ERR_UNSUPPORTED);
     o.draft_depth = 0;
+    /* a stream keeps the grammar alive past the caller's free */
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s));
     CHECK_OK(tl_grammar_free(g));
+    int32_t t = 0;
+    size_t n_streamed = 0;
+    while (s && tl_stream_next(s, &t, NULL) == TL_OK && t >= 0) n_streamed++;
+    CHECK(n_streamed == n_sentence, "stream after the grammar's free: %zu tokens, %u generated", n_streamed,
+          n_sentence);
+    tl_stream_free(s);
     CHECK_OK(tl_grammar_create(f->model, "root ::= \"\u00e9\"", bytes, lengths, &g));   /* only a cut one */
     o.grammar = g;
     CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r));
