@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplateError, ChatTemplateUnavailable
+from .errors import InvalidArgumentError
+from .grammar import json_object_grammar, request_grammar
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -178,8 +180,6 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
 def _grammar(body, model):
     """response_format ({"type": "text"} or {"type": "json_object"}: the built-in JSON
     object grammar) and TinyLoop's `grammar` (GBNF text); None when neither asks for one."""
-    from .errors import InvalidArgumentError
-    from .grammar import json_object_grammar, request_grammar
     fmt, gbnf = body.get("response_format"), body.get("grammar")
     kind = "text"
     if fmt is not None:

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""The cost of a grammar's token mask per decode step on the shipped model (49,152
+tokens): greedy generations of --new-tokens tokens that never stop early, picking on the
+host without a grammar (a neutral logit_bias, the path a grammar's generation takes)
+against the same with grammars whose states allow many tokens: any text, the inside of
+a JSON string (nearly every token fits: the trie walk's worst case) and a JSON array of
+numbers (few tokens fit). Reported: the median over --repeat runs of the decode
+milliseconds per token, and the difference to the host path: the mask's cost.
+
+    python tools/bench/grammar.py --threads 2 --new-tokens 64 --repeat 3
+"""
+
+import argparse
+import statistics
+import time
+
+import tinyloop
+from tinyloop.default_model import default_model_path
+
+GRAMMARS = {
+    "any text": "root ::= [^\\x00]*",
+    "inside a JSON string": 'root ::= "\\"" ( [^"\\\\\\x00-\\x1f] | "\\\\" ["\\\\/bfnrt] )*',
+    "JSON array of numbers": 'root ::= "[" num ( ", " num )*\nnum ::= [1-9] [0-9]*',
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prompt", default="The capital of France is")
+    args = ap.parse_args()
+    with tinyloop.Model(default_model_path(), threads=args.threads) as model:
+        started = time.perf_counter()
+        grammars = {name: tinyloop.Grammar(model, text) for name, text in GRAMMARS.items()}
+        print(f"vocabulary {model.info.vocab_size} tokens; {len(grammars)} grammars compiled in "
+              f"{time.perf_counter() - started:.2f} s")
+        sides = [("host picks, no grammar", dict(logit_bias={0: 0.0}))]
+        sides += [(f"grammar: {name}", dict(grammar=g)) for name, g in grammars.items()]
+        base = None
+        for name, extra in sides:
+            runs = []
+            for _ in range(args.repeat):
+                r = model.generate(args.prompt, max_tokens=args.new_tokens, temperature=0.0, eos=False, **extra)
+                assert len(r.tokens) == args.new_tokens, (name, r.stop_reason)
+                runs.append(1000.0 * r.decode_seconds / len(r.tokens))
+            ms = statistics.median(runs)
+            base = ms if base is None else base
+            print(f"{name:34s} {ms:7.2f} ms/token   mask {ms - base:+6.2f} ms")
+        for g in grammars.values():
+            g.close()
+
+
+if __name__ == "__main__":
+    main()
