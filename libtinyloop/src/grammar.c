@@ -59,9 +59,23 @@ typedef struct stack_set {
     size_t n, cap;
 } stack_set;
 
+/* The mask is a function of the stack set alone, and generations come back to the same
+ * sets (every character inside a JSON string leaves the same one): a few recent masks
+ * are kept with the set they were walked from. */
+#define MASK_CACHE 4
+
+typedef struct mask_entry {
+    stack_set from;           /* a copy of the set; n == 0 and no data: unused */
+    uint8_t *allowed;         /* [vocab] */
+    size_t n_allowed;
+    int used;
+} mask_entry;
+
 struct tl_grammar_matcher {
     const tl_grammar *g;
     stack_set cur, next;
+    mask_entry cache[MASK_CACHE];
+    unsigned cache_next;      /* the entry replaced next */
     stack_set *levels;        /* [max_cps + 1]: the mask's trie walk, one set per depth */
     uint32_t *work;           /* expansion scratch: stacks being built, one after another */
     size_t cap_work;
@@ -211,6 +225,10 @@ void tl_grammar_matcher_free(tl_grammar_matcher *m) {
     set_free(&m->next);
     if (m->levels)
         for (uint32_t i = 0; i <= m->g->max_cps + 1; i++) set_free(&m->levels[i]);
+    for (int i = 0; i < MASK_CACHE; i++) {
+        set_free(&m->cache[i].from);
+        free(m->cache[i].allowed);
+    }
     free(m->levels);
     free(m->work);
     free(m->allowed);
@@ -235,11 +253,50 @@ static void walk(tl_grammar_matcher *m, uint32_t node, uint32_t depth, size_t *n
     }
 }
 
-size_t tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos) {
-    const tl_grammar *g = m->g;
-    memset(m->allowed, 0, (size_t)g->vocab);
+static int sets_equal(const stack_set *a, const stack_set *b) {
+    return a->n == b->n && a->n_data == b->n_data &&
+           (a->n == 0 || memcmp(a->stacks, b->stacks, a->n * sizeof *a->stacks) == 0) &&
+           (a->n_data == 0 || memcmp(a->data, b->data, a->n_data * sizeof *a->data) == 0);
+}
+
+/* Keep m->allowed (n tokens) as the mask of the current set; best effort. */
+static void cache_store(tl_grammar_matcher *m, size_t n) {
+    mask_entry *e = &m->cache[m->cache_next];
+    size_t V = (size_t)m->g->vocab;
+    if (!e->allowed && !(e->allowed = malloc(V))) return;
+    e->used = 0;
+    if (!ensure((void **)&e->from.data, &e->from.cap_data, m->cur.n_data, sizeof *e->from.data) ||
+        !ensure((void **)&e->from.stacks, &e->from.cap, m->cur.n, sizeof *e->from.stacks))
+        return;
+    if (m->cur.n_data) memcpy(e->from.data, m->cur.data, m->cur.n_data * sizeof *m->cur.data);
+    if (m->cur.n) memcpy(e->from.stacks, m->cur.stacks, m->cur.n * sizeof *m->cur.stacks);
+    e->from.n = m->cur.n;
+    e->from.n_data = m->cur.n_data;
+    memcpy(e->allowed, m->allowed, V);
+    e->n_allowed = n;
+    e->used = 1;
+    m->cache_next = (m->cache_next + 1) % MASK_CACHE;
+}
+
+/* The tokens the current set allows, in m->allowed (EOS not yet decided). */
+static size_t allowed_tokens(tl_grammar_matcher *m) {
+    size_t V = (size_t)m->g->vocab;
+    for (int i = 0; i < MASK_CACHE; i++) {
+        if (m->cache[i].used && sets_equal(&m->cache[i].from, &m->cur)) {
+            memcpy(m->allowed, m->cache[i].allowed, V);
+            return m->cache[i].n_allowed;
+        }
+    }
+    memset(m->allowed, 0, V);
     size_t n = 0;
     walk(m, 0, 0, &n);
+    if (!m->failed) cache_store(m, n);
+    return n;
+}
+
+size_t tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos) {
+    const tl_grammar *g = m->g;
+    size_t n = allowed_tokens(m);
     if (eos >= 0 && eos < g->vocab) {
         n -= m->allowed[eos];
         m->allowed[eos] = (uint8_t)set_accepts_end(&m->cur);
