@@ -323,3 +323,74 @@ def test_server_grammar_errors(servers, extra, param, words):
     status, reply = plain.post("/v1/completions", dict({"prompt": "x"}, **extra))
     assert status == 400, reply
     assert reply["error"]["param"] == param and words in reply["error"]["message"], reply
+
+
+# ---- against the independent reference matcher (tests/reference/grammar.py) --------------
+
+from reference import grammar as ref_grammar  # noqa: E402
+
+EXTRA = [
+    ('root ::= ( "ab" | "a" "b"? )* "c"', []),
+    ('root ::= item ( "," item )*\nitem ::= [0-9]+ | "-" [0-9]+ | "(" root ")"', []),
+    ('root ::= "x" ( [a-c] [^a] )? "y"?', []),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MATCHES) + len(EXTRA)))
+def test_matcher_equals_reference_on_random_strings(text_model, case):
+    """Whole strings drawn from the characters the grammar's examples use: the library
+    and the reference agree on every one (and the reference on the hand-written cases)."""
+    if case < len(MATCHES):
+        gbnf, accepted, refused = MATCHES[case]
+    else:
+        (gbnf, _), accepted, refused = EXTRA[case - len(MATCHES)], [], []
+    reference_matcher = ref_grammar.Matcher(ref_grammar.parse(gbnf))
+    for s in accepted:
+        assert reference_matcher.accepts(s), s
+    for s in refused:
+        assert not reference_matcher.accepts(s), s
+    alphabet = sorted(set("".join(accepted + refused) + "".join(c for c in gbnf if c.isprintable())) - {"\\"})
+    rng = np.random.default_rng(case)
+    strings = accepted + refused + ["".join(rng.choice(alphabet, size=n)) for n in rng.integers(0, 9, 400)]
+    with Grammar(text_model, gbnf) as g:
+        disagree = [s for s in strings if g.accepts(s) != reference_matcher.accepts(s)]
+    assert not disagree, disagree[:5]
+    assert any(reference_matcher.accepts(s) for s in strings)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("prompt_text", ["{", "x"])
+def test_json_generation_follows_the_reference_mask(text_model, sampled, prompt_text):
+    """JSON on the byte-level model, replayed: each step's token is the sampling
+    reference's pick over the logits masked by the reference matcher (a byte fits when
+    the text plus it can still begin a JSON value; EOS when the text is one)."""
+    matcher = ref_grammar.Matcher(ref_grammar.parse(JSON_GBNF))
+    options = (dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0) if sampled else dict(temperature=0.0))
+    prompt = text_model.tokenizer.encode(prompt_text)   # objects, strings, numbers with exponents
+    seed = 2
+    with Grammar(text_model, JSON_GBNF) as g:
+        r = text_model.generate(prompt, max_tokens=20, grammar=g, seed=seed, **options)
+    tokens = r.tokens
+    assert all(t < 128 for t in tokens)
+
+    def mask(text):
+        ok = np.zeros(textmodel.VOCAB, dtype=bool)
+        for b in range(128):
+            ok[b] = matcher.viable(text + chr(b))
+        ok[textmodel.EOS] = matcher.accepts(text)
+        return ok
+
+    with text_model.context() as replay:
+        logits = replay.append(prompt)
+        for k in range(len(tokens) + (r.stop_reason == "eos")):
+            text = bytes(tokens[:k]).decode()
+            if k == len(tokens) and matcher.complete(text):
+                break   # the library stops without a step: nothing else could follow
+            masked = np.where(mask(text), logits, -np.inf).astype(np.float32)
+            expected = reference_tokens(reference, [masked], options, history=prompt + tokens[:k],
+                                        seed=seed, first_step=k)[0]
+            assert (tokens[k] if k < len(tokens) else textmodel.EOS) == expected, f"step {k}: {text!r}"
+            if k < len(tokens):
+                logits = replay.append([tokens[k]])
+    if r.stop_reason == "eos":
+        json.loads(r.text)
