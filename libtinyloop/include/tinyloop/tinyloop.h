@@ -51,7 +51,7 @@ typedef enum tl_status {
 typedef enum tl_stop_reason {
     TL_STOP_NONE = 0,       /* still running (streams)                 */
     TL_STOP_MAX_TOKENS = 1,
-    TL_STOP_EOS = 2,
+    TL_STOP_EOS = 2,        /* EOS picked, or the grammar completed     */
     TL_STOP_SEQUENCE = 3,   /* a stop token-sequence matched the suffix */
     TL_STOP_GRAMMAR = 4,    /* grammar dead end: no token can go on    */
     TL_STOP_ABORTED = 5,    /* the callback returned non-zero          */
