@@ -394,3 +394,25 @@ def test_json_generation_follows_the_reference_mask(text_model, sampled, prompt_
                 logits = replay.append([tokens[k]])
     if r.stop_reason == "eos":
         json.loads(r.text)
+
+
+def test_one_grammar_serves_threads(text_model):
+    """A grammar is immutable: generations on four threads at once, each on a context of
+    its own, equal the same generations one after another."""
+    import threading
+    with Grammar(text_model, JSON_GBNF) as g:
+        def run(seed):
+            with text_model.context() as ctx:
+                return ctx.generate("{", max_tokens=24, grammar=g, temperature=1.3, top_k=0, seed=seed).tokens
+        serial = [run(seed) for seed in range(4)]
+        results = [None] * 4
+
+        def worker(i):
+            results[i] = run(i)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == serial
+    assert len({tuple(r) for r in serial}) > 1

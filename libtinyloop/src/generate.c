@@ -305,7 +305,9 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
     } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
         int V = g->ctx->model->hp.vocab;
         if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
-        if (g->grammar && tl_grammar_mask(g->grammar, g->logits, g->eos) == 0) {
+        size_t n_allowed = 1;
+        if (g->grammar) st = tl_grammar_mask(g->grammar, g->logits, g->eos, &n_allowed);
+        if (st == TL_OK && n_allowed == 0) {
             g->decode_seconds += now_seconds() - t0;
             finish(g, TL_STOP_GRAMMAR);   /* no token can go on: a dead end */
             *reason = TL_STOP_GRAMMAR;

@@ -294,7 +294,7 @@ static size_t allowed_tokens(tl_grammar_matcher *m) {
     return n;
 }
 
-size_t tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos) {
+tl_status tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos, size_t *n_allowed) {
     const tl_grammar *g = m->g;
     size_t n = allowed_tokens(m);
     if (eos >= 0 && eos < g->vocab) {
@@ -302,13 +302,12 @@ size_t tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos) {
         m->allowed[eos] = (uint8_t)set_accepts_end(&m->cur);
         n += m->allowed[eos];
     }
-    if (m->failed) {   /* a set could not grow: allow nothing rather than something wrong */
-        memset(m->allowed, 0, (size_t)g->vocab);
-        n = 0;
-    }
+    *n_allowed = n;
+    if (m->failed)   /* a stack set could not grow: the mask would be wrong */
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "grammar matcher: out of memory");
     for (int32_t t = 0; t < g->vocab; t++)
         if (!m->allowed[t]) logits[t] = -INFINITY;
-    return n;
+    return TL_OK;
 }
 
 void tl_grammar_accept(tl_grammar_matcher *m, int32_t t) {

@@ -54,8 +54,8 @@ typedef struct tl_grammar_matcher tl_grammar_matcher;
 tl_status tl_grammar_matcher_new(const tl_grammar *g, tl_grammar_matcher **out);
 void tl_grammar_matcher_free(tl_grammar_matcher *m);
 /* Set logits[t] = -inf for every token the grammar cannot take next; eos (-1 = none)
- * stays only where the grammar may end. Returns the number of tokens left. */
-size_t tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos);
+ * stays only where the grammar may end. *n_allowed = the tokens left. */
+tl_status tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos, size_t *n_allowed);
 /* Advance over token t (one the mask left). */
 void tl_grammar_accept(tl_grammar_matcher *m, int32_t t);
 /* 1 when the root rule is complete and nothing more can follow. */
