@@ -118,6 +118,18 @@ static void keep_logprobs(struct tl_stream *g, int32_t t) {
     g->has_logprobs = 1;
 }
 
+/* A grammar's matcher for this generation (opts->grammar). */
+static tl_status grammar_begin(struct tl_stream *g, const tl_generate_options *o) {
+    if (!o->grammar) return TL_OK;
+    if (o->draft_depth != 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "a grammar with speculative decoding (draft_depth %d) is not "
+                                           "supported", o->draft_depth);
+    if (tl_grammar_vocab(o->grammar) != g->ctx->model->hp.vocab)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the grammar was compiled for a vocabulary of %d tokens, "
+                       "the model has %d", tl_grammar_vocab(o->grammar), g->ctx->model->hp.vocab);
+    return tl_grammar_matcher_new(o->grammar, &g->grammar);
+}
+
 static int chain_available(const struct tl_context *ctx) {
     const tl_backend_ops *ops = ctx->be->ops;
     return ops->chain_available && ops->argmax_chained && ops->chained_token && ops->step_token_on_device &&
@@ -185,6 +197,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     if (st == TL_OK && g->adjust.active && o->draft_depth != 0)
         st = tl_fail(TL_ERR_UNSUPPORTED, "logit_bias and presence / frequency penalties with speculative "
                                          "decoding (draft_depth %d) are not supported", o->draft_depth);
+    if (st == TL_OK) st = grammar_begin(g, o);
     if (st != TL_OK) {
         tl_stream_end(g);
         return st;
@@ -193,7 +206,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     /* logprobs and logit adjustments need every step's logits on the host, where the
      * token is then picked (the sampler's argmax and draws are the backend's, token for
      * token) */
-    g->host_picks = g->logprobs || g->adjust.active;
+    g->host_picks = g->logprobs || g->adjust.active || g->grammar;
     g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->host_picks;
     g->backend_samples = !g->greedy && !g->host_picks && ctx->be->ops->sample != NULL;
     st = tl_speculative_begin(g, o);
@@ -293,6 +306,14 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
     } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
         int V = g->ctx->model->hp.vocab;
         if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
+        size_t n_allowed = 1;
+        if (g->grammar) st = tl_grammar_mask(g->grammar, g->logits, g->eos, &n_allowed);
+        if (st == TL_OK && n_allowed == 0) {
+            g->decode_seconds += now_seconds() - t0;
+            finish(g, TL_STOP_GRAMMAR);   /* no token can go on: a dead end */
+            *reason = TL_STOP_GRAMMAR;
+            return TL_OK;
+        }
         tl_logit_adjust_apply(&g->adjust, g->logits);
         t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
         host_sampled = 1;
@@ -313,7 +334,9 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
     g->generated[g->n_generated++] = t;
     tl_logit_adjust_count(&g->adjust, t);
     g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
+    if (g->grammar) tl_grammar_accept(g->grammar, t);
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
+    else if (g->grammar && tl_grammar_complete(g->grammar)) finish(g, TL_STOP_EOS);   /* as at an EOS */
     *token = t;
     *reason = TL_STOP_NONE;
     return TL_OK;
@@ -414,6 +437,8 @@ void tl_stream_end(struct tl_stream *g) {
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
     tl_sampler_free(&g->sampler);
     tl_logit_adjust_free(&g->adjust);
+    tl_grammar_matcher_free(g->grammar);
+    g->grammar = NULL;
     tl_speculative_free(g);
     free(g->logits);
     free(g->logprob_row);

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "context.h"
+#include "grammar.h"
 #include "logit_adjust.h"
 #include "sampling.h"
 
@@ -17,6 +18,7 @@ struct tl_stream {
     struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
     tl_sampler sampler;
     tl_logit_adjust adjust;        /* logit_bias and presence / frequency penalties     */
+    tl_grammar_matcher *grammar;   /* opts->grammar's state; NULL without               */
     float *logits;                 /* vocab floats: logits of the next position (host sampling) */
     int greedy;                    /* plain argmax: the backend picks the token, no logits */
     int backend_samples;           /* the backend's sample op picks the token, no logits */
@@ -53,7 +55,7 @@ struct tl_stream {
     size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
     /* log-probabilities of the returned tokens (tl_generate_options.logprobs) */
     int logprobs;                  /* kept for every step                               */
-    int host_picks;                /* logprobs or adjust: every step's token is picked
+    int host_picks;                /* logprobs, adjust or grammar: every step's token is picked
                                       from its logits on the host                       */
     int32_t top_logprobs;          /* alternatives kept per step                        */
     float *logprob_row;            /* [vocab]: a step's logits before sampling edits them */

@@ -13,6 +13,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
+from .grammar import Grammar
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -27,6 +28,7 @@ def library_version() -> str:
 
 
 __all__ = [
+    "Grammar",
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",

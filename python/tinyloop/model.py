@@ -124,13 +124,13 @@ class _GenerateOptions:
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
                "n_draft", "draft_p_min", "tree", "tree_budget", "logprobs", "top_logprobs",
-               "presence_penalty", "frequency_penalty", "logit_bias")
+               "presence_penalty", "frequency_penalty", "logit_bias", "grammar")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
                  eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, tree=(),
                  tree_budget=0, logprobs=False, top_logprobs=0, presence_penalty=0.0,
-                 frequency_penalty=0.0, logit_bias=None):
+                 frequency_penalty=0.0, logit_bias=None, grammar=None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -167,6 +167,11 @@ class _GenerateOptions:
         opts.frequency_penalty = _args.real("frequency_penalty", frequency_penalty, minimum=-2.0,
                                             maximum=2.0)
         self._keepalive = self._set_stop(model, opts, stop) + self._set_bias(model, opts, logit_bias)
+        if grammar is not None:   # a tinyloop.Grammar of this model (kept alive with the options)
+            if getattr(grammar, "_model", None) is not model:
+                raise TypeError("grammar must be a tinyloop.Grammar of this model")
+            opts.grammar = grammar._require_open()
+            self._keepalive.append(grammar)
         self.c = opts
 
     @staticmethod
@@ -414,7 +419,7 @@ class _Scoring:
         prompt; Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not
         with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
         step), presence_penalty, frequency_penalty and logit_bias (OpenAI's,
-        docs/sampling.md). `text` is set when the prompt was a str."""
+        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)

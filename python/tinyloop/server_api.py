@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplateError, ChatTemplateUnavailable
+from .errors import InvalidArgumentError
+from .grammar import json_object_grammar, request_grammar
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -21,7 +23,7 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed",
                   "user",
                   # TinyLoop extensions (docs/server.md)
                   "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft",
-                  "draft_p_min"}
+                  "draft_p_min", "response_format", "grammar"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 _ROLES = ("system", "user", "assistant")
@@ -168,10 +170,33 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(body, info.vocab_size),
+        grammar=_grammar(body, model),
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
     return options, n, seed is not None
+
+
+def _grammar(body, model):
+    """response_format ({"type": "text"} or {"type": "json_object"}: the built-in JSON
+    object grammar) and TinyLoop's `grammar` (GBNF text); None when neither asks for one."""
+    fmt, gbnf = body.get("response_format"), body.get("grammar")
+    kind = "text"
+    if fmt is not None:
+        if not isinstance(fmt, dict) or set(fmt) != {"type"} or fmt["type"] not in ("text", "json_object"):
+            raise RequestError('response_format must be {"type": "text"} or {"type": "json_object"} '
+                               "(json_schema is not supported)", "response_format")
+        kind = fmt["type"]
+    if gbnf is not None and not isinstance(gbnf, str):
+        raise RequestError("grammar must be a string of GBNF rules", "grammar")
+    if gbnf is not None and kind == "json_object":
+        raise RequestError('grammar and response_format {"type": "json_object"} exclude each other', "grammar")
+    try:
+        if gbnf is not None:
+            return request_grammar(model, gbnf)
+        return json_object_grammar(model) if kind == "json_object" else None
+    except InvalidArgumentError as e:
+        raise RequestError(str(e), "grammar" if gbnf is not None else "response_format") from None
 
 
 def _logit_bias(body, vocab_size: int) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 # library stop reasons -> OpenAI finish reasons
-FINISH_REASONS = {"eos": "stop", "stop_sequence": "stop", "max_tokens": "length",
+FINISH_REASONS = {"eos": "stop", "stop_sequence": "stop", "grammar": "stop", "max_tokens": "length",
                   "context_full": "length"}
 
 

@@ -240,6 +240,80 @@ static void test_logit_adjustments(fixture *f) {
     CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, got, NEW, NULL), TL_ERR_INVALID_ARGUMENT);
 }
 
+/* Grammars: a parse error names its place, whole strings are matched, a generation
+ * spells a sentence and ends when the grammar is complete (as at an EOS), a dead end
+ * stops with TL_STOP_GRAMMAR, drafts are refused. Token t < 26 is the letter 'a' + t,
+ * token 26 "ab", token 27 a cut UTF-8 character; the others have no bytes. */
+static void test_grammar(fixture *f) {
+    int V = f->info.vocab_size;
+    if (V < 28) return;
+    enum { NEW = 12 };
+    uint8_t letters[28][2];
+    const uint8_t **bytes = calloc((size_t)V, sizeof *bytes);
+    size_t *lengths = calloc((size_t)V, sizeof *lengths);
+    for (int t = 0; t < 26; t++) {
+        letters[t][0] = (uint8_t)('a' + t);
+        bytes[t] = letters[t];
+        lengths[t] = 1;
+    }
+    letters[26][0] = 'a';
+    letters[26][1] = 'b';
+    letters[27][0] = 0xC3;
+    bytes[26] = letters[26];
+    bytes[27] = letters[27];
+    lengths[26] = 2;
+    lengths[27] = 1;
+    tl_grammar *g = NULL;
+    CHECK_STATUS(tl_grammar_create(f->model, "root ::= \"ab\" (", bytes, lengths, &g), TL_ERR_INVALID_ARGUMENT);
+    CHECK(g == NULL && strstr(tl_last_error(), "line 1 column 16"), "parse error: %s", tl_last_error());
+    CHECK_STATUS(tl_grammar_create(f->model, "root ::= \"a\"", NULL, lengths, &g), TL_ERR_INVALID_ARGUMENT);
+    CHECK_OK(tl_grammar_create(f->model, "root ::= \"ab\" [cd]? \"e\"  # abe, abce, abde", bytes, lengths, &g));
+    int ok = -1;
+    CHECK_OK(tl_grammar_accepts(g, "abce", 4, &ok));
+    CHECK(ok == 1, "abce not accepted");
+    CHECK_OK(tl_grammar_accepts(g, "abc", 3, &ok));
+    CHECK(ok == 0, "abc accepted");
+    tl_generate_options o = greedy_options(NEW);
+    o.grammar = g;
+    o.eos_token = -2;
+    int32_t out[NEW];
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r));
+    char text[2 * NEW + 1];
+    size_t n = 0;
+    for (uint32_t i = 0; i < r.n_tokens; i++) {
+        memcpy(text + n, bytes[out[i]], lengths[out[i]]);
+        n += lengths[out[i]];
+    }
+    text[n] = 0;
+    CHECK(r.stop_reason == TL_STOP_EOS && (!strcmp(text, "abe") || !strcmp(text, "abce") || !strcmp(text, "abde")),
+          "grammar generation gave \"%s\", stop reason %d", text, (int)r.stop_reason);
+    uint32_t n_sentence = r.n_tokens;
+    o.draft_depth = f->info.max_depth > 0 ? 1 : 0;
+    if (o.draft_depth) CHECK_STATUS(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r), TL_ERR_UNSUPPORTED);
+    o.draft_depth = 0;
+    /* a stream keeps the grammar alive past the caller's free */
+    tl_stream *s = NULL;
+    CHECK_OK(tl_stream_start(f->model, NULL, f->tokens, 8, &o, &s));
+    CHECK_OK(tl_grammar_free(g));
+    int32_t t = 0;
+    size_t n_streamed = 0;
+    while (s && tl_stream_next(s, &t, NULL) == TL_OK && t >= 0) n_streamed++;
+    CHECK(n_streamed == n_sentence, "stream after the grammar's free: %zu tokens, %u generated", n_streamed,
+          n_sentence);
+    tl_stream_free(s);
+    CHECK_OK(tl_grammar_create(f->model, "root ::= \"\u00e9\"", bytes, lengths, &g));   /* only a cut one */
+    o.grammar = g;
+    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r));
+    CHECK(r.n_tokens == 0 && r.stop_reason == TL_STOP_GRAMMAR, "dead end: %u tokens, stop reason %d",
+          r.n_tokens, (int)r.stop_reason);
+    CHECK_OK(tl_grammar_free(g));
+    CHECK_OK(tl_grammar_free(NULL));
+    free(bytes);
+    free(lengths);
+}
+
 /* Consistency escalation: the arrays of tl_score_with_uncertainty at the depth it stops
  * at, that depth within [min, max] and on the doubling schedule; option errors. */
 static void test_consistency_escalation(fixture *f) {
@@ -1545,6 +1619,7 @@ static void run_model(const char *path) {
     test_score_with_uncertainty(&f);
     test_logprobs(&f);
     test_logit_adjustments(&f);
+    test_grammar(&f);
     test_consistency_escalation(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);

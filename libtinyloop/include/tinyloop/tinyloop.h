@@ -51,9 +51,9 @@ typedef enum tl_status {
 typedef enum tl_stop_reason {
     TL_STOP_NONE = 0,       /* still running (streams)                 */
     TL_STOP_MAX_TOKENS = 1,
-    TL_STOP_EOS = 2,
+    TL_STOP_EOS = 2,        /* EOS picked, or the grammar completed     */
     TL_STOP_SEQUENCE = 3,   /* a stop token-sequence matched the suffix */
-    TL_STOP_GRAMMAR = 4,    /* reserved: grammar dead end              */
+    TL_STOP_GRAMMAR = 4,    /* grammar dead end: no token can go on    */
     TL_STOP_ABORTED = 5,    /* the callback returned non-zero          */
     TL_STOP_CONTEXT_FULL = 6
 } tl_stop_reason;
@@ -64,6 +64,7 @@ typedef struct tl_stream tl_stream;       /* pull iterator over generated tokens
 typedef struct tl_prefix_cache tl_prefix_cache;   /* read-only snapshot of a prefix  */
 typedef struct tl_resume_handle tl_resume_handle; /* reserved (deeper-depth resume) */
 typedef struct tl_prefix_pool tl_prefix_pool;     /* thread-safe set of prefix caches */
+typedef struct tl_grammar tl_grammar;     /* immutable compiled grammar, shared by threads */
 
 /* ---- version and errors ------------------------------------------------ */
 TL_API uint32_t tl_abi_version(void);
@@ -316,6 +317,9 @@ typedef struct tl_generate_options {
     size_t n_logit_bias;           /* entries of both arrays; 0 = none (default). The
                                       adjustments (docs/sampling.md, step 0) run on the
                                       host; not with draft_depth                       */
+    const tl_grammar *grammar;     /* tokens constrained to this grammar (docs/api.md,
+                                      "Grammars"); NULL = none (default). On the host;
+                                      not with draft_depth                             */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
@@ -394,6 +398,17 @@ TL_API tl_status tl_generate_tree_speculative(tl_model *model, const int32_t *pr
                                               const int32_t *widths, size_t n_levels, int32_t budget,
                                               int32_t *out_tokens, size_t out_capacity,
                                               tl_generate_result *result);
+/* ---- grammars (docs/api.md, "Grammars") ------------------------------------------
+ * A GBNF grammar compiled against model's vocabulary: token_bytes[t] / token_lengths[t]
+ * are the bytes of text token t stands for, one entry per vocabulary id (NULL or length
+ * 0: never allowed, e.g. special tokens). Parse errors are TL_ERR_INVALID_ARGUMENT naming
+ * the line and column. Immutable: several generations may use one at once; a generation
+ * holds a reference, so tl_grammar_free may come before the generations using it end. tl_grammar_accepts: whether text (UTF-8, n bytes) is a sentence of it. */
+TL_API tl_status tl_grammar_create(tl_model *model, const char *gbnf, const uint8_t *const *token_bytes,
+                                   const size_t *token_lengths, tl_grammar **out);
+TL_API tl_status tl_grammar_accepts(const tl_grammar *grammar, const char *text, size_t n, int *accepted);
+TL_API tl_status tl_grammar_free(tl_grammar *grammar);
+
 /* ---- prefix caches and pools (docs/api.md, "Prefix caches and pools") ------------
  * A prefix cache is an immutable snapshot of a sequence's first tokens (their KV in
  * every slot, the warm state init's states, kept loop states when the source context
