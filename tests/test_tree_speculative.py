@@ -26,8 +26,8 @@ from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, assert_clo
 from testing_hooks import hooks_of
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
-from tinyloop.random_model import make_random_model
 from reference import ReferenceModel
+from test_speculative import model_dir, model_file  # noqa: F401 (model_dir: the fixture)
 
 PROMPT = [5, 17, 3, 88, 41, 9]
 GREEDY = dict(temperature=0, eos=False)
@@ -43,16 +43,6 @@ SHAPES = [((1,), 0), ((3,), 0), ((2, 2), 0), ((4, 2, 1, 1), 0), ((3, 2, 1, 1, 1,
           ((2, 1, 1, 1, 1, 1, 1, 1), 0), ((8, 8), 63)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tree_speculative")
-
-
-def model_file(model_dir, name, tied=False):
-    path = model_dir / f"{name}{'-tied' if tied else ''}.tinyloop"
-    if not path.exists():
-        make_random_model(path, **{**case_config(name), "tied_embeddings": int(tied)})
-    return path
 
 
 def tree_logits(ctx, tokens, parents, depth, n_first=0):

@@ -26,6 +26,13 @@ def integer(name: str, value, *, minimum: int | None = None, maximum: int | None
     return value
 
 
+def boolean(name: str, value) -> bool:
+    # an int is not a bool here: `logprobs=1` is as likely a mistake as a wish
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
          exclusive_minimum: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

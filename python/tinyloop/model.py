@@ -158,9 +158,7 @@ class _GenerateOptions:
         for level, width in enumerate(tree):
             opts.tree_widths[level] = _args.integer(f"tree[{level}]", width, minimum=1, maximum=8)
         opts.tree_budget = _args.integer("tree_budget", tree_budget, minimum=0, maximum=63)
-        if not isinstance(logprobs, bool):
-            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
-        opts.logprobs = int(logprobs)
+        opts.logprobs = int(_args.boolean("logprobs", logprobs))
         opts.top_logprobs = _args.integer("top_logprobs", top_logprobs, minimum=0, maximum=20)
         self.logprobs, self.top_logprobs = logprobs, opts.top_logprobs
         opts.presence_penalty = _args.real("presence_penalty", presence_penalty, minimum=-2.0, maximum=2.0)
@@ -823,8 +821,7 @@ class Context(_Scoring, _OwnsHandle):
                  kv_ring_slots: int = 0):
         self._handle = None
         self._model = model
-        if not isinstance(keep_loop_states, bool):
-            raise TypeError(f"keep_loop_states must be a bool, not {type(keep_loop_states).__name__}")
+        _args.boolean("keep_loop_states", keep_loop_states)
         native, ffi = model._native, model._native.ffi
         opts = ffi.new("tl_context_options *")
         native.lib.tl_context_options_default(opts)

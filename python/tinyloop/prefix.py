@@ -90,8 +90,7 @@ class PrefixPool(_ModelChild):
     def __init__(self, model: "Model", max_bytes: int = DEFAULT_POOL_BYTES,
                  register_prompts: bool = False):
         self._model = model
-        if not isinstance(register_prompts, bool):
-            raise TypeError(f"register_prompts must be a bool, not {type(register_prompts).__name__}")
+        _args.boolean("register_prompts", register_prompts)
         native, ffi = model._native, model._native.ffi
         opts = ffi.new("tl_prefix_pool_options *")
         native.lib.tl_prefix_pool_options_default(opts)
