@@ -15,6 +15,7 @@ import textmodel
 import tinyloop
 from reference import sampling as reference
 from sampling_hook import reference_tokens
+from test_server import paths  # noqa: F401 (the fixture: a plain and a chat text model)
 from tinyloop.errors import InvalidArgumentError, TinyLoopError, UnsupportedError
 from tinyloop.grammar import JSON_GBNF, JSON_OBJECT_GBNF, Grammar
 from tinyloop.random_model import make_random_model
@@ -253,13 +254,9 @@ def test_shipped_model_json(shipped):
 # ---- the server ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    from test_server import CHATML, Running
-    folder = tmp_path_factory.mktemp("grammar-server")
-    plain, chat = folder / "plain.tinyloop", folder / "chat.tinyloop"
-    textmodel.make_text_model(plain)
-    textmodel.make_text_model(chat, chat_template=CHATML)
-    running = [Running(plain), Running(chat)]
+def servers(paths):
+    from test_server import Running
+    running = [Running(paths[0]), Running(paths[1])]
     yield running
     for r in running:
         r.close()

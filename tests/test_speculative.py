@@ -405,13 +405,20 @@ def test_sampled_speculation_is_seeded(model_dir):
     options = dict(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02,
                    repetition_penalty=1.2, eos=False, draft_depth=1, n_draft=3)
     with tinyloop.Model(model_file(model_dir, "huginn-q4"), device=DEVICE) as model:
-        a = model.generate(PROMPT, seed=7, **options)
-        b = model.generate(PROMPT, seed=7, **options)
-        c = model.generate(PROMPT, seed=8, **options)
-        assert a.tokens == b.tokens and a.tokens != c.tokens
-        assert a.drafted_tokens > 0 and 0 <= a.accepted_tokens <= a.drafted_tokens
-        with model.stream(PROMPT, seed=7, **options) as stream:
-            assert list(stream) == a.tokens
+        check_seeded(model, options)
+
+
+def check_seeded(model, options):
+    """A sampled speculative generation: seed 7 twice gives the same tokens, seed 8 others,
+    drafts were verified, and a stream gives seed 7's tokens. Returns seed 7's result."""
+    a = model.generate(PROMPT, seed=7, **options)
+    b = model.generate(PROMPT, seed=7, **options)
+    c = model.generate(PROMPT, seed=8, **options)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert a.drafted_tokens > 0 and 0 <= a.accepted_tokens <= a.drafted_tokens
+    with model.stream(PROMPT, seed=7, **options) as stream:
+        assert list(stream) == a.tokens
+    return a
 
 
 def test_c_call_takes_its_own_draft_arguments(model_dir):

@@ -27,9 +27,8 @@ from testing_hooks import hooks_of
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
 from reference import ReferenceModel
-from test_speculative import model_dir, model_file  # noqa: F401 (model_dir: the fixture)
+from test_speculative import PROMPT, check_seeded, model_dir, model_file  # noqa: F401 (model_dir: the fixture)
 
-PROMPT = [5, 17, 3, 88, 41, 9]
 GREEDY = dict(temperature=0, eos=False)
 # a tree after the prefix: node i's parent (-1: the prefix's last token); breadth first
 PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 9]
@@ -375,13 +374,7 @@ def test_sampled_trees_are_seeded_and_leave_the_context_as_plain_decoding(model_
     options = dict(max_tokens=20, depth=depth, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02,
                    repetition_penalty=1.2, eos=False, draft_depth=1, tree=(3, 2, 1))
     with tinyloop.Model(model_file(model_dir, name), device=DEVICE) as model:
-        a = model.generate(PROMPT, seed=7, **options)
-        b = model.generate(PROMPT, seed=7, **options)
-        c = model.generate(PROMPT, seed=8, **options)
-        assert a.tokens == b.tokens and a.tokens != c.tokens
-        assert a.drafted_tokens > 0 and 0 <= a.accepted_tokens <= a.drafted_tokens
-        with model.stream(PROMPT, seed=7, **options) as stream:
-            assert list(stream) == a.tokens
+        a = check_seeded(model, options)
         with model.context() as ctx:
             tokens = ctx.generate(PROMPT, seed=7, **options).tokens
             assert tokens == a.tokens and len(ctx) == len(PROMPT) + len(tokens) - 1
