@@ -308,11 +308,13 @@ def test_server_grammar_field(servers):
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
     ({"response_format": "json"}, "response_format", "must be"),
     ({"grammar": 5}, "grammar", "GBNF"),
     ({"grammar": 'root ::= "a'}, "grammar", "line 1 column 10: unterminated string literal"),
     ({"grammar": 'root ::= "a"', "response_format": JSON_OBJECT}, "grammar", "exclude each other"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "grammar", "exclude each other"),
     ({"grammar": 'root ::= "a"', "draft_depth": 1}, None, "speculative"),
 ])
 def test_server_grammar_errors(servers, extra, param, words):

@@ -14,6 +14,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
 from .grammar import Grammar
+from .json_schema import SchemaError, json_schema_to_gbnf
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -28,7 +29,7 @@ def library_version() -> str:
 
 
 __all__ = [
-    "Grammar",
+    "Grammar", "SchemaError", "json_schema_to_gbnf",
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",

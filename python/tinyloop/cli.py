@@ -116,12 +116,33 @@ def _sampling(args, config) -> tuple:
     return options, depth
 
 
+def _read_grammar(args, model):
+    """The Grammar of --grammar (a GBNF file) or --json-schema (a JSON Schema file), or None."""
+    from .grammar import Grammar
+    from .json_schema import SchemaError, json_schema_to_gbnf
+    path = args.grammar or args.json_schema
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"{path}: cannot read: {e}") from None
+    try:
+        gbnf = text if args.grammar else json_schema_to_gbnf(text)
+    except SchemaError as e:
+        raise CommandError(f"{path}: {e}") from None
+    return Grammar(model, gbnf)
+
+
 def cmd_generate(args) -> dict:
     from .model import TokenStream
     from .plugins import strategy_mode
     config = _load_config(args)
     options, depth = _sampling(args, config)
     with _open_model(args, config) as model:
+        grammar = _read_grammar(args, model)
+        if grammar is not None:
+            options["grammar"] = grammar
         tokenizer = model.tokenizer
         prompt_ids = tokenizer.encode(args.prompt)
         mode = strategy_mode(config.modes)
@@ -496,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("generate", cmd_generate, "generate text, streamed as it comes")
     _add_model_arguments(p, "as -m MODEL; a single positional argument is the PROMPT")
     p.add_argument("prompt", metavar="PROMPT")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--grammar", metavar="FILE", help="constrain the text to a GBNF grammar")
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="constrain the text to JSON that a JSON Schema accepts")
     _add_sampling_flags(p)
     _add_runtime_flags(p)
 

@@ -66,6 +66,14 @@ class Grammar(_ModelChild):
         self.gbnf = gbnf
         model._children.add(self)
 
+    @classmethod
+    def from_json_schema(cls, model: "Model", schema, token_bytes=None) -> "Grammar":
+        """The grammar of the JSON documents `schema` (a dict or JSON text) accepts
+        (tinyloop.json_schema: its subset and limits); SchemaError for keywords it cannot
+        honour."""
+        from .json_schema import json_schema_to_gbnf
+        return cls(model, json_schema_to_gbnf(schema), token_bytes=token_bytes)
+
     def accepts(self, text: str) -> bool:
         """Whether `text` is a whole sentence of the grammar."""
         native, ffi = self._model._native, self._model._native.ffi

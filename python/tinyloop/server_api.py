@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from .chat_template import ChatTemplateError, ChatTemplateUnavailable
 from .errors import InvalidArgumentError
 from .grammar import json_object_grammar, request_grammar
+from .json_schema import SchemaError, json_schema_to_gbnf
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -178,25 +179,55 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
 
 
 def _grammar(body, model):
-    """response_format ({"type": "text"} or {"type": "json_object"}: the built-in JSON
-    object grammar) and TinyLoop's `grammar` (GBNF text); None when neither asks for one."""
+    """response_format ({"type": "text"}, {"type": "json_object"}: the built-in JSON
+    object grammar, or {"type": "json_schema", "json_schema": {...}}: the schema's
+    grammar) and TinyLoop's `grammar` (GBNF text); None when neither asks for one."""
     fmt, gbnf = body.get("response_format"), body.get("grammar")
+    schema_gbnf = None
     kind = "text"
     if fmt is not None:
-        if not isinstance(fmt, dict) or set(fmt) != {"type"} or fmt["type"] not in ("text", "json_object"):
-            raise RequestError('response_format must be {"type": "text"} or {"type": "json_object"} '
-                               "(json_schema is not supported)", "response_format")
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or \
+                set(fmt) - {"type", "json_schema"} or (fmt["type"] != "json_schema" and len(fmt) != 1):
+            raise RequestError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                               '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                               "response_format")
         kind = fmt["type"]
+        if kind == "json_schema":
+            schema_gbnf = _schema_grammar_text(fmt.get("json_schema"))
     if gbnf is not None and not isinstance(gbnf, str):
         raise RequestError("grammar must be a string of GBNF rules", "grammar")
-    if gbnf is not None and kind == "json_object":
-        raise RequestError('grammar and response_format {"type": "json_object"} exclude each other', "grammar")
+    if gbnf is not None and kind != "text":
+        raise RequestError(f'grammar and response_format {{"type": "{kind}"}} exclude each other', "grammar")
     try:
         if gbnf is not None:
             return request_grammar(model, gbnf)
+        if schema_gbnf is not None:
+            return request_grammar(model, schema_gbnf)
         return json_object_grammar(model) if kind == "json_object" else None
     except InvalidArgumentError as e:
         raise RequestError(str(e), "grammar" if gbnf is not None else "response_format") from None
+
+
+def _schema_grammar_text(spec) -> str:
+    """The GBNF of response_format's json_schema member (OpenAI's structured outputs:
+    name, schema, and the optional description and strict)."""
+    if not isinstance(spec, dict):
+        raise RequestError('response_format {"type": "json_schema"} needs a json_schema object '
+                           'with a name and a schema', "response_format")
+    unknown = set(spec) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise RequestError(f"response_format.json_schema: unknown key {sorted(unknown)[0]!r}", "response_format")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise RequestError("response_format.json_schema needs a name (a non-empty string)", "response_format")
+    if "schema" not in spec:
+        raise RequestError("response_format.json_schema needs a schema", "response_format")
+    if "strict" in spec and not isinstance(spec["strict"], bool):
+        raise RequestError("response_format.json_schema.strict must be a boolean", "response_format")
+    try:
+        return json_schema_to_gbnf(spec["schema"])
+    except SchemaError as e:
+        raise RequestError(f"response_format.json_schema.schema{e}" if str(e).startswith("/")
+                           else f"response_format.json_schema.schema: {e}", "response_format") from None
 
 
 def _logit_bias(body, vocab_size: int) -> dict:

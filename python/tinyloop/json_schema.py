@@ -1,0 +1,439 @@
+"""JSON Schema to GBNF (docs/python.md, "JSON schemas").
+
+`json_schema_to_gbnf(schema)` writes a grammar whose every sentence is a JSON document
+that the schema accepts, so that generation constrained by it (tinyloop.Grammar) gives
+valid output by construction. The grammar covers a subset of the valid documents where
+the full set cannot be written as a grammar or would invite runaway output: properties
+come in the schema's order, properties a schema does not declare are never generated,
+numbers have at most 16 digits in each part, and whitespace between tokens is limited as
+in JSON_GBNF. A keyword that constrains values but cannot be honoured (`pattern`,
+`uniqueItems`, most numeric bounds, ...) raises SchemaError naming it and where it is,
+rather than being ignored: the promise is that output validates."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+#: the longest run a length or count bound may ask for (each step is a grammar rule)
+MAX_BOUND = 1000
+
+# Keywords that describe a value without constraining it.
+_ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment",
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions"}
+
+_BASE_RULES = {
+    "ws": r'( [ \t\n] ( [ \t\n] ( [ \t\n] [ \t\n]? )? )? )?',
+    "hex": r'[0-9a-fA-F]',
+    "char": r'[^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" hex hex hex hex )',
+    # one code point: no \u escape of a UTF-16 surrogate, which would count as two
+    "char1": r'[^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" ( [0-9a-cA-Ce-fE-F] hex | [dD] [0-7] ) hex hex )',
+    "string": r'"\"" char* "\""',
+    "digit": r'[0-9]',
+    "digits16": r'digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit '
+                r'( digit ( digit ( digit ( digit ( digit digit? )? )? )? )? )? )? )? )? )? )? )? )? )? )?',
+    "natural": r'"0" | [1-9] digits15?',
+    "digits15": r'digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit ( digit '
+                r'( digit ( digit ( digit ( digit digit? )? )? )? )? )? )? )? )? )? )? )? )? )?',
+    "integer": r'"-"? natural',
+    "fraction": r'"." digits16',
+    "exponent": r'[eE] [-+]? digit ( digit digit? )?',
+    "number": r'"-"? natural fraction? exponent?',
+    "boolean": r'"true" | "false"',
+    "null": r'"null"',
+    "value": r'object | array | string | number | boolean | null',
+    "object": r'"{" ws ( member ( "," ws member )* )? "}"',
+    "member": r'string ws ":" ws value ws',
+    "array": r'"[" ws ( value ws ( "," ws value ws )* )? "]"',
+    # every day of every month except 29 February, which only leap years have
+    "date": r'digit digit digit digit "-" ( ( "0" [13578] | "1" [02] ) "-" ( "0" [1-9] | [12] digit | "3" [01] ) '
+            r'| ( "0" [469] | "11" ) "-" ( "0" [1-9] | [12] digit | "30" ) | "02-" ( "0" [1-9] | "1" digit | "2" [0-8] ) )',
+    "time": r'( [01] digit | "2" [0-3] ) ":" [0-5] digit ":" [0-5] digit ( "." digit ( digit ( digit ( digit '
+            r'( digit digit? )? )? )? )? )? ( [zZ] | [-+] ( [01] digit | "2" [0-3] ) ":" [0-5] digit )',
+    "uuid": r'hex hex hex hex hex hex hex hex "-" hex hex hex hex "-" hex hex hex hex "-" '
+            r'hex hex hex hex "-" hex hex hex hex hex hex hex hex hex hex hex hex',
+}
+# which base rules each base rule uses (so that only what a grammar needs is written)
+_BASE_USES = {name: [w for w in re.findall(r"[a-z0-9-]+", body) if w in _BASE_RULES and w != name]
+              for name, body in _BASE_RULES.items()}
+
+_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid"}
+
+
+class SchemaError(ValueError):
+    """A schema that cannot be turned into a grammar: the message names the keyword and
+    its place (a JSON pointer into the schema)."""
+
+
+def literal(text: str) -> str:
+    """`text` as a GBNF string literal."""
+    out = []
+    for ch in text:
+        cp = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= cp < 0x7f:
+            out.append(ch)
+        elif cp <= 0xffff:
+            out.append(f"\\u{cp:04X}")
+        else:
+            out.append(f"\\U{cp:08X}")
+    return '"' + "".join(out) + '"'
+
+
+def _json_text(value) -> str:
+    """The compact JSON text of a const or enum value."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise SchemaError(f"{value!r} is not a JSON value") from None
+
+
+class _Converter:
+    def __init__(self, root):
+        self.root = root
+        self.rules = {}          # name -> body, in the order written
+        self.bodies = {}         # body -> name, so that equal rules are written once
+        self.refs = {}           # "#/$defs/x" -> rule name (set before its body: recursion)
+        self.base = set()        # base rules in use
+
+    # ---- rules --------------------------------------------------------------------------
+    def use(self, name: str) -> str:
+        if name not in self.base:
+            self.base.add(name)
+            for dep in _BASE_USES[name]:
+                self.use(dep)
+        return name
+
+    def rule(self, hint: str, body: str) -> str:
+        """A rule named after `hint` holding `body` (an existing one if the body is known)."""
+        if body in self.bodies:
+            return self.bodies[body]
+        name = self.fresh(hint)
+        self.rules[name] = body
+        self.bodies[body] = name
+        return name
+
+    def fresh(self, hint: str) -> str:
+        base = re.sub(r"[^a-zA-Z0-9-]+", "-", hint).strip("-").lower() or "r"
+        if base in _BASE_RULES:
+            base += "-1"
+        name, k = base, 1
+        while name in self.rules or name in _BASE_RULES:
+            k += 1
+            name = f"{base}-{k}"
+        return name
+
+    def repeat(self, hint: str, item: str, lo: int, hi: int | None) -> str:
+        """An expression for lo to hi (None = any number of) repetitions of `item`."""
+        parts = [item] * lo
+        if hi is None:
+            parts.append(f"{item}*")
+        elif hi > lo:
+            more = '""'
+            for k in range(1, hi - lo + 1):   # more_k ::= ( item more_{k-1} )?
+                more = self.rule(f"{hint}-upto-{k}", f"( {item} {more} )?" if k > 1 else f"{item}?")
+            parts.append(more)
+        return " ".join(parts) if parts else '""'
+
+    # ---- schemas ------------------------------------------------------------------------
+    def visit(self, schema, path: str, hint: str) -> str:
+        """An expression (a rule name or a parenthesised alternative) for `schema`."""
+        if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
+            return self.use("value")
+        if schema is False:
+            raise SchemaError(f"{path or '/'}: the schema false accepts no value")
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{path or '/'}: a schema must be an object or a boolean, "
+                              f"got {type(schema).__name__}")
+        if "$ref" in schema:
+            return self.ref(schema, path)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self.alternatives(schema, key, path, hint)
+        if "allOf" in schema:
+            return self.visit(self.merge_all_of(schema, path), path, hint)
+        if "const" in schema:
+            self.only(schema, {"const"}, path)
+            return self.rule(f"{hint}-const", literal(_json_text(schema["const"])))
+        if "enum" in schema:
+            self.only(schema, {"enum", "type"}, path)
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{path}/enum: must be a non-empty list")
+            return self.rule(f"{hint}-enum", " | ".join(literal(_json_text(v)) for v in values))
+        types = schema.get("type")
+        if types is None:
+            types = self.implied_type(schema, path)
+        if isinstance(types, str):
+            types = [types]
+        if not isinstance(types, list) or not types:
+            raise SchemaError(f"{path}/type: must be a type name or a non-empty list of them")
+        if schema.get("nullable") is True and "null" not in types:
+            types = [*types, "null"]
+        exprs = [self.typed(schema, t, path, hint) for t in dict.fromkeys(types)]
+        return exprs[0] if len(exprs) == 1 else self.rule(hint, " | ".join(exprs))
+
+    def only(self, schema: dict, allowed: set, path: str) -> None:
+        extra = set(schema) - allowed - _ANNOTATIONS - {"nullable"}
+        if extra:
+            raise SchemaError(f"{path}/{sorted(extra)[0]}: not supported beside "
+                              f"{'/'.join(sorted(allowed))}")
+
+    def implied_type(self, schema: dict, path: str):
+        """The type a schema without `type` constrains, from its keywords."""
+        if {"properties", "required", "additionalProperties"} & set(schema):
+            return "object"
+        if {"items", "prefixItems", "minItems", "maxItems"} & set(schema):
+            return "array"
+        if {"minLength", "maxLength", "format"} & set(schema):
+            return "string"
+        self.check_keywords(schema, set(), path)
+        return ["object", "array", "string", "number", "boolean", "null"]
+
+    def ref(self, schema: dict, path: str) -> str:
+        self.only(schema, {"$ref"}, path)
+        target = schema["$ref"]
+        if target in self.refs:
+            return self.refs[target]
+        if not isinstance(target, str) or not (target == "#" or target.startswith("#/")):
+            raise SchemaError(f"{path}/$ref: only references inside the schema (#/...) are "
+                              f"supported, got {target!r}")
+        node = self.root
+        for part in target[2:].split("/") if target != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise SchemaError(f"{path}/$ref: {target!r} points nowhere")
+        name = self.fresh(target.rsplit("/", 1)[-1] or "root-ref")
+        self.refs[target] = name
+        self.rules[name] = None           # reserved while its body is built
+        self.rules[name] = self.visit(node, target[1:], name)
+        return name
+
+    def alternatives(self, schema: dict, key: str, path: str, hint: str) -> str:
+        self.only(schema, {key}, path)
+        branches = schema[key]
+        if not isinstance(branches, list) or not branches:
+            raise SchemaError(f"{path}/{key}: must be a non-empty list of schemas")
+        exprs = [self.visit(s, f"{path}/{key}/{i}", f"{hint}-{i}") for i, s in enumerate(branches)]
+        return self.rule(hint, " | ".join(dict.fromkeys(exprs)))
+
+    def merge_all_of(self, schema: dict, path: str) -> dict:
+        """allOf of object schemas (or references to them) as one object schema."""
+        merged = {k: v for k, v in schema.items() if k != "allOf"}
+        parts = schema["allOf"]
+        if not isinstance(parts, list) or not parts:
+            raise SchemaError(f"{path}/allOf: must be a non-empty list of schemas")
+        props = dict(merged.get("properties", {}))
+        required = list(merged.get("required", []))
+        for i, part in enumerate(parts):
+            where = f"{path}/allOf/{i}"
+            while isinstance(part, dict) and set(part) - _ANNOTATIONS == {"$ref"}:
+                part = self.resolve(part["$ref"], where)
+            if not isinstance(part, dict) or set(part) - _ANNOTATIONS - {
+                    "type", "properties", "required", "additionalProperties"} or \
+                    part.get("type", "object") != "object" or part.get("additionalProperties") is True:
+                raise SchemaError(f"{where}: allOf is supported for object schemas with "
+                                  f"properties and required only")
+            for name, sub in part.get("properties", {}).items():
+                if name in props and props[name] != sub:
+                    raise SchemaError(f"{where}/properties/{name}: differs from an earlier "
+                                      f"allOf member's (not supported)")
+                props[name] = sub
+            required += [r for r in part.get("required", []) if r not in required]
+        merged.update(type="object", properties=props, required=required)
+        return merged
+
+    def resolve(self, target, where: str):
+        node = self.root
+        if not isinstance(target, str) or not target.startswith("#"):
+            raise SchemaError(f"{where}/$ref: only references inside the schema are supported")
+        for part in target[2:].split("/") if target not in ("#", "#/") else []:
+            if not isinstance(node, dict) or part not in node:
+                raise SchemaError(f"{where}/$ref: {target!r} points nowhere")
+            node = node[part]
+        return node
+
+    _TYPE_KEYWORDS = {
+        "string": {"minLength", "maxLength", "format"},
+        "integer": {"minimum", "exclusiveMinimum"},
+        "number": {"minimum", "exclusiveMinimum"},
+        "boolean": set(), "null": set(),
+        "object": {"properties", "required", "additionalProperties"},
+        "array": {"items", "prefixItems", "minItems", "maxItems"},
+    }
+
+    def check_keywords(self, schema: dict, allowed: set, path: str) -> None:
+        known = set().union(*self._TYPE_KEYWORDS.values())
+        for key in schema:
+            if key in _ANNOTATIONS or key in ("type", "nullable") or key in allowed:
+                continue
+            if key in known:
+                continue          # another type's keyword: it does not apply to this type
+            raise SchemaError(f"{path}/{key}: this keyword is not supported (generated values "
+                              f"could not be guaranteed to satisfy it)")
+
+    def typed(self, schema: dict, t, path: str, hint: str) -> str:
+        if t not in self._TYPE_KEYWORDS:
+            raise SchemaError(f"{path}/type: unknown type {t!r}")
+        self.check_keywords(schema, self._TYPE_KEYWORDS[t], path)
+        if t == "string":
+            return self.string(schema, path, hint)
+        if t in ("integer", "number"):
+            return self.numeric(schema, t, path, hint)
+        if t == "object":
+            return self.object(schema, path, hint)
+        if t == "array":
+            return self.array(schema, path, hint)
+        return self.use(t)
+
+    def bound(self, schema: dict, key: str, path: str, default):
+        value = schema.get(key, default)
+        if value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SchemaError(f"{path}/{key}: must be a non-negative integer")
+        if value > MAX_BOUND:
+            raise SchemaError(f"{path}/{key}: {value} is above the largest supported bound "
+                              f"({MAX_BOUND})")
+        return value
+
+    def bounds(self, schema: dict, lo_key: str, hi_key: str, path: str):
+        lo = self.bound(schema, lo_key, path, 0)
+        hi = self.bound(schema, hi_key, path, None)
+        if hi is not None and hi < lo:
+            raise SchemaError(f"{path}/{hi_key}: {hi} is below {lo_key} {lo}: no value fits")
+        return lo, hi
+
+    def string(self, schema: dict, path: str, hint: str) -> str:
+        fmt = schema.get("format")
+        if fmt is not None:
+            if fmt not in _FORMATS:
+                raise SchemaError(f"{path}/format: {fmt!r} is not supported (supported: "
+                                  f"{', '.join(_FORMATS)})")
+            if "minLength" in schema or "maxLength" in schema:
+                raise SchemaError(f"{path}/format: not supported together with a length bound")
+            inner = (f'{self.use("date")} [tT] {self.use("time")}' if fmt == "date-time"
+                     else self.use(_FORMATS[fmt]))
+            return self.rule(f"{hint}-{fmt}", f'"\\"" {inner} "\\""')
+        lo, hi = self.bounds(schema, "minLength", "maxLength", path)
+        if lo == 0 and hi is None:
+            return self.use("string")
+        chars = self.repeat(f"{hint}-chars", self.use("char1"), lo, hi)
+        return self.rule(f"{hint}-string", f'"\\"" {chars} "\\""')
+
+    def numeric(self, schema: dict, t: str, path: str, hint: str) -> str:
+        lo, strict = schema.get("minimum"), False
+        if "exclusiveMinimum" in schema:
+            if lo is not None:
+                raise SchemaError(f"{path}/exclusiveMinimum: not supported beside minimum")
+            lo, strict = schema["exclusiveMinimum"], True
+        if lo is None:
+            return self.use(t)
+        if isinstance(lo, bool) or not isinstance(lo, (int, float)) or not math.isfinite(lo):
+            raise SchemaError(f"{path}/minimum: must be a number")
+        key = "exclusiveMinimum" if strict else "minimum"
+        if t == "integer" and (lo, strict) in ((0, False), (-1, True)):
+            return self.rule(f"{hint}-non-negative", self.use("natural"))
+        if t == "integer" and (lo, strict) in ((1, False), (0, True)):
+            return self.rule(f"{hint}-positive", f"[1-9] {self.use('digits15')}?")
+        if t == "number" and (lo, strict) == (0, False):
+            return self.rule(f"{hint}-non-negative",
+                             f"{self.use('natural')} {self.use('fraction')}? {self.use('exponent')}?")
+        raise SchemaError(f"{path}/{key}: only {key} 0 (and, for integers, minimum 1) is supported")
+
+    def object(self, schema: dict, path: str, hint: str) -> str:
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError(f"{path}/properties: must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{path}/required: must be a list of property names")
+        missing = [r for r in required if r not in props]
+        extra = schema.get("additionalProperties", True)
+        if missing and extra is False:
+            raise SchemaError(f"{path}/required: {missing[0]!r} is required but not a property, "
+                              f"and additionalProperties is false: no object fits")
+        if missing:
+            raise SchemaError(f"{path}/required: {missing[0]!r} is required but has no schema "
+                              f"under properties (not supported)")
+        ws = self.use("ws")
+        if not props:
+            if extra is False:
+                return self.rule(f"{hint}-empty", f'"{{" {ws} "}}"')
+            value = self.visit(extra if isinstance(extra, dict) else True,
+                               f"{path}/additionalProperties", f"{hint}-value")
+            member = self.rule(f"{hint}-member", f'{self.use("string")} {ws} ":" {ws} {value} {ws}')
+            return self.rule(hint, f'"{{" {ws} ( {member} ( "," {ws} {member} )* )? "}}"')
+        members = []
+        for name, sub in props.items():
+            value = self.visit(sub, f"{path}/properties/{name}", f"{hint}-{name}")
+            members.append((self.rule(f"{hint}-{name}-kv",
+                                      f'{literal(json.dumps(name, ensure_ascii=False))} {ws} ":" {ws} {value} {ws}'),
+                            name in required))
+        # after_k: the members from k on when one is already written (each then starts
+        # with a comma); from_k: the same with none written yet. None = nothing left.
+        after = start = None
+        for k in range(len(members) - 1, -1, -1):
+            kv, req = members[k]
+            comma_kv = f'"," {ws} {kv}'
+            new_after = comma_kv if req else f"( {comma_kv} )?"
+            first = kv if after is None else f"{kv} {after}"
+            if after is not None:
+                new_after += f" {after}"
+            if req:
+                new_start = first
+            elif start is None:
+                new_start = f"( {first} )?"
+            else:
+                new_start = f"{first} | {start}"
+            if k:
+                after = self.rule(f"{hint}-after-{k}", new_after)
+            start = self.rule(f"{hint}-from-{k}", new_start)
+        return self.rule(hint, f'"{{" {ws} {start} "}}"')
+
+    def array(self, schema: dict, path: str, hint: str) -> str:
+        ws = self.use("ws")
+        prefix = schema.get("prefixItems")
+        items = schema.get("items", True)
+        if isinstance(items, list):           # draft 7 tuples
+            prefix, items = items, schema.get("additionalItems", True)
+        lo, hi = self.bounds(schema, "minItems", "maxItems", path)
+        if prefix is not None:
+            if not isinstance(prefix, list) or not prefix:
+                raise SchemaError(f"{path}/prefixItems: must be a non-empty list of schemas")
+            if "minItems" in schema or "maxItems" in schema:
+                raise SchemaError(f"{path}/minItems: not supported with a tuple (prefixItems)")
+            exprs = [self.visit(s, f"{path}/prefixItems/{i}", f"{hint}-{i}") for i, s in enumerate(prefix)]
+            body = f' "," {ws} '.join(f"{e} {ws}" for e in exprs)
+            return self.rule(hint, f'"[" {ws} {body} "]"')
+        item = self.visit(items, f"{path}/items", f"{hint}-item")
+        if hi == 0:
+            return self.rule(f"{hint}-empty", f'"[" {ws} "]"')
+        rest = self.rule(f"{hint}-next", f'"," {ws} {item} {ws}')
+        tail = self.repeat(f"{hint}-next", rest, max(lo - 1, 0), None if hi is None else hi - 1)
+        elems = f"{item} {ws} {tail}"
+        return self.rule(hint, f'"[" {ws} {elems} "]"' if lo > 0 else f'"[" {ws} ( {elems} )? "]"')
+
+    def grammar(self) -> str:
+        top = self.visit(self.root, "", "root")
+        lines = [f"root ::= {top}"] if top != "root" else []
+        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
+        lines += [f"{name} ::= {_BASE_RULES[name]}" for name in _BASE_RULES if name in self.base]
+        return "\n".join(lines) + "\n"
+
+
+def json_schema_to_gbnf(schema) -> str:
+    """GBNF for the JSON documents `schema` (a dict or a JSON string) accepts (within the
+    limits the module docstring lists); SchemaError for what cannot be honoured."""
+    if isinstance(schema, (str, bytes)):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SchemaError(f"the schema is not valid JSON: {e}") from None
+    return _Converter(schema).grammar()
