@@ -916,6 +916,17 @@ class Context(_Scoring, _OwnsHandle):
         native.check(native.lib.tl_prefix_cache_from_context(self._require_open(), n_tokens, out))
         return _prefix.PrefixCache(self._model, out[0])
 
+    def fork(self) -> "Context":
+        """A new context with this one's options holding a copy of its sequence (tokens,
+        KV cache, loop states); the two then go on separately."""
+        native, ffi = self._model._native, self._model._native.ffi
+        out = ffi.new("tl_context **")
+        native.check(native.lib.tl_context_fork(self._require_open(), out))
+        copy = Context.__new__(Context)
+        copy._model, copy._handle = self._model, out[0]
+        self._model._children.add(copy)
+        return copy
+
     def truncate(self, n_keep: int) -> None:
         n_keep = _args.integer("n_keep", n_keep, minimum=0)
         self._model._native.check(self._model._native.lib.tl_context_truncate(
