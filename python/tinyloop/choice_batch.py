@@ -39,7 +39,7 @@ class BatchedChoice:
         self.choice, self.record, self.report = choice, record, report
         self.ok = False
         self._batch = batch
-        self._pipe = TextPipe(batch.model.tokenizer, choice.stops, record)
+        self._pipe = TextPipe(batch.model.tokenizer, choice.stops, record, choice.prompt_ids)
         self._chunks = deque()   # (piece, logprobs) made and not read yet
         self.stream = self.context = None
         self.done = False

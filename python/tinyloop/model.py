@@ -320,7 +320,7 @@ class TokenStream(_OwnsHandle):
 
 
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
-    decoder = tokenizer.incremental_decoder()
+    decoder = tokenizer.incremental_decoder(stream._prompt.tolist())
     with stream:
         for token in stream:
             piece = decoder.push(token)
@@ -428,7 +428,7 @@ class _Scoring:
                     pass
             result = stream.result
             if isinstance(prompt, str):
-                result = replace(result, text=model.tokenizer.decode(result.tokens))
+                result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
             return result
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
@@ -445,7 +445,7 @@ class _Scoring:
         else:
             native.check(native.lib.tl_context_generate(ctx, *args))
         tokens = out[:int(c_result.n_tokens)].tolist()
-        text = model.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+        text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
         return _result_from_c(c_result, tokens, text)
 
     def stream(self, prompt, **options) -> TokenStream:
@@ -732,7 +732,7 @@ class Model(_Scoring, _OwnsHandle):
         results = []
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             tokens = out[:int(c_results[i].n_tokens)].tolist()
-            text = self.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+            text = self.tokenizer.decode_continuation(ids[i], tokens) if isinstance(prompt, str) else None
             results.append(_result_from_c(c_results[i], tokens, text))
         return results
 

@@ -43,10 +43,12 @@ class GenerationCancelled(Exception):
 class TextPipe:
     """One generation's tokens turned into text pieces, a token at a time: push() each
     token as it comes, end() once the stream has ended. Fills `record` as it goes. Used by
-    generate_text and by callers that step several streams together (choice_batch.py)."""
+    generate_text and by callers that step several streams together (choice_batch.py).
+    `context`: the tokens the generation follows (its prompt), whose end the text's
+    decoding reads (Tokenizer.incremental_decoder)."""
 
-    def __init__(self, tokenizer, stops: Sequence[str], record: TextGeneration):
-        self._decoder = tokenizer.incremental_decoder()
+    def __init__(self, tokenizer, stops: Sequence[str], record: TextGeneration, context: Sequence[int] = ()):
+        self._decoder = tokenizer.incremental_decoder(context)
         self._stops = stops
         self._longest = max((len(s) for s in stops), default=0)
         self._record = record
@@ -99,7 +101,7 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
     GenerationCancelled. With `context` the generation continues that context's sequence
     (`prompt_ids` are then the tokens after it). With `batcher` (a DecodeBatcher of the
     model) its decode steps are taken together with other generations'."""
-    pipe = TextPipe(model.tokenizer, stops, record)
+    pipe = TextPipe(model.tokenizer, stops, record, prompt_ids)
     stream = (model if context is None else context).stream(prompt_ids, **options)
     record.logprobs = getattr(stream, "logprobs", None)
     tokens = batcher.tokens(stream) if batcher is not None else stream
