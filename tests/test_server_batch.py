@@ -198,3 +198,26 @@ def test_a_failure_at_the_start_of_a_later_choice_is_that_choices_error(servers,
                                                                  "temperature": 0})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert "injected: no room" in reply["error"]["message"]
+
+
+def test_a_client_leaving_ends_the_whole_batch(servers):
+    """A client that hangs up mid-stream ends every choice of its batch at the next step:
+    their streams leave the decode batcher and their contexts are freed."""
+    import json
+    import socket
+    import time
+    running = servers["batcher"]
+    steps = running.server.batcher.steps
+    body = json.dumps({"prompt": "x", "max_tokens": 80, "n": 4, "stream": True, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", running.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+    batcher = running.server.batcher
+    deadline = time.monotonic() + 10
+    while batcher._active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not batcher._active
+    assert batcher.steps - steps < 60   # it stopped early (80 steps would have run to the end)
+    assert not any(isinstance(c, tinyloop.Context) and not c.closed for c in list(running.model._children))
+    assert running.post("/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2})[0] == 200
