@@ -221,3 +221,22 @@ def test_a_client_leaving_ends_the_whole_batch(servers):
     assert batcher.steps - steps < 60   # it stopped early (80 steps would have run to the end)
     assert not any(isinstance(c, tinyloop.Context) and not c.closed for c in list(running.model._children))
     assert running.post("/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2})[0] == 200
+
+
+def test_the_default_models_batched_choices_equal_the_sequential_ones():
+    """The shipped model (q4 weights, byte-level BPE): the same texts, logprobs and usage."""
+    from tinyloop import default_model
+    path = default_model.MODELS_DIR / f"{default_model.DEFAULT_MODEL_NAME}.tinyloop"
+    if not path.exists():
+        pytest.skip("the trained default model is not in this installation")
+    batched = Running(path)
+    try:
+        request = {"prompt": ["The capital of France is", "Once upon a time"], "max_tokens": 6, "n": 3,
+                   "logprobs": 2, "temperature": 0.8, "seed": 4, "stop": ["\n"]}
+        expected = [_plain(batched.post("/v1/completions", dict(request, prompt=p, n=1, seed=4 + i))[1])
+                    for p in request["prompt"] for i in range(3)]   # single-choice requests
+        got = _plain(batched.post("/v1/completions", request)[1])
+        assert [dict(c, index=0) for c in got["choices"]] == [e["choices"][0] for e in expected]
+        assert got["usage"]["completion_tokens"] == sum(e["usage"]["completion_tokens"] for e in expected)
+    finally:
+        batched.close()
