@@ -263,3 +263,38 @@ def test_prefix_caches_under_kv_policies(files):
                 ring.load_prefix(cache)
                 plain.load_prefix(cache)
                 assert np.array_equal(ring.append([6], depth=depth), plain.append([6], depth=depth))
+
+
+def test_a_model_without_a_loop_ignores_the_depth_of_its_prefixes(files):  # noqa: F811
+    """On a plain dense model (n_core 0) depth means nothing, as for its contexts and
+    generations: every prefix is kept at depth 0, whatever depth it was added at, and a
+    lookup or a generation at any depth matches it (one entry, not one per depth). A
+    looped model's prefix matches only its own depth."""
+    config = case_config("plain-llama")
+    assert config["n_core"] == 0
+    tokens = case_tokens(config)
+    with open_model(files, "plain-llama") as model:
+        pool = tinyloop.PrefixPool(model)
+        pool.add(tokens[:SPLIT], depth=3)
+        pool.add(tokens[:SPLIT], depth=0)   # the same prefix: held already
+        with model.prefix_cache(tokens[:SPLIT + 2], depth=5) as cache:
+            assert cache.depth == 0
+            pool.add_cache(cache)
+        assert pool.stats()["prefixes"] == 2
+        for depth in (0, 1, 2, 7):
+            assert pool.lookup(tokens, depth=depth) == SPLIT + 2, depth
+            plain = model.generate(tokens, max_tokens=4, eos=False, temperature=0.0, depth=depth)
+            pooled = model.generate(tokens, max_tokens=4, eos=False, temperature=0.0, depth=depth, pool=pool)
+            assert pooled.tokens == plain.tokens and pooled.cached_tokens == SPLIT + 2, depth
+        with pytest.raises(ValueError, match="depth"):
+            pool.lookup(tokens, depth=-1)
+        pool.close()
+    looped = case_config("base")
+    loop_tokens = case_tokens(looped)
+    with open_model(files, "base") as model:
+        pool = tinyloop.PrefixPool(model)
+        pool.add(loop_tokens[:SPLIT], depth=1)
+        assert pool.lookup(loop_tokens, depth=1) == SPLIT
+        assert pool.lookup(loop_tokens, depth=2) == 0
+        assert pool.lookup(loop_tokens, depth=0) == (SPLIT if model.info.default_depth == 1 else 0)
+        pool.close()

@@ -149,7 +149,10 @@ def test_bad_chat_choices(chat_server):
     assert status == 400 and reply["error"]["param"] == "best_of"   # not a chat field
 
 
-def test_a_refusal_before_the_stream_is_a_400_and_a_later_failure_its_last_event(paths, monkeypatch):
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_refusal_before_the_stream_is_a_400_and_a_later_failure_its_last_event(paths, monkeypatch, batched):
+    """Batched choices (a failure injected in a batched step) and choices run one after
+    another (drafting ones: a failure injected in a stream's own step) alike."""
     import json
 
     import tinyloop
@@ -159,15 +162,30 @@ def test_a_refusal_before_the_stream_is_a_400_and_a_later_failure_its_last_event
         request = {"prompt": ["a", "b"], "n": 2, "max_tokens": 4, "stream": True, **GREEDY}
         status, reply = running.post("/v1/completions", dict(request, logprobs=1, draft_depth=1))
         assert status == 400 and "speculative" in reply["error"]["message"], reply
-        real_next, calls = tinyloop.model.TokenStream.__next__, []
+        calls = []
+        if batched:
+            real_batch = tinyloop.Model.next_batch
 
-        def failing_next(stream):   # fails in the second choice, after the first went out
-            calls.append(1)
-            if len(calls) == 7:
-                raise tinyloop.errors.TinyLoopError("injected failure")
-            return real_next(stream)
+            def failing_batch(model, streams):   # choice 1 fails in the second step
+                out = real_batch(model, streams)
+                calls.append(1)
+                if len(calls) == 2:
+                    streams[1].close()
+                    out[1] = tinyloop.errors.TinyLoopError("injected failure")
+                return out
 
-        monkeypatch.setattr(tinyloop.model.TokenStream, "__next__", failing_next)
+            monkeypatch.setattr(tinyloop.Model, "next_batch", failing_batch)
+        else:
+            request["draft_depth"] = 1
+            real_next = tinyloop.model.TokenStream.__next__
+
+            def failing_next(stream):   # fails in the second choice, after the first went out
+                calls.append(1)
+                if len(calls) == 7:
+                    raise tinyloop.errors.TinyLoopError("injected failure")
+                return real_next(stream)
+
+            monkeypatch.setattr(tinyloop.model.TokenStream, "__next__", failing_next)
         status, payload = running.request("POST", "/v1/completions", request)
         assert status == 200
         lines = [line for line in payload.decode().split("\n\n") if line]
@@ -176,6 +194,7 @@ def test_a_refusal_before_the_stream_is_a_400_and_a_later_failure_its_last_event
         assert "injected failure" in events[-1]["error"]["message"]
         assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == [
             "length"]   # choice 0 ended, choice 1 did not
+        assert {c["index"] for e in events[:-1] for c in e["choices"]} <= {0, 1}   # nothing after it
         assert running.server.cache._idle == []   # several choices bypass the prompt cache
     finally:
         running.close()

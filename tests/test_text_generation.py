@@ -35,7 +35,7 @@ class FakeModel:
     def __init__(self, tokens, reason="max_tokens"):
         self.tokens, self.reason, self.streams = tokens, reason, []
         decoder = SimpleNamespace(push=lambda t: PIECES[t], flush=lambda: "")
-        self.tokenizer = SimpleNamespace(incremental_decoder=lambda: decoder)
+        self.tokenizer = SimpleNamespace(incremental_decoder=lambda context=(): decoder)
 
     def stream(self, prompt_ids, **options):
         self.streams.append(FakeStream(self.tokens, self.reason))

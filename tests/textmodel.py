@@ -50,16 +50,17 @@ def _byte_chars() -> list[str]:
 
 
 def make_text_model(path, *, seed: int = 7, add_bos: bool = True,
-                    chat_template: str | None = None) -> None:
-    """Write a random model with the byte-level tokenizer (and a chat template, when
-    given) to `path`."""
+                    chat_template: str | None = None, tokenizer_json: str | None = None) -> None:
+    """Write a random model with the byte-level tokenizer (or `tokenizer_json`, one of
+    VOCAB tokens with <s> and </s> at BOS and EOS; and a chat template, when given) to
+    `path`."""
     plain = f"{path}.plain"
     make_random_model(plain, seed=seed, dtype="f32", **DIMS)
     with read_file(plain) as src:
         writer = TinyLoopWriter(dict(src.dims))
         for key, value in src.metadata.items():
             writer.add_metadata(key, value)
-        writer.add_metadata("tokenizer.json", byte_level_tokenizer_json())
+        writer.add_metadata("tokenizer.json", tokenizer_json or byte_level_tokenizer_json())
         writer.add_metadata("tokenizer.bos_id", BOS)
         writer.add_metadata("tokenizer.eos_id", EOS)
         writer.add_metadata("tokenizer.add_bos", int(add_bos))

@@ -146,7 +146,7 @@ def cmd_generate(args) -> dict:
         tokenizer = model.tokenizer
         prompt_ids = tokenizer.encode(args.prompt)
         mode = strategy_mode(config.modes)
-        decoder = tokenizer.incremental_decoder()
+        decoder = tokenizer.incremental_decoder(prompt_ids)
         started = time.perf_counter()
         if mode is not None:
             tokens = mode.plugin.strategy(model, np.asarray(prompt_ids, dtype=np.int32),
@@ -168,7 +168,7 @@ def cmd_generate(args) -> dict:
         sys.stdout.write(decoder.flush() + "\n")
         sys.stdout.flush()
         elapsed = time.perf_counter() - started
-        payload = {"model": model.path, "text": tokenizer.decode(generated),
+        payload = {"model": model.path, "text": tokenizer.decode_continuation(prompt_ids, generated),
                    "tokens": generated, "n_tokens": len(generated),
                    "prompt_tokens": len(prompt_ids),
                    "depth": depth, "mode": mode.name if mode else None,

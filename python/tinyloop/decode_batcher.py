@@ -48,34 +48,51 @@ class DecodeBatcher:
     def tokens(self, stream) -> Iterator[int]:
         """The stream's tokens, each stepped in a batch; closing this generator (or the end
         of the stream) takes the stream out of the batch."""
-        with self._cond:
-            self._active.add(id(stream))
+        self.enter([stream])
         try:
             while True:
-                token = self._next(stream)
+                token = self._next([stream])[0]
+                if isinstance(token, BaseException):
+                    raise token
                 if token is None:
                     return
                 yield token
         finally:
-            with self._cond:
-                self._active.discard(id(stream))
-                self._cond.notify_all()
+            self.leave(stream)
 
-    def _next(self, stream):
-        waiter = _Waiter(stream)
+    def enter(self, streams) -> None:
+        """These streams take part in the batches from now on: a step waits (at most
+        GATHER_S) for them too."""
+        with self._cond:
+            self._active.update(id(stream) for stream in streams)
+
+    def leave(self, stream) -> None:
+        """The stream has ended (or is given up): steps no longer wait for it."""
+        with self._cond:
+            self._active.discard(id(stream))
+            self._cond.notify_all()
+
+    def next_batch(self, streams) -> list:
+        """Model.next_batch of these streams (entered before) in one step of the worker,
+        together with the other generations' streams waiting then: per stream its token,
+        None at its end, or the exception it failed with."""
+        return self._next(streams)
+
+    def _next(self, streams) -> list:
+        waiters = [_Waiter(stream) for stream in streams]
         with self._cond:
             if self._closed:
                 raise RuntimeError("the decode batcher is closed")
-            self._waiting.append(waiter)
+            self._waiting.extend(waiters)
             self._cond.notify_all()
-        try:
-            waiter.done.wait()
-        finally:
-            if not waiter.done.is_set():   # interrupted (KeyboardInterrupt, a signal handler)
-                self._withdraw(waiter)
-        if isinstance(waiter.value, BaseException):
-            raise waiter.value
-        return waiter.value
+        for waiter in waiters:
+            try:
+                waiter.done.wait()
+            finally:
+                if not waiter.done.is_set():   # interrupted (KeyboardInterrupt, a signal handler)
+                    for w in waiters:
+                        self._withdraw(w)
+        return [waiter.value for waiter in waiters]
 
     def _withdraw(self, waiter: _Waiter) -> None:
         """An interrupted wait: take the waiter back, or, when the worker is stepping its

@@ -320,7 +320,7 @@ class TokenStream(_OwnsHandle):
 
 
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
-    decoder = tokenizer.incremental_decoder()
+    decoder = tokenizer.incremental_decoder(stream._prompt.tolist())
     with stream:
         for token in stream:
             piece = decoder.push(token)
@@ -428,7 +428,7 @@ class _Scoring:
                     pass
             result = stream.result
             if isinstance(prompt, str):
-                result = replace(result, text=model.tokenizer.decode(result.tokens))
+                result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
             return result
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
@@ -445,7 +445,7 @@ class _Scoring:
         else:
             native.check(native.lib.tl_context_generate(ctx, *args))
         tokens = out[:int(c_result.n_tokens)].tolist()
-        text = model.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+        text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
         return _result_from_c(c_result, tokens, text)
 
     def stream(self, prompt, **options) -> TokenStream:
@@ -732,7 +732,7 @@ class Model(_Scoring, _OwnsHandle):
         results = []
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             tokens = out[:int(c_results[i].n_tokens)].tolist()
-            text = self.tokenizer.decode(tokens) if isinstance(prompt, str) else None
+            text = self.tokenizer.decode_continuation(ids[i], tokens) if isinstance(prompt, str) else None
             results.append(_result_from_c(c_results[i], tokens, text))
         return results
 
@@ -915,6 +915,17 @@ class Context(_Scoring, _OwnsHandle):
         out = ffi.new("tl_prefix_cache **")
         native.check(native.lib.tl_prefix_cache_from_context(self._require_open(), n_tokens, out))
         return _prefix.PrefixCache(self._model, out[0])
+
+    def fork(self) -> "Context":
+        """A new context with this one's options holding a copy of its sequence (tokens,
+        KV cache, loop states); the two then go on separately."""
+        native, ffi = self._model._native, self._model._native.ffi
+        out = ffi.new("tl_context **")
+        native.check(native.lib.tl_context_fork(self._require_open(), out))
+        copy = Context.__new__(Context)
+        copy._model, copy._handle = self._model, out[0]
+        self._model._children.add(copy)
+        return copy
 
     def truncate(self, n_keep: int) -> None:
         n_keep = _args.integer("n_keep", n_keep, minimum=0)

@@ -17,10 +17,10 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import server_api
+from . import choice_batch, server_api
 from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
 from .decode_batcher import DecodeBatcher
@@ -37,7 +37,8 @@ class ModelServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, model, *, name: str, parallel: int = 1,
-                 prompt_cache: int | None = None, batch_decode: bool | None = None, log=None):
+                 prompt_cache: int | None = None, batch_decode: bool | None = None,
+                 batch_choices: bool = True, log=None):
         # sequences kept between requests: by default one per slot; 0 = none
         kept = parallel if prompt_cache is None else prompt_cache
         if kept < 0:   # checked before the socket is bound, which a refusal would leave open
@@ -50,6 +51,8 @@ class ModelServer(ThreadingHTTPServer):
         if batch_decode is None:
             batch_decode = parallel > 1 and model.info.device_name.startswith("cpu")
         self.batcher = DecodeBatcher(model) if batch_decode else None
+        # a request's choices generated together (choice_batch.py); False: one after another
+        self.batch_choices = batch_choices
         self.name = name
         self.parallel = parallel
         self.slots = threading.BoundedSemaphore(parallel)
@@ -193,8 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- generation -----------------------------------------------------------------------
     def _generate(self, request, prefix, whole_body, piece_chunk, last_chunk, chat, first=None) -> None:
-        """Run the request's choices one after another in its slot and answer them, whole
-        or streamed (each chunk names its choice's index)."""
+        """Run the request's choices in its slot, together where they can (choice_batch.py)
+        and else one after another, and answer them, whole or streamed (each chunk names
+        its choice's index; the choices' chunks come one choice after another)."""
         rid = server_api.new_id(prefix)
         server = self.server
         choices = request.choices()
@@ -219,33 +223,52 @@ class _Handler(BaseHTTPRequestHandler):
             if server.stopping.is_set():
                 raise RequestError("the server is shutting down", status=503, kind="server_error")
             try:
-                if request.stream:
-                    events = _Events(self)
-                    for choice in choices:
-                        with self._run(choice, chat, use_cache) as run:
+                with ExitStack() as stack:
+                    runs = self._runs(stack, choices, chat, use_cache)
+                    if request.stream:
+                        events = _Events(self)
+                        for start in runs:
+                            with start() as run:
+                                records.append(run.record)
+                                if not self._stream(events, rid, run, echoed, piece_chunk, last_chunk,
+                                                    first):
+                                    return
+                                run.ok = True
+                        if request.include_usage:
+                            events.send(dict(last_chunk(rid, 0, None), choices=[], usage=usage()))
+                        events.send("[DONE]")
+                        return
+                    answers = []
+                    for start in runs:
+                        with start() as run:
                             records.append(run.record)
-                            if not self._stream(events, rid, run, echoed, piece_chunk, last_chunk,
-                                                first):
-                                return
+                            echo_text, echo_logprobs = echoed(run)
+                            parts = list(run.chunks())
+                            text = echo_text + "".join(piece for piece, _ in parts)
+                            logprobs = joined([echo_logprobs] + [lp for _, lp in parts] + [run.report.take()],
+                                              chat)
+                            if logprobs is None and run.report.wanted:
+                                logprobs = run.report.empty()
+                            answers.append((text, run.record.finish_reason, logprobs))
                             run.ok = True
-                    if request.include_usage:
-                        events.send(dict(last_chunk(rid, 0, None), choices=[], usage=usage()))
-                    events.send("[DONE]")
-                    return
-                answers = []
-                for choice in choices:
-                    with self._run(choice, chat, use_cache) as run:
-                        records.append(run.record)
-                        echo_text, echo_logprobs = echoed(run)
-                        text = echo_text + "".join(run.pieces)
-                        logprobs = joined([echo_logprobs, run.report.take()], chat)
-                        if logprobs is None and run.report.wanted:
-                            logprobs = run.report.empty()
-                        answers.append((text, run.record.finish_reason, logprobs))
-                        run.ok = True
                 self._send_json(200, whole_body(rid, request.model, answers, usage()))
             except TinyLoopError as e:
                 raise _library_error(e) from None
+
+    def _cancelled(self) -> bool:
+        return self.server.stopping.is_set() or self._client_gone()
+
+    def _runs(self, stack, choices, chat, use_cache) -> list:
+        """Per choice, in order, a callable giving the context manager of its run: the
+        choices of a ChoiceBatch (freed when `stack` closes), or one generation after
+        another (each started when its turn comes)."""
+        server = self.server
+        if not (server.batch_choices and choice_batch.batchable(choices)):
+            return [lambda choice=choice: self._run(choice, chat, use_cache) for choice in choices]
+        batch = stack.enter_context(choice_batch.ChoiceBatch(
+            server.model, choices, lambda choice, record: LogprobReport(server.model, choice, record, chat),
+            batcher=server.batcher, cancelled=self._cancelled))
+        return [lambda run=run: nullcontext(run) for run in batch.runs]
 
     @contextmanager
     def _run(self, choice, chat, use_cache):
@@ -266,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
             prompt, record.cached_tokens = lease.rest, lease.cached
         if options["max_tokens"] > 0:
             run.pieces = generate_text(server.model, prompt, choice.stops, options, record,
-                                       cancelled=lambda: server.stopping.is_set() or self._client_gone(),
+                                       cancelled=self._cancelled,
                                        context=lease.context if lease else None, batcher=server.batcher)
         else:   # echo with max_tokens 0: the prompt alone
             run.pieces = _nothing_generated(record)
@@ -285,16 +308,16 @@ class _Handler(BaseHTTPRequestHandler):
             # the first piece starts the library's stream: before the 200 went out, its
             # refusals are still a 4xx
             echo_text, echo_logprobs = echoed(run)
-            head = next(run.pieces, "")
+            chunks = run.chunks()
+            head, head_logprobs = next(chunks, ("", None))
             if first:
                 events.send(first(rid, index))
             if echo_text or echo_logprobs:   # a prompt of no text still has its tokens
                 events.send(piece_chunk(rid, index, echo_text, echo_logprobs))
             if head:
-                events.send(piece_chunk(rid, index, head, report.take()))
-            for piece in run.pieces:
-                if piece:
-                    events.send(piece_chunk(rid, index, piece, report.take()))
+                events.send(piece_chunk(rid, index, head, head_logprobs))
+            for piece, logprobs in chunks:
+                events.send(piece_chunk(rid, index, piece, logprobs))
         except TinyLoopError as e:
             if not events.started:
                 raise
@@ -309,6 +332,11 @@ class _ChoiceRun:
         self.choice, self.record, self.report = choice, record, report
         self.pieces = None
         self.ok = False
+
+    def chunks(self):
+        """The text pieces, each with the log-probabilities of the tokens it brings."""
+        for piece in self.pieces:
+            yield piece, self.report.take()
 
 
 class _Events:

@@ -40,6 +40,59 @@ class GenerationCancelled(Exception):
     """`cancelled()` said to stop between two tokens."""
 
 
+class TextPipe:
+    """One generation's tokens turned into text pieces, a token at a time: push() each
+    token as it comes, end() once the stream has ended. Fills `record` as it goes. Used by
+    generate_text and by callers that step several streams together (choice_batch.py).
+    `context`: the tokens the generation follows (its prompt), whose end the text's
+    decoding reads (Tokenizer.incremental_decoder)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], record: TextGeneration, context: Sequence[int] = ()):
+        self._decoder = tokenizer.incremental_decoder(context)
+        self._stops = stops
+        self._longest = max((len(s) for s in stops), default=0)
+        self._record = record
+        self._text, self._sent = "", 0
+        self._ends = []   # the text's length after each token
+
+    def push(self, token: int) -> tuple:
+        """(the text piece this token lets out, or "", whether a stop string ended the
+        text: the generation is then over and record.finish_reason is set)."""
+        record, stops, longest = self._record, self._stops, self._longest
+        record.completion_tokens += 1
+        record.token_ids.append(token)
+        record.text_offsets.append(len(self._text))
+        self._text += self._decoder.push(token)
+        text, sent = self._text, self._sent
+        self._ends.append(len(text))
+        # a stop string can only end in what this token added (plus its overlap)
+        found = _first_stop(text, stops, max(0, sent - longest))
+        if found is not None:
+            record.finish_reason = "stop"
+            record.sent_tokens = bisect_left(record.text_offsets, found)
+            return (text[sent:found] if found > sent else ""), True
+        safe = len(text) - (longest - 1 if longest else 0)
+        if safe > sent:
+            record.sent_tokens = bisect_left(self._ends, safe + 1)
+            self._sent = safe
+            return text[sent:safe], False
+        return "", False
+
+    def end(self, result) -> str:
+        """The rest of the text once the stream has ended (`result`: its GenerateResult,
+        None when it did not say); sets record.finish_reason."""
+        record = self._record
+        self._text += self._decoder.flush()
+        text, sent = self._text, self._sent
+        found = _first_stop(text, self._stops, max(0, sent - self._longest))
+        end = len(text) if found is None else found
+        record.sent_tokens = (len(record.token_ids) if found is None
+                              else bisect_left(record.text_offsets, found))
+        reason = result.stop_reason if result else "max_tokens"
+        record.finish_reason = "stop" if found is not None else FINISH_REASONS.get(reason, "stop")
+        return text[sent:end] if end > sent else ""
+
+
 def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], options: dict,
                   record: TextGeneration, cancelled=None, context=None, batcher=None) -> Iterator[str]:
     """Yield the new text in pieces; `record` is filled in when the generator ends (also
@@ -48,11 +101,7 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
     GenerationCancelled. With `context` the generation continues that context's sequence
     (`prompt_ids` are then the tokens after it). With `batcher` (a DecodeBatcher of the
     model) its decode steps are taken together with other generations'."""
-    tokenizer = model.tokenizer
-    decoder = tokenizer.incremental_decoder()
-    longest = max((len(s) for s in stops), default=0)
-    text, sent = "", 0
-    ends = []   # the text's length after each token
+    pipe = TextPipe(model.tokenizer, stops, record, prompt_ids)
     stream = (model if context is None else context).stream(prompt_ids, **options)
     record.logprobs = getattr(stream, "logprobs", None)
     tokens = batcher.tokens(stream) if batcher is not None else stream
@@ -60,33 +109,14 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
         for token in tokens:
             if cancelled is not None and cancelled():
                 raise GenerationCancelled()
-            record.completion_tokens += 1
-            record.token_ids.append(token)
-            record.text_offsets.append(len(text))
-            text += decoder.push(token)
-            ends.append(len(text))
-            # a stop string can only end in what this token added (plus its overlap)
-            found = _first_stop(text, stops, max(0, sent - longest))
-            if found is not None:
-                record.finish_reason = "stop"
-                record.sent_tokens = bisect_left(record.text_offsets, found)
-                if found > sent:
-                    yield text[sent:found]
+            piece, stopped = pipe.push(token)
+            if piece:
+                yield piece
+            if stopped:
                 return
-            safe = len(text) - (longest - 1 if longest else 0)
-            if safe > sent:
-                record.sent_tokens = bisect_left(ends, safe + 1)
-                yield text[sent:safe]
-                sent = safe
-        text += decoder.flush()
-        found = _first_stop(text, stops, max(0, sent - longest))
-        end = len(text) if found is None else found
-        record.sent_tokens = (len(record.token_ids) if found is None
-                              else bisect_left(record.text_offsets, found))
-        if end > sent:
-            yield text[sent:end]
-        reason = stream.result.stop_reason if stream.result else "max_tokens"
-        record.finish_reason = "stop" if found is not None else FINISH_REASONS.get(reason, "stop")
+        piece = pipe.end(stream.result)
+        if piece:
+            yield piece
     finally:
         if tokens is not stream:
             tokens.close()   # out of the batch before the stream goes

@@ -16,6 +16,9 @@ _INCOMPLETE = "\ufffd"
 # a character spans at most 4 byte tokens, so at most 3 trailing tokens can still be
 # completed by the next one; anything older that decodes to U+FFFD is invalid for good
 _MAX_PENDING = 3
+# tokens before a continuation that its decoding reads, so that the continuation's text
+# is what it adds after them (a word-initial SentencePiece token keeps its space)
+_CONTEXT_TOKENS = 4
 
 
 def _byte_level_alphabet() -> dict:
@@ -89,8 +92,16 @@ class Tokenizer:
         twice = self.decode([token, token], skip_special_tokens=False)
         return (twice[len(alone):] if twice.startswith(alone) else alone).encode("utf-8")
 
-    def incremental_decoder(self) -> "IncrementalDecoder":
-        return IncrementalDecoder(self)
+    def incremental_decoder(self, context: Sequence[int] = ()) -> "IncrementalDecoder":
+        """A decoder of the tokens that follow `context` (e.g. a prompt; () = the start of
+        a text): its pieces join to decode(context + tokens) after decode(context)."""
+        return IncrementalDecoder(self, context)
+
+    def decode_continuation(self, context: Sequence[int], ids: Iterable[int]) -> str:
+        """The text `ids` add after `context`, as an incremental decoder gives it whole
+        (decode(ids) alone would lose a word-initial SentencePiece space)."""
+        decoder = IncrementalDecoder(self, context)
+        return decoder.push_all(ids) + decoder.flush()
 
 
 class IncrementalDecoder:
@@ -99,13 +110,21 @@ class IncrementalDecoder:
     Decoding token by token breaks byte-fallback tokens (a character split over
     several tokens) and the leading-space rules of SentencePiece-style decoders, so
     each step decodes a short window of recent tokens and emits what was added,
-    holding back text that still ends in an incomplete character."""
+    holding back text that still ends in an incomplete character. The first window starts
+    with the last tokens of `context` (what the tokens follow, e.g. the prompt): decoded
+    alone, the first token of a text loses a SentencePiece word-initial space (Metaspace,
+    Llama's Strip), which the text after a prompt keeps. Context tokens that end inside a
+    character are left out of that window (their character is the prompt's, not text of
+    the continuation)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix_offset = 0   # start of the window that gives decode its context
-        self._read_offset = 0     # tokens up to here have been emitted as text
+        seed = [int(t) for t in list(context)[-_CONTEXT_TOKENS:]]
+        while seed and tokenizer.decode(seed).endswith(_INCOMPLETE):
+            seed.pop()
+        self._ids: list[int] = seed
+        self._prefix_offset = 0           # start of the window that gives decode its context
+        self._read_offset = len(seed)     # tokens up to here have been emitted as text
 
     def push(self, token: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
