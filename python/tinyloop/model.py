@@ -935,3 +935,15 @@ class Context(_Scoring, _OwnsHandle):
 
     def reset(self) -> None:
         self._model._native.check(self._model._native.lib.tl_context_reset(self._require_open()))
+
+    def fork(self) -> "Context":
+        """A new context holding a copy of this sequence (tl_context_fork), with the same
+        options; with paged KV it shares this one's pages until either writes them."""
+        model = self._model
+        native, ffi = model._native, model._native.ffi
+        out = ffi.new("tl_context **")
+        native.check(native.lib.tl_context_fork(self._require_open(), out))
+        ctx = Context.__new__(Context)
+        ctx._handle, ctx._model = out[0], model
+        model._children.add(ctx)
+        return ctx

@@ -201,7 +201,9 @@ TL_API tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_
 TL_API tl_status tl_context_truncate(tl_context *ctx, size_t n_keep);
 TL_API tl_status tl_context_reset(tl_context *ctx);
 TL_API tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens);
-TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* copies the sequence */
+/* A new context holding a copy of the sequence (paged KV: sharing its pages, copied when
+ * either writes a shared one). */
+TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out);
 /* Continue the whole sequence at a deeper loop depth (at most the context's max_depth),
  * from where its loop stopped: the prelude and the iterations already run are not
  * repeated, and the result is the sequence computed at `depth` from the start. Needs a
