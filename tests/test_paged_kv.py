@@ -288,13 +288,20 @@ def test_bad_pool_options_are_refused(files):  # noqa: F811
 
 # ---------------------------------------------------------------- modes on paged KV
 
+SPEC_PROMPT = [5, 17, 3, 88, 41, 9]
+
+
+def plain_greedy(files, name):  # noqa: F811
+    """(depth, the contiguous cache's greedy tokens at the case's max depth)."""
+    depth = case_config(name)["max_depth"]
+    with tinyloop.Model(files.path(name), device=DEVICE) as plain:
+        return depth, plain.generate(SPEC_PROMPT, max_tokens=30, depth=depth, **GREEDY).tokens
+
+
 @pytest.mark.parametrize("name", ["base", "init-warm", "injection-concat", "coda2", "q4-g32"])
 def test_speculative_decoding_with_paged_kv(files, name):  # noqa: F811
-    config = case_config(name)
-    depth = config["max_depth"]
-    prompt = [5, 17, 3, 88, 41, 9]
-    with tinyloop.Model(files.path(name), device=DEVICE) as plain:
-        expected = plain.generate(prompt, max_tokens=30, depth=depth, **GREEDY).tokens
+    depth, expected = plain_greedy(files, name)
+    prompt = SPEC_PROMPT
     with tinyloop.Model(files.path(name), device=DEVICE, kv_page_size=4) as model:
         for n_draft in (1, 3, 8):
             r = model.generate(prompt, max_tokens=30, depth=depth, draft_depth=1, n_draft=n_draft, **GREEDY)
@@ -304,11 +311,8 @@ def test_speculative_decoding_with_paged_kv(files, name):  # noqa: F811
 
 @pytest.mark.parametrize("name", ["base", "injection-concat", "coda2", "sliding_window"])
 def test_tree_speculation_with_paged_kv(files, name):  # noqa: F811
-    config = case_config(name)
-    depth = config["max_depth"]
-    prompt = [5, 17, 3, 88, 41, 9]
-    with tinyloop.Model(files.path(name), device=DEVICE) as plain:
-        expected = plain.generate(prompt, max_tokens=30, depth=depth, **GREEDY).tokens
+    depth, expected = plain_greedy(files, name)
+    prompt = SPEC_PROMPT
     for page_size in (1, 4):
         with tinyloop.Model(files.path(name), device=DEVICE, kv_page_size=page_size) as model:
             for tree in ((2, 2), (3, 2, 1)):

@@ -1600,21 +1600,30 @@ static void test_version(void) {
     CHECK(strcmp(tl_status_name(TL_ERR_CONTEXT_FULL), "TL_ERR_CONTEXT_FULL") == 0, "status name");
 }
 
-static void run_model(const char *path) {
-    current_model = path;
-    fixture f;
-    memset(&f, 0, sizeof f);
+/* Load the model at `path` (MAX_SEQ positions, 2 threads, KV pages of page_size
+ * positions; 0 = contiguous) into f; 0 when it failed. */
+static int open_fixture(fixture *f, const char *path, int32_t page_size) {
+    memset(f, 0, sizeof *f);
     tl_load_options lo;
     tl_load_options_default(&lo);
     lo.max_seq_len = MAX_SEQ;
     lo.n_threads = 2;
-    tl_status st = tl_load_model(path, &lo, &f.model);
-    CHECK(st == TL_OK, "load %s", path);
-    if (st != TL_OK) return;
-    tl_model_info_default(&f.info);
-    CHECK_OK(tl_model_get_info(f.model, &f.info));
-    CHECK(f.info.max_seq_len == MAX_SEQ && f.info.n_threads == 2, "info reflects load options");
-    for (int i = 0; i < N_TOK; i++) f.tokens[i] = (int32_t)((i * 7919 + 13) % f.info.vocab_size);
+    lo.kv_page_size = page_size;
+    tl_status st = tl_load_model(path, &lo, &f->model);
+    CHECK(st == TL_OK, "load %s (kv_page_size %d)", path, page_size);
+    if (st != TL_OK) return 0;
+    f->paged = page_size > 0;
+    tl_model_info_default(&f->info);
+    CHECK_OK(tl_model_get_info(f->model, &f->info));
+    CHECK(f->info.max_seq_len == MAX_SEQ && f->info.n_threads == 2, "info reflects load options");
+    for (int i = 0; i < N_TOK; i++) f->tokens[i] = (int32_t)((i * 7919 + 13) % f->info.vocab_size);
+    return 1;
+}
+
+static void run_model(const char *path) {
+    current_model = path;
+    fixture f;
+    if (!open_fixture(&f, path, 0)) return;
 
     test_score_equals_decode(&f);
     test_score_with_uncertainty(&f);
@@ -1736,19 +1745,7 @@ done:
  * prefix caches to their contiguous results, again on a paged KV cache (pages of 4). */
 static void run_paged(const char *path) {
     fixture f;
-    memset(&f, 0, sizeof f);
-    tl_load_options lo;
-    tl_load_options_default(&lo);
-    lo.max_seq_len = MAX_SEQ;
-    lo.n_threads = 2;
-    lo.kv_page_size = 4;
-    tl_status st = tl_load_model(path, &lo, &f.model);
-    CHECK(st == TL_OK, "load %s with kv_page_size 4", path);
-    if (st != TL_OK) return;
-    f.paged = 1;
-    tl_model_info_default(&f.info);
-    CHECK_OK(tl_model_get_info(f.model, &f.info));
-    for (int i = 0; i < N_TOK; i++) f.tokens[i] = (int32_t)((i * 7919 + 13) % f.info.vocab_size);
+    if (!open_fixture(&f, path, 4)) return;
     test_score_equals_decode(&f);
     test_chunked_prefill(&f);
     test_truncate_and_fork(&f);
