@@ -344,6 +344,32 @@ def test_deepen_with_paged_kv_and_a_fork(files, name):  # noqa: F811
     assert_same(np.array(rows_s), expect_shallow[1:], f"{name}: the fork at its own depth")
 
 
+def test_deepen_at_the_cap_leaves_the_sequence(files):  # noqa: F811
+    """Deepening a sequence whose pages a fork shares copies them all first: past the cap it
+    fails before any chunk ran, and the sequence keeps its depth and goes on."""
+    config = case_config("base")
+    tokens = case_tokens(config)
+    deep = config["max_depth"]
+    with tinyloop.Model(files.path("base"), device=DEVICE) as plain:
+        expect_deep = decode(plain, tokens, deep, prefill=8)
+        expect_shallow = decode(plain, tokens, 2, prefill=8)
+    cap = 3 * page_bytes(config, 4)
+    with tinyloop.Model(files.path("base"), device=DEVICE, kv_page_size=4, prefill_chunk=3,
+                        kv_pool_bytes=cap) as model:
+        with model.context(keep_loop_states=True) as ctx:
+            ctx.append(tokens[:8], depth=2)
+            fork = ctx.fork()
+            with pytest.raises(OutOfMemoryError, match="kv_pool_bytes"):
+                ctx.deepen(deep)
+            assert len(ctx) == 8
+            fork.close()
+            shallow = [ctx.append(tokens[8:9])]   # still at depth 2
+            ctx.truncate(8)
+            rows = [ctx.deepen(deep)] + [ctx.append(tokens[i:i + 1]) for i in range(8, len(tokens))]
+    assert_same(np.array(shallow), expect_shallow[1:2], "the sequence after the refused deepening")
+    assert_close(rows, expect_deep.astype(np.float64), SAME, "deepened once the fork was gone")
+
+
 @pytest.mark.parametrize("name", ["base", "sliding_window", "coda2"])
 def test_batched_decoding_with_paged_kv(files, name):  # noqa: F811
     config = case_config(name)

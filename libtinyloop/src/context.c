@@ -392,6 +392,10 @@ tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_for
     if (!ctx->loop_s || n == 0 || depth < from || depth > ctx->max_depth)
         return tl_fail(TL_ERR_INTERNAL, "deepening a sequence of %zu at depth %d to %d (states %s)",
                        n, from, depth, ctx->loop_s ? "kept" : "not kept");
+    /* paged: every page the pass rewrites first, so that a full pool leaves the sequence
+       as it was instead of half deepened */
+    tl_status held = tl_kv_cache_reserve(&ctx->kv, ctx->ex, 0, (int)n);
+    if (held != TL_OK) return held;
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
         tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
