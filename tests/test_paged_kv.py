@@ -429,6 +429,10 @@ pool_mb = 2
         report = model.memory_report()
         assert report["kv_page_size"] == 8 and report["kv_pool_cap_bytes"] == 2 << 20
     assert parse_config("[modes.paged_kv]\n").load_options()["kv_page_size"] == 16   # the mode's default
+    # it conflicts with nothing: with speculation, tree speculation and kv_share
+    for other in ("[modes.speculative]", "[modes.tree_speculative]", "[modes.kv_share]"):
+        both = parse_config(f"[modes.paged_kv]\npage_size = 4\n{other}\n[sampling]\ntemperature = 0\n")
+        assert both.load_options()["kv_page_size"] == 4, other
 
 
 @pytest.mark.parametrize("body,match", [
