@@ -311,7 +311,9 @@ def test_freeing_a_context_ends_its_open_stream(model):
 def test_memory_report(model):
     before = model.memory_report()
     assert set(before) == {"weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
-                           "total_bytes", "device_bytes", "prefix_cache_bytes"}
+                           "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size",
+                           "kv_pages_in_use", "kv_pool_bytes", "kv_pool_cap_bytes"}
+    assert before["kv_page_size"] == before["kv_pages_in_use"] == before["kv_pool_bytes"] == 0   # contiguous
     assert before["weights_bytes"] > 0 and before["device_bytes"] == 0
     parts = ("weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes", "prefix_cache_bytes")
     assert before["total_bytes"] == sum(before[k] for k in parts)

@@ -162,6 +162,58 @@ def test_long_prefill_and_split_decode(model_dir, name):
         assert_close(step, full_gpu, FLOAT_TOLERANCE, f"{name} cached decode vs full scoring")
 
 
+@pytest.mark.parametrize("name", list(LONG_CASES))
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_long_prefill_and_split_decode(model_dir, name, page_size):
+    """Paged KV (kv_page_size) on the long models: a 500-token prefill through the tiled
+    kernel, then 30 decode steps, recorded once and replayed (CUDA graphs) across page
+    boundaries with the split-sequence kernel reading through the device page table,
+    equal to the contiguous cache on CUDA and to the paged cache on the CPU."""
+    config = {**LONG, **LONG_CASES[name]}
+    path = _model(model_dir, name, LONG, LONG_CASES[name])
+    tokens = _tokens(3, LONG["vocab_size"], 530)
+    depth = LONG["default_depth"]
+    rows = {}
+    for device, pages in (("cpu", page_size), (CUDA, 0), (CUDA, page_size)):
+        with tinyloop.Model(path, device=device, kv_page_size=pages) as model:
+            with model.context() as ctx:
+                out = [ctx.append(tokens[:500], depth=depth)]
+                out += [ctx.append([int(tokens[i])]) for i in range(500, len(tokens))]
+                if pages:
+                    assert model.memory_report()["kv_pages_in_use"] == -(-len(tokens) // pages)
+            rows[(device, pages)] = np.array(out)
+    assert_close(rows[(CUDA, page_size)], rows[(CUDA, 0)], FLOAT_TOLERANCE, f"{name} paged vs contiguous on CUDA")
+    assert_close(rows[(CUDA, page_size)], rows[("cpu", page_size)], _tolerance(config), f"{name} CUDA vs CPU, paged")
+
+
+def test_paged_forks_and_chained_greedy_decoding(model_dir):
+    """Forks share pages on the device and copy the shared one on write; greedy chained
+    decoding (steps enqueued ahead, page-table updates between them) gives the contiguous
+    cache's tokens, and tree speculation reads tree rows through the table."""
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    prompt = _tokens(2, SMALL["vocab_size"], 21)
+    g = dict(temperature=0.0, eos=False)
+    with tinyloop.Model(path, device=CUDA) as plain:
+        expected = plain.generate(prompt, max_tokens=40, **g).tokens
+        tree = plain.generate(prompt, max_tokens=40, draft_depth=1, tree=(3, 2), **g).tokens
+        with plain.context() as ctx:
+            ctx.append(prompt)
+            after = [ctx.append([t]) for t in (7, 8, 9)]
+    with tinyloop.Model(path, device=CUDA, kv_page_size=8) as gpu:
+        assert gpu.generate(prompt, max_tokens=40, **g).tokens == expected
+        assert gpu.generate(prompt, max_tokens=40, draft_depth=1, tree=(3, 2), **g).tokens == tree
+        with gpu.context() as ctx:
+            ctx.append(prompt)
+            pages = gpu.memory_report()["kv_pages_in_use"]
+            with ctx.fork() as fork:
+                assert gpu.memory_report()["kv_pages_in_use"] == pages
+                got = [fork.append([t]) for t in (7, 8, 9)]
+                assert gpu.memory_report()["kv_pages_in_use"] == pages + 1   # the shared partial page
+                mine = [ctx.append([t]) for t in (7, 8, 9)]
+    assert_close(got, after, FLOAT_TOLERANCE, "a fork on paged KV")
+    assert_close(mine, after, FLOAT_TOLERANCE, "its parent after the fork")
+
+
 def test_greedy_generation_matches_cpu(model_dir):
     path = _model(model_dir, "f32", SMALL, DTYPES["f32"])
     prompt = _tokens(1, SMALL["vocab_size"], 8)

@@ -42,6 +42,7 @@ struct attn_args {
     pos_arg pos0;
     int n, n_head, n_kv_head, head_dim, window;
     float scale;
+    kv_pages pg;   // table nullptr: k / v are the slot's contiguous rows
 };
 
 // Decode: partial states of split s of item (row, head) at index (row * n_head + head)
@@ -105,9 +106,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) attention_kernel(attn_args a) 
         __syncthreads();   // previous tile fully consumed (and qw written)
         for (int e = threadIdx.x; e < tile * hd; e += blockDim.x) {
             int j = e / hd, d = e % hd;
-            size_t src = (size_t)(t0 + j) * kvd + (size_t)kvh * hd + d;
-            ks[j * ld + d] = a.k[src];
-            vs[j * ld + d] = a.v[src];
+            size_t col = (size_t)kvh * hd + d;
+            ks[j * ld + d] = kv_row(a.k, a.pg, 0, t0 + j, kvd)[col];
+            vs[j * ld + d] = kv_row(a.v, a.pg, 1, t0 + j, kvd)[col];
         }
         __syncthreads();
         if (!active || t0 > my_hi || t0 + tile - 1 < my_lo) continue;
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     if ((int)blockIdx.z * per >= keys) return;   // a split past the last key (the whole block)
     const int s_lo = lo_all + (int)blockIdx.z * per;
     const int s_hi = min(pos0 + a.n - 1, s_lo + per - 1);
-    const float *kbase = a.k + (size_t)kvh * hd, *vbase = a.v + (size_t)kvh * hd;
+    const size_t col = (size_t)kvh * hd;
     // The warp's first keys: rows before pos0 were written by earlier steps, so they are
     // requested before the wait (their latency overlaps the previous kernel); rows from
     // pos0 on come from the previous kernel and are read after it.
@@ -297,8 +298,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     for (int j = 0; j < DEC_KEYS; j++) {
         const int key = min(first0 + j, s_hi);   // past the split: a valid row, scored -inf below
         if (key >= pos0) continue;
-        load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
-        load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+        load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+        load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
     }
     pdl_wait();
     pdl_trigger();
@@ -306,8 +307,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     for (int j = 0; j < DEC_KEYS; j++) {
         const int key = min(first0 + j, s_hi);
         if (key < pos0) continue;
-        load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
-        load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+        load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+        load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
     }
 
     float q[DEC_ITEMS][DPL], acc[DEC_ITEMS][DPL], m[DEC_ITEMS], l[DEC_ITEMS];
@@ -338,8 +339,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
 #pragma unroll
             for (int j = 0; j < DEC_KEYS; j++) {
                 const int key = min(key0 + j, s_hi);
-                load_dims<DPL>(kbase + (size_t)key * kvd, lane, hd, d.vec, kr[j]);
-                load_dims<DPL>(vbase + (size_t)key * kvd, lane, hd, d.vec, vr[j]);
+                load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+                load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
             }
         }
 #pragma unroll
@@ -458,7 +459,7 @@ size_t attention_partial_floats(int n_head, int head_dim, int max_seq) {
 }
 
 void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
-                      const float *v_cache, const tl_attn_geom &g, float *out) {
+                      const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg) {
     if (n <= 0) return;
     if (g.head_dim <= 0 || g.head_dim > 32 * ATT_MAX_DPL || g.n_kv_head <= 0 || g.n_head % g.n_kv_head) {
         exec_check(ex, cudaErrorInvalidValue, "attention: head_dim above 256 or bad GQA grouping");
@@ -467,7 +468,7 @@ void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float 
     attn_args a = {};
     a.q = q; a.k = k_cache; a.v = v_cache; a.out = out;
     a.n = n; a.pos0 = step_pos(ex, pos0); a.n_head = g.n_head; a.n_kv_head = g.n_kv_head;
-    a.head_dim = g.head_dim; a.window = g.window; a.scale = g.scale;
+    a.head_dim = g.head_dim; a.window = g.window; a.scale = g.scale; a.pg = pg;
     const int dpl = g.head_dim <= 32 ? 1 : g.head_dim <= 64 ? 2 : g.head_dim <= 128 ? 4 : 8;
 
     if (n > SPLIT_MAX_ROWS) {
@@ -480,8 +481,9 @@ void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float 
 
     decode_args d = {};
     d.a = a;
-    d.vec = dpl >= 2 && g.head_dim % 4 == 0 && g.head_dim % dpl == 0 && aligned16(q) && aligned16(k_cache) &&
-            aligned16(v_cache) && aligned16(out);
+    d.vec = dpl >= 2 && g.head_dim % 4 == 0 && g.head_dim % dpl == 0 && aligned16(q) && aligned16(out) &&
+            // pages: cudaMalloc'd, their rows n_kv_head * head_dim floats apart (head_dim % 4 == 0)
+            (pg.table || (aligned16(k_cache) && aligned16(v_cache)));
     const int group = g.n_head / g.n_kv_head;
     const int tiles = (n * group + DEC_ITEMS - 1) / DEC_ITEMS;
     // keys of the rows' union range: now, or at most (a recorded step replays anywhere)

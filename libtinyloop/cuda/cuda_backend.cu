@@ -229,6 +229,7 @@ tl_status cuda_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
     }
     b->n = n_floats;
     b->owner = impl;
+    b->table = nullptr;
     impl->device_bytes += bytes;
     *out = b;
     return TL_OK;
@@ -371,10 +372,11 @@ void cuda_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count, tl_activa
 void cuda_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache, tl_act v_cache,
                     const tl_attn_geom *g, tl_act out) {
     if (bind(ex)) return;
+    const kv_pages pg = kv_pages_of(k_cache, v_cache);
     step_note(ex, { 12, K(P(q)), (uint64_t)n, (uint64_t)step_pos(ex, pos0).base, K(P(k_cache)), K(P(v_cache)),
                     (uint64_t)g->n_head, (uint64_t)g->n_kv_head, (uint64_t)g->head_dim, K(g->scale),
                     (uint64_t)g->window, K(P(out)) });
-    launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out));
+    launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out), pg);
 }
 
 // Tree speculation's passes are never inside a recorded step (forward.c brackets only
@@ -388,7 +390,8 @@ void cuda_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, con
 void cuda_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
                          tl_act v_cache, const tl_attn_geom *g, tl_act out) {
     if (bind(ex)) return;
-    launch_tree_attention(ex, P(q), n, *tree, first, P(k_cache), P(v_cache), *g, P(out));
+    launch_tree_attention(ex, P(q), n, *tree, first, P(k_cache), P(v_cache), *g, P(out),
+                          kv_pages_of(k_cache, v_cache));
 }
 
 void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0,
@@ -397,7 +400,7 @@ void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act
     pos_arg pos = step_pos(ex, pos0);
     step_note(ex, { 13, K(P(k_cache)), K(P(v_cache)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base,
                     (uint64_t)width });
-    launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width);
+    launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width, kv_pages_of(k_cache, v_cache));
 }
 
 // The device form of a fused matmul's input.
@@ -449,6 +452,7 @@ int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_ma
 int cuda_matmul_rope_store(tl_exec *ex, const tl_tensor *const *ws, const tl_matmul_in *in, int n, tl_act q,
                            int pos0, const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
                            tl_act v_cache) {
+    if (k_cache.buf->table) return 0;   // paged: composed of the GEMV, rope and kv_store
     const matmul_in_args a = matmul_in_of(in);
     if (bind(ex)) return 1;
     const dev_weight *dws[3] = { W(ws[0]), W(ws[1]), W(ws[2]) };
@@ -477,6 +481,7 @@ int cuda_matmul_gated(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_u
 
 int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, const tl_rope_params *p,
                     const tl_attn_geom *g, tl_act k_cache, tl_act v_cache) {
+    if (k_cache.buf->table) return 0;   // paged: rope, then kv_store through the table
     if (bind(ex)) return 1;
     pos_arg pos = step_pos(ex, pos0);
     step_note(ex, { 15, K(P(q)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base, (uint64_t)p->rope_dims,
@@ -485,6 +490,74 @@ int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, 
     launch_rope_store(ex, P(q), P(k), P(v), n, pos, *p, g->n_head, g->n_kv_head, g->head_dim, P(k_cache),
                       P(v_cache));
     return 1;
+}
+
+// ---- paged KV (backend.h, page_table_create) ---------------------------------------------
+
+}  // namespace
+
+// The table of a paged KV cache: n_entries page addresses in device memory (read by the
+// kernels, so that recorded steps replay against the current pages), and its two views.
+struct cuda_page_table {
+    tl_buf k_view, v_view;
+    const float **d_table;
+    int n_entries, shift;
+    size_t plane;   // floats of a page's keys: n_slots * page_size * width
+};
+
+kv_pages kv_pages_of(tl_act k_cache, tl_act v_cache) {
+    kv_pages pg = {};
+    const cuda_page_table *t = k_cache.buf->table;
+    if (!t) return pg;
+    pg.table = t->d_table;
+    pg.shift = t->shift;
+    pg.k_off = k_cache.off;
+    pg.v_off = t->plane + v_cache.off;
+    return pg;
+}
+
+namespace {
+
+tl_status cuda_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
+                                 tl_buf **k_view, tl_buf **v_view) {
+    cuda_backend *impl = impl_of(be);
+    cuda_page_table *t = static_cast<cuda_page_table *>(calloc(1, sizeof *t));
+    if (!t) return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a KV page table");
+    const size_t bytes = (size_t)n_entries * sizeof *t->d_table;
+    cudaError_t err = cudaSetDevice(impl->device);
+    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void **>(&t->d_table), bytes);
+    if (err == cudaSuccess) err = cudaMemset(t->d_table, 0, bytes);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        if (t->d_table) cudaFree(t->d_table);
+        free(t);
+        return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a KV page table of %d entries: %s", n_entries,
+                         cudaGetErrorString(err));
+    }
+    t->n_entries = n_entries;
+    while ((1 << t->shift) < page_size) t->shift++;
+    t->plane = (size_t)n_slots * (size_t)page_size * (size_t)width;
+    t->k_view = tl_buf{ nullptr, 0, impl, t };
+    t->v_view = tl_buf{ nullptr, 0, impl, t };
+    impl->device_bytes += bytes;
+    *k_view = &t->k_view;
+    *v_view = &t->v_view;
+    return TL_OK;
+}
+
+void cuda_page_table_set(tl_exec *ex, tl_buf *k_view, int index, tl_buf *page) {
+    if (bind(ex)) return;
+    step_flush(ex);
+    launch_page_table_set(ex, k_view->table->d_table, index, page ? page->data : nullptr);
+}
+
+void cuda_page_table_free(tl_buf *k_view) {
+    if (!k_view) return;
+    cuda_page_table *t = k_view->table;
+    cudaSetDevice(k_view->owner->device);
+    cudaFree(t->d_table);   // waits for the device: no kernel reads it any more
+    k_view->owner->device_bytes -= (size_t)t->n_entries * sizeof *t->d_table;
+    free(t);
 }
 
 // Two kernels find the index on the device; four bytes come back through pinned memory.
@@ -619,6 +692,9 @@ const tl_backend_ops cuda_ops = {
     /* step_token_on_device */ cuda_step_token_on_device,
     /* rope_tree */ cuda_rope_tree,
     /* tree_attention */ cuda_tree_attention,
+    /* page_table_create */ cuda_page_table_create,
+    /* page_table_set */ cuda_page_table_set,
+    /* page_table_free */ cuda_page_table_free,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

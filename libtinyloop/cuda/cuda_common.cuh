@@ -174,11 +174,33 @@ struct step_state {
     char reason[256];
 };
 
+struct cuda_page_table;
+
 struct tl_buf {
     float *data;
     size_t n;
     cuda_backend *owner;
+    cuda_page_table *table;   // a page table's view (data nullptr), else nullptr
 };
+
+// A slot of a paged KV cache as kernels read it (kv_cache.h): row r of its keys at
+// table[r >> shift] + k_off + (r & (2^shift - 1)) * row width, its values at v_off. The
+// table lives in device memory and is updated in stream order (page_table_set), so a
+// recorded step that holds its address reads the entries current at each replay.
+// table == nullptr: a contiguous cache (the kernels' k / v pointers).
+struct kv_pages {
+    const float *const *table;
+    int shift;
+    size_t k_off, v_off;
+};
+
+__device__ __forceinline__ const float *kv_row(const float *flat, const kv_pages &pg, int plane, int row, size_t width) {
+    if (!pg.table) return flat + (size_t)row * width;
+    return pg.table[row >> pg.shift] + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width;
+}
+
+// Host side: the kernels' view of a slot (k_cache / v_cache: a table's views at the slot's offset).
+kv_pages kv_pages_of(tl_act k_cache, tl_act v_cache);
 
 struct tl_exec {
     cuda_backend *be;
@@ -331,7 +353,7 @@ void launch_fill(tl_exec *ex, float *dst, size_t count, float value);
 void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
                        float sigma);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
-                     const float *v, int n, pos_arg pos0, int width);
+                     const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
 // RoPE on q (in place) and k, then k and v rows into the caches at pos0: one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
                        const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
@@ -362,9 +384,11 @@ size_t attention_partial_floats(int n_head, int head_dim, int max_seq);
 void launch_rope_tree(tl_exec *ex, float *x, int n, int n_heads, int head_dim, const tl_tree &tree, int first,
                       const tl_rope_params &p);
 void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const float *k_cache,
-                           const float *v_cache, const tl_attn_geom &g, float *out);
+                           const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg = {});
 void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
-                      const float *v_cache, const tl_attn_geom &g, float *out);
+                      const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg = {});
+// Entry `index` of a device page table := page (nullptr: none), in stream order.
+void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page);
 
 // cuda_weights.cu: the core blocks' byte range in the arena
 void cuda_core_range(cuda_backend *be, const struct tl_model *model);

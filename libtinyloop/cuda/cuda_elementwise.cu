@@ -254,6 +254,28 @@ __global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, 
     }
 }
 
+// kv_store into a paged slot: each row to its page through the table.
+__global__ void kv_store_paged_kernel(kv_pages pg, const float *k, const float *v, int n, pos_arg pos, int width) {
+    pdl_wait();
+    pdl_trigger();
+    const size_t per = (size_t)n * width;
+    const int pos0 = pos_value(pos);
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * per;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int plane = e >= per;
+        const size_t at = plane ? e - per : e;
+        const int row = (int)(at / width), col = (int)(at % width);
+        float *dst = const_cast<float *>(kv_row(nullptr, pg, plane, pos0 + row, (size_t)width)) + col;
+        *dst = plane ? v[at] : k[at];
+    }
+}
+
+__global__ void page_table_set_kernel(const float **table, int index, const float *page) {
+    pdl_wait();
+    pdl_trigger();
+    table[index] = page;
+}
+
 __global__ void gated_act_kernel(float *gate, const float *up, size_t count, int gelu) {
     pdl_wait();
     pdl_trigger();
@@ -397,9 +419,13 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
 }
 
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k, const float *v,
-                     int n, pos_arg pos0, int width) {
+                     int n, pos_arg pos0, int width, const kv_pages &pg) {
     size_t count = 2 * (size_t)n * width;
     if (count == 0) return;
+    if (pg.table) {
+        launch(ex, "kv_store (paged)", kv_store_paged_kernel, stride_blocks(count), 256, 0, pg, k, v, n, pos0, width);
+        return;
+    }
     launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, k, v, n, pos0,
            width);
 }
@@ -416,6 +442,10 @@ void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, in
     }
     launch(ex, "rope + kv store", rope_store_kernel, (int)((count + 255) / 256), 256, 0, q, k, v, n, pos0, pairs,
            p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache);
+}
+
+void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page) {
+    launch(ex, "page table", page_table_set_kernel, 1, 1, 0, table, index, page);
 }
 
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count) {

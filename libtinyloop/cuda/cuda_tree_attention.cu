@@ -25,6 +25,7 @@ struct tree_attn_args {
     float *out;
     int n, first, n_head, n_kv_head, head_dim, window;
     float scale;
+    kv_pages pg;
 };
 
 // Whether key `j` (a cache row) is visible to tree node `node` at position pos.
@@ -54,8 +55,8 @@ __global__ void __launch_bounds__(TREE_WARPS * 32) tree_attention_kernel(tree_at
     const int first_key = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
     for (int j = first_key; j < t.n_prefix + t.n_nodes; j++) {
         if (!tree_key_visible(t, node, pos, j, a.window)) continue;
-        const float *key = a.k + (size_t)j * kv_stride + (size_t)kvh * hd;
-        const float *val = a.v + (size_t)j * kv_stride + (size_t)kvh * hd;
+        const float *key = kv_row(a.k, a.pg, 0, j, kv_stride) + (size_t)kvh * hd;
+        const float *val = kv_row(a.v, a.pg, 1, j, kv_stride) + (size_t)kvh * hd;
         float dot = 0.0f;
         for (int r = 0; r < TREE_MAX_DPL; r++) {
             const int dim = lane + 32 * r;
@@ -95,7 +96,7 @@ void launch_rope_tree(tl_exec *ex, float *x, int n, int n_heads, int head_dim, c
 }
 
 void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const float *k_cache,
-                           const float *v_cache, const tl_attn_geom &g, float *out) {
+                           const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg) {
     if (n <= 0) return;
     if (g.head_dim <= 0 || g.head_dim > 32 * TREE_MAX_DPL || g.n_kv_head <= 0 || g.n_head % g.n_kv_head ||
         first < 0 || first + n > tree.n_nodes || tree.n_nodes > TL_TREE_MAX_NODES) {
@@ -103,7 +104,7 @@ void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tr
                                               "outside the tree");
         return;
     }
-    tree_attn_args a = { q, k_cache, v_cache, out, n, first, g.n_head, g.n_kv_head, g.head_dim, g.window, g.scale };
+    tree_attn_args a = { q, k_cache, v_cache, out, n, first, g.n_head, g.n_kv_head, g.head_dim, g.window, g.scale, pg };
     const int items = n * g.n_head;
     launch(ex, "attention (tree)", tree_attention_kernel, (items + TREE_WARPS - 1) / TREE_WARPS, TREE_WARPS * 32, 0,
            a, tree);

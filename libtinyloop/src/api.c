@@ -170,6 +170,16 @@ static tl_status check_load_options(const tl_load_options *o) {
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_vocab %lld is out of range (N > 0 tokens, "
                        "0 = the whole vocabulary, -1 = the file's recommendation)",
                        (long long)o->draft_vocab);
+    int ps = o->kv_page_size;
+    if (ps != 0 && (ps < TL_KV_PAGE_MIN || ps > TL_KV_PAGE_MAX || (ps & (ps - 1)) != 0))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_page_size %d is not a power of two in [%d, %d] "
+                       "(positions per KV page; 0 = contiguous KV caches)", ps, TL_KV_PAGE_MIN, TL_KV_PAGE_MAX);
+    if (o->kv_pool_bytes < 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_pool_bytes %lld is negative (0 = no cap)",
+                       (long long)o->kv_pool_bytes);
+    if (o->kv_pool_bytes > 0 && ps == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_pool_bytes %lld caps the KV page pool, which "
+                       "needs kv_page_size > 0", (long long)o->kv_pool_bytes);
     tl_kv_choice kv;
     return tl_kv_choice_resolve(o->kv_policy, o->kv_ring_slots, NULL, "tl_load_options", &kv);
 }
@@ -228,6 +238,13 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
         snprintf(model->device_name, sizeof model->device_name, "%s", be->name);
         st = be->ops->prepare_model(be, model);
     }
+    if (st == TL_OK && o.kv_page_size > 0) {
+        if (!be->ops->page_table_create)
+            st = tl_fail(TL_ERR_UNSUPPORTED, "kv_page_size %d: the %s backend has no paged KV cache",
+                         o.kv_page_size, be->name);
+        else
+            st = tl_kv_pool_create(be, o.kv_page_size, (uint64_t)o.kv_pool_bytes, &model->kv_pool);
+    }
     if (st != TL_OK) {
         model->backend = NULL;
         tl_backend_close(be);
@@ -242,6 +259,8 @@ tl_status tl_free_model(tl_model *model) {
     if (!model) return TL_OK;
     tl_context_close(model->default_ctx);
     model->default_ctx = NULL;
+    tl_kv_pool_destroy(model->kv_pool);
+    model->kv_pool = NULL;
     tl_backend *be = model->backend;
     model->backend = NULL;
     tl_model_destroy(model);
@@ -312,6 +331,12 @@ static void memory_totals(const tl_model *model, tl_memory_report *r) {
     r->kv_cache_bytes = model->ctx_kv_bytes;
     r->prefix_cache_bytes = model->prefix_cache_bytes;
     pthread_mutex_unlock((pthread_mutex_t *)&model->stats_lock);
+    if (model->kv_pool) {
+        r->kv_page_size = model->kv_pool->page_size;
+        r->kv_pool_cap_bytes = model->kv_pool->cap_bytes;
+        tl_kv_pool_usage(model->kv_pool, &r->kv_pool_bytes, &r->kv_pages_in_use);
+        r->kv_cache_bytes += r->kv_pool_bytes;
+    }
     r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes +
                      r->prefix_cache_bytes;
 }
@@ -440,6 +465,7 @@ tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
                        "cannot truncate to %zu tokens: the sequence holds %zu", n_keep,
                        ctx->n_tokens);
     tl_context_set_length(ctx, n_keep);
+    tl_context_trim(ctx);
     return TL_OK;
 }
 
@@ -448,6 +474,7 @@ tl_status tl_context_reset(tl_context *ctx) {
     tl_status st = tl_context_check_free(ctx);
     if (st != TL_OK) return st;
     tl_context_set_length(ctx, 0);
+    tl_context_trim(ctx);
     return TL_OK;
 }
 
@@ -474,6 +501,7 @@ static tl_status default_context(tl_model *model, tl_context **out) {
         if (st != TL_OK) return st;
     }
     tl_context_set_length(model->default_ctx, 0);
+    tl_context_trim(model->default_ctx);
     *out = model->default_ctx;
     return TL_OK;
 }

@@ -215,6 +215,21 @@ typedef struct tl_backend_ops {
                       int first, const tl_rope_params *p);
     void (*tree_attention)(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
                            tl_act v_cache, const tl_attn_geom *g, tl_act out);
+
+    /* Optional (NULL = no paged KV: kv_page_size is refused at load). A page table of
+     * n_entries pages, each a buffer of [2][n_slots][page_size][width] floats (every slot's
+     * keys, then every slot's values, of page_size consecutive positions): k_view / v_view
+     * stand for the keys and values through the table, and are given to kv_store,
+     * attention and tree_attention as k_cache / v_cache at the offset slot * page_size *
+     * width (the slot's row 0), so that orchestration addresses a slot as it does a
+     * contiguous cache. Fused ops (rope_store, matmul_rope_store) may decline views.
+     * page_table_set points entry `index` at a page (NULL: none), ordered with the ops of
+     * ex; the table is the backend's (device memory on a device), so a recorded step
+     * replayed later reads the entries current then. page_table_free frees both views. */
+    tl_status (*page_table_create)(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
+                                   tl_buf **k_view, tl_buf **v_view);
+    void (*page_table_set)(tl_exec *ex, tl_buf *k_view, int index, tl_buf *page);
+    void (*page_table_free)(tl_buf *k_view);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -15,10 +15,22 @@
 #include "error.h"
 #include "sampling.h"
 
+struct cpu_page_table;
+
 struct tl_buf {
     float *data;
     size_t n;
+    struct cpu_page_table *table;   /* a page table's view (data NULL), else NULL */
+    int plane;                      /* the view's: 0 keys, 1 values */
 };
+
+/* A paged KV cache's table (backend.h, page_table_create) and its two views. */
+typedef struct cpu_page_table {
+    tl_buf k_view, v_view;
+    float **pages;      /* entry i: page i's first float, or NULL */
+    int n_entries, shift, width;
+    size_t plane;       /* floats of one plane of a page: n_slots * page_size * width */
+} cpu_page_table;
 
 struct tl_exec {
     tl_threadpool *pool;
@@ -188,6 +200,8 @@ static tl_status cpu_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
     }
     b->data = data;
     b->n = n_floats;
+    b->table = NULL;
+    b->plane = 0;
     *out = b;
     return TL_OK;
 }
@@ -315,8 +329,22 @@ static void cpu_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_di
     tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
 }
 
+/* The kernels' view of a slot of a paged cache: k_cache / v_cache are its table's views
+ * at the slot's offset inside a page's plane. */
+static tl_cpu_kv_pages pages_of(tl_act k_cache, tl_act v_cache) {
+    const cpu_page_table *t = k_cache.buf->table;
+    tl_cpu_kv_pages pg = { (const float *const *)t->pages, t->shift, k_cache.off, t->plane + v_cache.off };
+    return pg;
+}
+
 static void cpu_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
                                tl_act v_cache, const tl_attn_geom *g, tl_act out) {
+    if (k_cache.buf->table) {
+        tl_cpu_kv_pages pg = pages_of(k_cache, v_cache);
+        tl_cpu_tree_attention_paged(P(q), n, tree, first, NULL, NULL, &pg, g->n_head, g->n_kv_head, g->head_dim,
+                                    g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
+        return;
+    }
     tl_cpu_tree_attention(P(q), n, tree, first, P(k_cache), P(v_cache), g->n_head, g->n_kv_head, g->head_dim,
                           g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
 }
@@ -328,6 +356,12 @@ static void cpu_gated_act(tl_exec *ex, tl_act gate, tl_act up, size_t count,
 
 static void cpu_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache,
                           tl_act v_cache, const tl_attn_geom *g, tl_act out) {
+    if (k_cache.buf->table) {
+        tl_cpu_kv_pages pg = pages_of(k_cache, v_cache);
+        tl_cpu_attention_paged(P(q), n, pos0, &pg, g->n_head, g->n_kv_head, g->head_dim, g->scale, g->window,
+                               P(out), ex->attn_scratch, ex->pool);
+        return;
+    }
     tl_cpu_attention(P(q), n, pos0, P(k_cache), P(v_cache), g->n_head, g->n_kv_head,
                      g->head_dim, g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
 }
@@ -353,11 +387,59 @@ static int32_t cpu_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample
     return tl_sample_row(P(logits), vocab, step);
 }
 
+/* Rows pos0..pos0+n of a paged slot, page run by page run. */
+static void store_paged(tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0, int width) {
+    const cpu_page_table *t = k_cache.buf->table;
+    int size = 1 << t->shift;
+    for (int i = 0, run = 0; i < n; i += run) {
+        int pos = pos0 + i, in_page = pos & (size - 1);
+        run = n - i < size - in_page ? n - i : size - in_page;
+        float *page = t->pages[pos >> t->shift];
+        size_t row = (size_t)in_page * (size_t)width, count = (size_t)run * (size_t)width;
+        memcpy(page + k_cache.off + row, P(k) + (size_t)i * width, count * sizeof(float));
+        memcpy(page + t->plane + v_cache.off + row, P(v) + (size_t)i * width, count * sizeof(float));
+    }
+}
+
 static void cpu_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
                          int pos0, int width) {
+    if (k_cache.buf->table) {
+        store_paged(k_cache, v_cache, k, v, n, pos0, width);
+        return;
+    }
     size_t row0 = (size_t)pos0 * (size_t)width;
     cpu_copy_rows(ex, tl_act_add(k_cache, row0), (size_t)width, k, (size_t)width, n, width);
     cpu_copy_rows(ex, tl_act_add(v_cache, row0), (size_t)width, v, (size_t)width, n, width);
+}
+
+static tl_status cpu_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
+                                       tl_buf **k_view, tl_buf **v_view) {
+    cpu_page_table *t = calloc(1, sizeof *t);
+    if (t) t->pages = calloc((size_t)n_entries, sizeof *t->pages);
+    if (!t || !t->pages) {
+        free(t);
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a KV page table of %d entries", n_entries);
+    }
+    t->n_entries = n_entries;
+    t->width = width;
+    while ((1 << t->shift) < page_size) t->shift++;
+    t->plane = (size_t)n_slots * (size_t)page_size * (size_t)width;
+    t->k_view = (tl_buf){ NULL, 0, t, 0 };
+    t->v_view = (tl_buf){ NULL, 0, t, 1 };
+    *k_view = &t->k_view;
+    *v_view = &t->v_view;
+    return TL_OK;
+}
+
+static void cpu_page_table_set(tl_exec *ex, tl_buf *k_view, int index, tl_buf *page) {
+    k_view->table->pages[index] = page ? page->data : NULL;
+}
+
+static void cpu_page_table_free(tl_buf *k_view) {
+    if (!k_view) return;
+    cpu_page_table *t = k_view->table;
+    free(t->pages);
+    free(t);
 }
 
 static const tl_backend_ops cpu_ops = {
@@ -390,6 +472,9 @@ static const tl_backend_ops cpu_ops = {
     .sample = cpu_sample,
     .rope_tree = cpu_rope_tree,
     .tree_attention = cpu_tree_attention,
+    .page_table_create = cpu_page_table_create,
+    .page_table_set = cpu_page_table_set,
+    .page_table_free = cpu_page_table_free,
 };
 
 tl_status tl_backend_cpu_create(tl_backend **out) {

@@ -119,7 +119,7 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
     }
     if (st == TL_OK) st = alloc_buffers(ctx);
     if (st == TL_OK)
-        st = tl_kv_cache_init(&ctx->kv, ctx->be, tl_kv_slot_count(hp, ctx->loop_slots),
+        st = tl_kv_cache_init(&ctx->kv, ctx->be, model->kv_pool, tl_kv_slot_count(hp, ctx->loop_slots),
                               ctx->max_seq, hp->n_kv_head * hp->head_dim);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
@@ -229,6 +229,7 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
         st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
         if (st != TL_OK) {
             tl_context_set_length(ctx, start);
+            tl_context_trim(ctx);
             return st;
         }
         memcpy(ctx->tokens + start + c0, tokens + c0, (size_t)rows * sizeof *tokens);
@@ -313,6 +314,7 @@ tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *t
             st = tl_context_eval(ctxs[i], tokens + i, 1, 0, outs ? &outs[i] : NULL);
     } else if (st == TL_OK) {
         st = eval_in_groups(lead, ctxs, tokens, n, depths, outs);
+        for (size_t i = 0; i < n && st != TL_OK; i++) tl_context_trim(ctxs[i]);   /* pages taken for it */
     }
     free(depths);
     return st;
@@ -390,6 +392,10 @@ tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_for
     if (!ctx->loop_s || n == 0 || depth < from || depth > ctx->max_depth)
         return tl_fail(TL_ERR_INTERNAL, "deepening a sequence of %zu at depth %d to %d (states %s)",
                        n, from, depth, ctx->loop_s ? "kept" : "not kept");
+    /* paged: every page the pass rewrites first, so that a full pool leaves the sequence
+       as it was instead of half deepened */
+    tl_status held = tl_kv_cache_reserve(&ctx->kv, ctx->ex, 0, (int)n);
+    if (held != TL_OK) return held;
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
         tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
@@ -449,13 +455,17 @@ void tl_context_set_length(struct tl_context *ctx, size_t n_keep) {
     if (n_keep == 0) ctx->depth = 0;
 }
 
+void tl_context_trim(struct tl_context *ctx) {
+    tl_kv_cache_trim(&ctx->kv, ctx->ex, (int)ctx->n_tokens);
+}
+
 tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out) {
     struct tl_context *dst = NULL;
     tl_status st = tl_context_open_with(src->model, src->max_seq, src->max_depth, src->chunk_rows,
                                         &src->kv_policy, &dst);
     if (st != TL_OK) return st;
     size_t n = src->n_tokens;
-    tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);
+    tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);   /* paged: shares src's pages */
     if (src->warm && n > 0)
         dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->warm, 0), 1, tl_act_at(src->warm, 0), 1,
                                 1, (int)(n * (size_t)src->model->hp.d));

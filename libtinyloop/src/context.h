@@ -111,11 +111,17 @@ void tl_context_drop_loop_states(struct tl_context *ctx);
  * tokens and that depth is in [its depth, max_depth]. On failure the context is emptied
  * (positions would be left at two depths). */
 tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_forward_out *out);
+/* (Paged KV: the pages are taken or copied before any chunk, so a full pool's
+ * TL_ERR_OUT_OF_MEMORY leaves the sequence as it was.) */
 /* Counts `bytes` (negative: frees) of a buffer the context's user holds on its backend
  * (a stream's drafts' states) in the context's share of the memory report. */
 void tl_context_count_buffer(struct tl_context *ctx, int64_t bytes);
-/* Length counters used by the API calls of the same names. */
+/* Length counters used by the API calls of the same names. The K/V rows past the length
+ * stay (a speculative verification resumes drafts written there) until tl_context_trim. */
 void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
+/* Give the paged KV cache's pages past the sequence's length back to the pool (a no-op
+ * for a contiguous cache). */
+void tl_context_trim(struct tl_context *ctx);
 tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);
 
 #endif

@@ -456,8 +456,16 @@ static fwd fwd_for(struct tl_context *ctx) {
     return F;
 }
 
+/* The pages rows [pos0, pos0 + n) of ctx's cache lack or share (kv_cache.h), before any
+ * op of a pass runs, so that a full pool stops the pass with nothing written. */
+static tl_status reserve(struct tl_context *ctx, int pos0, int n) {
+    return tl_kv_cache_reserve(&ctx->kv, ctx->ex, pos0, n);
+}
+
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth) {
+    tl_status st = reserve(ctx, 0, n);
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);
     embed_and_prelude(&F, tokens, n, 0);
@@ -477,6 +485,8 @@ tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, 
 
 tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                            int depth, const tl_forward_out *out) {
+    tl_status st = reserve(ctx, pos0, n);
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     /* a decode step's layers may be recorded once and replayed (backend.h) */
     int step = n == 1 && F.ops->step_begin && F.ops->step_end;
@@ -523,6 +533,8 @@ static tl_status continue_loop(const fwd *F, int n, int pos0, int from, int dept
 tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
                             int from, int depth, tl_act kept_e, tl_act kept_s,
                             const tl_forward_out *out) {
+    tl_status st = reserve(ctx, pos0, n);
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);
     int last = n - 1;
@@ -539,6 +551,8 @@ tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n
 
 tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
                             const tl_forward_out *out) {
+    tl_status st = reserve(ctx, pos0, n);   /* a deeper pass rewrites the rows' pages */
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     size_t at = (size_t)pos0 * F.d;
     load_loop_states(&F, ctx->loop_e ? tl_act_add(buf0(ctx->loop_e), at) : (tl_act){ 0 },
@@ -571,6 +585,10 @@ static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
 
 tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, const int32_t *tokens, int n,
                            int depth, const tl_forward_out *outs) {
+    for (int r = 0; r < n; r++) {
+        tl_status st = reserve(rows[r].ctx, rows[r].pos, 1);
+        if (st != TL_OK) return st;
+    }
     fwd F = fwd_for(lead);
     F.batch = rows;
     embed_and_prelude(&F, tokens, n, 0);
@@ -603,6 +621,8 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
 
 tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
                           int first, int depth, const tl_forward_out *out) {
+    tl_status st = reserve(ctx, tree->n_prefix + first, n);
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     F.tree = tree;
     F.tree_first = first;
@@ -622,6 +642,8 @@ tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, 
 
 tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
                                   int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out) {
+    tl_status st = reserve(ctx, tree->n_prefix, n);
+    if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
     F.tree = tree;
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);

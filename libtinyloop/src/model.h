@@ -82,6 +82,7 @@ struct tl_model {
     tl_load_options load_opts;         /* as resolved at load (device string not kept) */
     char device_name[64];
     struct tl_backend *backend;
+    struct tl_kv_pool *kv_pool;        /* paged KV's pages (kv_cache.h); NULL = contiguous */
 
     /* live contexts' memory, for the memory report (guarded by stats_lock) */
     pthread_mutex_t stats_lock;

@@ -39,7 +39,8 @@ static void free_cache(struct tl_prefix_cache *c) {
     tl_buf *bufs[] = { c->k, c->v, c->warm, c->loop_e, c->loop_s };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) c->model->backend->ops->buf_free(bufs[i]);
-    if (c->bytes) count_bytes(c->model, -(int64_t)c->bytes);
+    if (c->own_bytes) count_bytes(c->model, -(int64_t)c->own_bytes);
+    tl_kv_page_list_release(&c->pages);
     free(c->tokens);
     free(c);
 }
@@ -49,6 +50,7 @@ static tl_status alloc_rows(struct tl_prefix_cache *c, size_t count, tl_buf **ou
     if (st != TL_OK)
         return tl_fail(st, "prefix cache of %zu tokens: %s", c->n_tokens, tl_last_error());
     c->bytes += count * sizeof(float);
+    c->own_bytes += count * sizeof(float);
     return TL_OK;
 }
 
@@ -81,7 +83,11 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
     const tl_backend_ops *ops = ctx->be->ops;
     size_t kv_rows = (size_t)c->n_slots * n;
     tl_status st = TL_OK;
-    if (kv_rows > 0) {
+    int paged = ctx->kv.pool != NULL;
+    if (paged) {
+        st = tl_kv_cache_share(&ctx->kv, ctx->loop_slots, (int)n, &c->pages);
+        if (st == TL_OK) c->bytes += tl_kv_page_list_bytes(&c->pages);
+    } else if (kv_rows > 0) {
         st = alloc_rows(c, kv_rows * kvd, &c->k);
         if (st == TL_OK) st = alloc_rows(c, kv_rows * kvd, &c->v);
     }
@@ -90,8 +96,8 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
     for (int i = 0; i < 3 && st == TL_OK; i++)
         if (from[i]) st = alloc_rows(c, n * d, to[i]);
     if (st == TL_OK) {
-        count_bytes(c->model, (int64_t)c->bytes);
-        for (int s = 0; s < c->n_slots; s++) {
+        count_bytes(c->model, (int64_t)c->own_bytes);
+        for (int s = 0; s < c->n_slots && !paged; s++) {
             int cs = context_slot(hp, c->depth, ctx->loop_slots, s);
             size_t at = (size_t)s * n * kvd;
             copy_prefix_rows(ctx->ex, ops, tl_act_at(c->k, at), tl_kv_keys(&ctx->kv, cs), n, kvd);
@@ -101,13 +107,46 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
             if (from[i]) copy_prefix_rows(ctx->ex, ops, tl_act_at(*to[i], 0), tl_act_at(from[i], 0), n, d);
         st = ops->status(ctx->ex);
     } else {
-        c->bytes = 0;   /* nothing was counted yet */
+        c->own_bytes = 0;   /* nothing was counted yet */
     }
     if (st != TL_OK) {
         free_cache(c);
         return st;
     }
     *out = c;
+    return TL_OK;
+}
+
+/* A paged cache's first n rows into ctx: its pages themselves when ctx lays out its slots
+ * alike, else row copies slot by slot into ctx's own pages (the coda's slots move with
+ * the loop's count, context_slot). */
+static tl_status load_pages(struct tl_context *ctx, const struct tl_prefix_cache *c, size_t n) {
+    const tl_kv_page_list *list = &c->pages;
+    tl_kv_cache *kv = &ctx->kv;
+    if (list->n_slots == kv->n_slots && list->loop_slots == ctx->loop_slots) {
+        tl_kv_cache_adopt(kv, ctx->ex, list, (int)n);
+        return TL_OK;
+    }
+    tl_status st = tl_kv_cache_reserve(kv, ctx->ex, 0, (int)n);
+    if (st != TL_OK) {
+        tl_context_trim(ctx);
+        return st;
+    }
+    const tl_hparams *hp = &ctx->model->hp;
+    size_t P = (size_t)kv->page_size, w = (size_t)kv->kv_dim;
+    for (int p = 0; (size_t)p * P < n; p++) {
+        int rows = (int)(n - (size_t)p * P < P ? n - (size_t)p * P : P);
+        tl_buf *from = list->pages[p]->buf, *to = kv->pages[p]->buf;
+        for (int s = 0; s < c->n_slots; s++) {
+            size_t src = (size_t)context_slot(hp, c->depth, list->loop_slots, s) * P * w;
+            size_t dst = (size_t)context_slot(hp, c->depth, ctx->loop_slots, s) * P * w;
+            for (int plane = 0; plane < 2; plane++) {
+                size_t ps = plane ? (size_t)list->n_slots * P * w : 0, pd = plane ? (size_t)kv->n_slots * P * w : 0;
+                ctx->be->ops->copy_rows(ctx->ex, tl_act_at(to, pd + dst), w, tl_act_at(from, ps + src), w, rows,
+                                        (int)w);
+            }
+        }
+    }
     return TL_OK;
 }
 
@@ -129,10 +168,15 @@ tl_status tl_prefix_cache_load(struct tl_context *ctx, const struct tl_prefix_ca
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the context keeps loop states and the prefix cache "
                        "holds none: snapshot a context created with keep_loop_states = 1");
     tl_context_set_length(ctx, 0);
+    tl_context_trim(ctx);
     if (n == 0) return TL_OK;
     int kvd = hp->n_kv_head * hp->head_dim, d = hp->d;
     const tl_backend_ops *ops = ctx->be->ops;
-    for (int s = 0; s < c->n_slots; s++) {
+    if (ctx->kv.pool) {
+        tl_status st = load_pages(ctx, c, n);
+        if (st != TL_OK) return st;
+    }
+    for (int s = 0; s < c->n_slots && !ctx->kv.pool; s++) {
         int cs = context_slot(hp, c->depth, ctx->loop_slots, s);
         size_t at = (size_t)s * c->n_tokens * kvd;
         copy_prefix_rows(ctx->ex, ops, tl_kv_keys(&ctx->kv, cs), tl_act_at(c->k, at), n, kvd);

@@ -5,9 +5,9 @@ third-party plugin (docs/plugins.md), except that it is listed here instead of i
 entry point. The registry calls `builtin_plugins()` once per process.
 
 Shipped: `speculative` (self-speculative decoding), `tree_speculative` (tree
-speculation, greedy and sampled) and `kv_share` (loop iterations share K/V slots,
-approximate). Paged KV and the fp16 body will each be added as a module of this
-package and listed in `builtin_plugins`.
+speculation, greedy and sampled), `kv_share` (loop iterations share K/V slots,
+approximate) and `paged_kv` (KV caches in shared pages of a pool). The fp16 body will be
+added as a module of this package and listed in `builtin_plugins`.
 """
 
 
@@ -15,5 +15,6 @@ def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
     from .kv_share import PLUGIN as kv_share
     from .speculative import PLUGIN as speculative
+    from .paged_kv import PLUGIN as paged_kv
     from .tree_speculative import PLUGIN as tree_speculative
-    return [speculative, tree_speculative, kv_share]
+    return [speculative, tree_speculative, kv_share, paged_kv]

@@ -482,12 +482,19 @@ class Model(_Scoring, _OwnsHandle):
 
     kv_policy: the KV cache of the model's contexts, "exact" (default), "share_last" or
     "ring" with kv_ring_slots slots per core block; the last two are approximate
-    (docs/model.md, "Approximate KV policies")."""
+    (docs/model.md, "Approximate KV policies").
+
+    kv_page_size: paged KV caches, pages of that many positions (a power of two up to
+    4096) from a pool of the model's, taken as sequences grow and shared by forks and
+    prefix caches (copied when a shared page is written); 0 = one contiguous cache per
+    context (default). kv_pool_bytes caps the pool (0 = no cap): an append that needs a
+    page past the cap raises OutOfMemoryError and leaves the sequence as it was
+    (docs/api.md, "Paged KV")."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
-                 kv_ring_slots: int = 0):
+                 kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0):
         self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
@@ -505,6 +512,8 @@ class Model(_Scoring, _OwnsHandle):
         opts.verify_checksums = 1 if verify_checksums else 0
         opts.draft_vocab = _args.integer("draft_vocab", draft_vocab, minimum=-1, maximum=2**31 - 1)
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
+        opts.kv_page_size = _args.max_int32("kv_page_size", kv_page_size)
+        opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
         out = ffi.new("tl_model **")
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]
@@ -612,13 +621,16 @@ class Model(_Scoring, _OwnsHandle):
         return self._tokenizer
 
     def memory_report(self) -> dict:
-        """Bytes used: weights, repacked weights, buffers, KV caches, total, device."""
+        """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
+        caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
+        kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise)."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
         return {name: int(getattr(c_report, name)) for name in (
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
-            "total_bytes", "device_bytes", "prefix_cache_bytes")}
+            "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
+            "kv_pool_bytes", "kv_pool_cap_bytes")}
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")
@@ -916,17 +928,6 @@ class Context(_Scoring, _OwnsHandle):
         native.check(native.lib.tl_prefix_cache_from_context(self._require_open(), n_tokens, out))
         return _prefix.PrefixCache(self._model, out[0])
 
-    def fork(self) -> "Context":
-        """A new context with this one's options holding a copy of its sequence (tokens,
-        KV cache, loop states); the two then go on separately."""
-        native, ffi = self._model._native, self._model._native.ffi
-        out = ffi.new("tl_context **")
-        native.check(native.lib.tl_context_fork(self._require_open(), out))
-        copy = Context.__new__(Context)
-        copy._model, copy._handle = self._model, out[0]
-        self._model._children.add(copy)
-        return copy
-
     def truncate(self, n_keep: int) -> None:
         n_keep = _args.integer("n_keep", n_keep, minimum=0)
         self._model._native.check(self._model._native.lib.tl_context_truncate(
@@ -934,3 +935,16 @@ class Context(_Scoring, _OwnsHandle):
 
     def reset(self) -> None:
         self._model._native.check(self._model._native.lib.tl_context_reset(self._require_open()))
+
+    def fork(self) -> "Context":
+        """A new context holding a copy of this sequence (tokens, KV cache, loop states;
+        tl_context_fork), with the same options; the two then go on separately. With
+        paged KV it shares this one's pages until either writes them."""
+        model = self._model
+        native, ffi = model._native, model._native.ffi
+        out = ffi.new("tl_context **")
+        native.check(native.lib.tl_context_fork(self._require_open(), out))
+        ctx = Context.__new__(Context)
+        ctx._handle, ctx._model = out[0], model
+        model._children.add(ctx)
+        return ctx

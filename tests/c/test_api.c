@@ -38,6 +38,7 @@ static const char *current_model;
 
 typedef struct fixture {
     tl_model *model;
+    int paged;   /* kv_page_size > 0: the KV bytes are the pool's (pages counted once) */
     tl_model_info info;
     int32_t tokens[N_TOK];
 } fixture;
@@ -1134,7 +1135,7 @@ static void test_kv_policy(fixture *f) {
     CHECK_OK(st);
     CHECK_OK(tl_memory_report_get(f->model, &r1));
     uint64_t slot = 2ull * sizeof(float) * MAX_SEQ * (uint64_t)(f->info.n_kv_head * f->info.head_dim);
-    CHECK(r1.kv_cache_bytes - r0.kv_cache_bytes ==
+    CHECK(f->paged || r1.kv_cache_bytes - r0.kv_cache_bytes ==
               slot * (uint64_t)(f->info.n_pre + f->info.n_core + f->info.n_post),
           "share_last holds one loop slot per core block");
 
@@ -1268,7 +1269,7 @@ static void test_prefix_cache(fixture *f) {
 
     /* a snapshot of part of a context's sequence; loading again replaces the sequence */
     CHECK_OK(tl_prefix_cache_from_context(ctx, 8, &part));
-    CHECK(prefix_bytes_now(f) - before > bytes, "two caches are counted in the memory report");
+    CHECK(f->paged || prefix_bytes_now(f) - before > bytes, "two caches are counted in the memory report");
     struct { tl_memory_report r; char tail[8]; } old_report;   /* a first-release report */
     memset(&old_report, 0x5a, sizeof old_report);
     old_report.r.struct_size = (uint32_t)offsetof(tl_memory_report, prefix_cache_bytes);
@@ -1599,21 +1600,30 @@ static void test_version(void) {
     CHECK(strcmp(tl_status_name(TL_ERR_CONTEXT_FULL), "TL_ERR_CONTEXT_FULL") == 0, "status name");
 }
 
-static void run_model(const char *path) {
-    current_model = path;
-    fixture f;
-    memset(&f, 0, sizeof f);
+/* Load the model at `path` (MAX_SEQ positions, 2 threads, KV pages of page_size
+ * positions; 0 = contiguous) into f; 0 when it failed. */
+static int open_fixture(fixture *f, const char *path, int32_t page_size) {
+    memset(f, 0, sizeof *f);
     tl_load_options lo;
     tl_load_options_default(&lo);
     lo.max_seq_len = MAX_SEQ;
     lo.n_threads = 2;
-    tl_status st = tl_load_model(path, &lo, &f.model);
-    CHECK(st == TL_OK, "load %s", path);
-    if (st != TL_OK) return;
-    tl_model_info_default(&f.info);
-    CHECK_OK(tl_model_get_info(f.model, &f.info));
-    CHECK(f.info.max_seq_len == MAX_SEQ && f.info.n_threads == 2, "info reflects load options");
-    for (int i = 0; i < N_TOK; i++) f.tokens[i] = (int32_t)((i * 7919 + 13) % f.info.vocab_size);
+    lo.kv_page_size = page_size;
+    tl_status st = tl_load_model(path, &lo, &f->model);
+    CHECK(st == TL_OK, "load %s (kv_page_size %d)", path, page_size);
+    if (st != TL_OK) return 0;
+    f->paged = page_size > 0;
+    tl_model_info_default(&f->info);
+    CHECK_OK(tl_model_get_info(f->model, &f->info));
+    CHECK(f->info.max_seq_len == MAX_SEQ && f->info.n_threads == 2, "info reflects load options");
+    for (int i = 0; i < N_TOK; i++) f->tokens[i] = (int32_t)((i * 7919 + 13) % f->info.vocab_size);
+    return 1;
+}
+
+static void run_model(const char *path) {
+    current_model = path;
+    fixture f;
+    if (!open_fixture(&f, path, 0)) return;
 
     test_score_equals_decode(&f);
     test_score_with_uncertainty(&f);
@@ -1643,6 +1653,115 @@ static void run_model(const char *path) {
     CHECK_OK(tl_free_model(f.model));
 }
 
+/* Paged KV (kv_page_size): the pool follows the sequences, forks share pages and copy
+ * one on write, the cap refuses an append and leaves the sequence usable, and the whole
+ * model's pages are back when every holder is freed (ASan: no page leaks or is used after
+ * its last reference). */
+static void test_paged_pool(fixture *f, const char *path) {
+    int V = f->info.vocab_size;
+    tl_memory_report r;
+    tl_memory_report_default(&r);
+    float *ref = malloc((size_t)V * sizeof *ref), *got = malloc((size_t)V * sizeof *got);
+    tl_context *ctx = new_context(f->model, 0), *fork = NULL, *other = NULL;
+    CHECK(ctx != NULL, "paged context");
+    if (!ctx) goto done;
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    uint64_t base = r.kv_pages_in_use, base_bytes = r.kv_pool_bytes;   /* the model's own context's */
+    CHECK_OK(tl_context_append(ctx, f->tokens, 10, 0, NULL));
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    uint64_t held = r.kv_pages_in_use, page = (r.kv_pool_bytes - base_bytes) / 3;
+    CHECK(r.kv_page_size == 4 && held == base + 3, "10 tokens in pages of 4: %llu pages",
+          (unsigned long long)(held - base));
+    CHECK_OK(tl_context_fork(ctx, &fork));
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    CHECK(r.kv_pages_in_use == held, "a fork takes no page (%llu)", (unsigned long long)r.kv_pages_in_use);
+    CHECK_OK(tl_context_append(ctx, f->tokens + 10, 1, 0, ref));
+    CHECK_OK(tl_context_append(fork, f->tokens + 10, 1, 0, got));
+    CHECK(memcmp(ref, got, (size_t)V * sizeof *ref) == 0, "a fork continues as the original");
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    CHECK(r.kv_pages_in_use == held + 1, "copy on write: one page more (%llu)", (unsigned long long)r.kv_pages_in_use);
+    tl_context_free(fork);
+    fork = NULL;
+    CHECK_OK(tl_context_truncate(ctx, 4));
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    CHECK(r.kv_pages_in_use == base + 1, "truncate gives pages back (%llu)",
+          (unsigned long long)(r.kv_pages_in_use - base));
+    tl_context_free(ctx);
+    ctx = NULL;
+    CHECK_OK(tl_memory_report_get(f->model, &r));
+    CHECK(r.kv_pages_in_use == base && r.kv_pool_bytes == base_bytes, "every page is back");
+
+    /* a pool of two pages: the third is refused, the sequence kept */
+    tl_model *capped = NULL;
+    tl_load_options lo;
+    tl_load_options_default(&lo);
+    lo.max_seq_len = MAX_SEQ;
+    lo.n_threads = 2;
+    lo.kv_page_size = 4;
+    lo.kv_pool_bytes = (int64_t)(2 * page);
+    CHECK_OK(tl_load_model(path, &lo, &capped));
+    if (!capped) goto done;
+    ctx = new_context(capped, 0);
+    if (ctx) {
+        CHECK_OK(tl_context_append(ctx, f->tokens, 8, 0, NULL));
+        CHECK_STATUS(tl_context_append(ctx, f->tokens + 8, 1, 0, got), TL_ERR_OUT_OF_MEMORY);
+        CHECK(strstr(tl_last_error(), "kv_pool_bytes") != NULL, "the error names the cap: %s", tl_last_error());
+        size_t n = 0;
+        CHECK_OK(tl_context_length(ctx, &n));
+        CHECK(n == 8, "the refused append left %zu tokens", n);
+        other = new_context(capped, 0);
+        if (other) CHECK_STATUS(tl_context_append(other, f->tokens, 1, 0, NULL), TL_ERR_OUT_OF_MEMORY);
+        CHECK_OK(tl_context_truncate(ctx, 4));
+        CHECK_OK(tl_context_append(ctx, f->tokens + 4, 4, 0, got));   /* the page given back */
+    }
+    tl_context_free(other);
+    other = NULL;
+    tl_context_free(ctx);
+    ctx = NULL;
+    CHECK_OK(tl_free_model(capped));
+
+    /* bad values */
+    lo.kv_pool_bytes = 0;
+    int32_t bad[] = { 3, -4, 8192, TL_KV_PAGE_MAX + 1 };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        lo.kv_page_size = bad[i];
+        CHECK_STATUS(tl_load_model(path, &lo, &capped), TL_ERR_INVALID_ARGUMENT);
+        CHECK(strstr(tl_last_error(), "kv_page_size") != NULL, "names kv_page_size: %s", tl_last_error());
+    }
+    lo.kv_page_size = 0;
+    lo.kv_pool_bytes = 1 << 20;
+    CHECK_STATUS(tl_load_model(path, &lo, &capped), TL_ERR_INVALID_ARGUMENT);
+    lo.kv_page_size = 4;
+    lo.kv_pool_bytes = -1;
+    CHECK_STATUS(tl_load_model(path, &lo, &capped), TL_ERR_INVALID_ARGUMENT);
+done:
+    tl_context_free(fork);
+    tl_context_free(ctx);
+    free(ref);
+    free(got);
+}
+
+/* The tests that hold a model's sequences, forks, batches, speculation, deepening and
+ * prefix caches to their contiguous results, again on a paged KV cache (pages of 4). */
+static void run_paged(const char *path) {
+    fixture f;
+    if (!open_fixture(&f, path, 4)) return;
+    test_score_equals_decode(&f);
+    test_chunked_prefill(&f);
+    test_truncate_and_fork(&f);
+    test_append_batch(&f);
+    test_deepen(&f);
+    test_greedy_matches_argmax(&f);
+    test_speculative(&f);
+    test_tree_speculative(&f);
+    test_kv_policy(&f);
+    test_two_threads(&f);
+    test_prefix_cache(&f);
+    test_generate_with_pool(&f);
+    test_paged_pool(&f, path);
+    CHECK_OK(tl_free_model(f.model));
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s MODEL.tinyloop [MODEL.tinyloop ...]\n", argv[0]);
@@ -1650,7 +1769,10 @@ int main(int argc, char **argv) {
     }
     current_model = "-";
     test_version();
-    for (int i = 1; i < argc; i++) run_model(argv[i]);
+    for (int i = 1; i < argc; i++) {
+        run_model(argv[i]);
+        run_paged(argv[i]);
+    }
     printf("test_api: %d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
 }

@@ -102,7 +102,18 @@ typedef struct tl_load_options {
                                   tail padding a caller may have left unset          */
     int32_t kv_policy;         /* contexts' KV policy, a tl_kv_policy (below); 0 = exact */
     int32_t kv_ring_slots;     /* TL_KV_RING: slots per core block, >= 1; else 0     */
+    int32_t kv_page_size;      /* paged KV: positions per page, a power of two in
+                                  [TL_KV_PAGE_MIN, TL_KV_PAGE_MAX]; pages of the model's
+                                  pool are taken as sequences grow and shared by forks
+                                  and prefix caches (docs/api.md, "Paged KV");
+                                  0 = one contiguous cache per context (default)      */
+    int64_t kv_pool_bytes;     /* paged KV: cap on the pool's bytes; a call that needs
+                                  a page past it fails with TL_ERR_OUT_OF_MEMORY and
+                                  leaves the sequence as it was; 0 = no cap           */
 } tl_load_options;
+
+#define TL_KV_PAGE_MIN 1
+#define TL_KV_PAGE_MAX 4096
 
 TL_API void tl_load_options_default(tl_load_options *opts);
 TL_API tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model **out);
@@ -151,6 +162,12 @@ typedef struct tl_memory_report {
     uint64_t total_bytes;       /* the sum of the above                               */
     uint64_t device_bytes;      /* bytes allocated on an accelerator (0 on CPU)       */
     uint64_t prefix_cache_bytes; /* live prefix caches (in total_bytes too)           */
+    /* paged KV (kv_page_size > 0; else 0): the pool's pages, in kv_cache_bytes too.
+       A page shared by contexts and prefix caches counts once. */
+    int32_t kv_page_size;       /* positions per page                                 */
+    uint64_t kv_pages_in_use;   /* pages held by contexts and prefix caches           */
+    uint64_t kv_pool_bytes;     /* their bytes                                        */
+    uint64_t kv_pool_cap_bytes; /* the cap (kv_pool_bytes load option); 0 = none      */
 } tl_memory_report;
 
 TL_API void tl_memory_report_default(tl_memory_report *report);
@@ -184,7 +201,9 @@ TL_API tl_status tl_context_append(tl_context *ctx, const int32_t *tokens, size_
 TL_API tl_status tl_context_truncate(tl_context *ctx, size_t n_keep);
 TL_API tl_status tl_context_reset(tl_context *ctx);
 TL_API tl_status tl_context_length(const tl_context *ctx, size_t *n_tokens);
-TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out); /* copies the sequence */
+/* A new context holding a copy of the sequence (paged KV: sharing its pages, copied when
+ * either writes a shared one). */
+TL_API tl_status tl_context_fork(const tl_context *ctx, tl_context **out);
 /* Continue the whole sequence at a deeper loop depth (at most the context's max_depth),
  * from where its loop stopped: the prelude and the iterations already run are not
  * repeated, and the result is the sequence computed at `depth` from the start. Needs a

@@ -320,7 +320,40 @@ typedef struct attention_job {
     /* one query row: the visible keys [first, first + len) and each head's exp sum */
     int first, len;
     float *sums;
+    const tl_cpu_kv_pages *pages;   /* NULL: k_cache / v_cache are contiguous rows */
 } attention_job;
+
+/* Rows row.. of the keys (plane 0) or values (plane 1) as far as they lie in one run at
+ * kv_stride: all len of them when contiguous, up to the end of the page when paged. */
+static const float *kv_run(const attention_job *job, int plane, int row, int len, int *run) {
+    const tl_cpu_kv_pages *pg = job->pages;
+    if (!pg) {
+        *run = len;
+        return (plane ? job->v_cache : job->k_cache) + (size_t)row * job->kv_stride;
+    }
+    int size = 1 << pg->shift, in_page = row & (size - 1);
+    *run = len < size - in_page ? len : size - in_page;
+    return pg->table[row >> pg->shift] + (plane ? pg->v_off : pg->k_off) + (size_t)in_page * job->kv_stride;
+}
+
+/* scores[j] = scale * q . key(row0 + j) + col, for j < len, page run by page run (the
+ * same floats as one call: each score is its own dot product). */
+static void dot_keys(const attention_job *job, const float *q, int row0, int len, size_t col, float *scores) {
+    for (int j = 0, run = 0; j < len; j += run) {
+        const float *keys = kv_run(job, 0, row0 + j, len - j, &run) + col;
+        job->ops->dot_rows(q, keys, job->kv_stride, run, job->head_dim, job->scale, scores + j);
+    }
+}
+
+/* o[0..width) += sum_j p[j] value(row0 + j)[col..], in row order run by run (axpy_rows
+ * accumulates row after row, so the split changes no float). */
+static void axpy_values(const attention_job *job, float *o, const float *p, int row0, int len, size_t col,
+                        int width) {
+    for (int j = 0, run = 0; j < len; j += run) {
+        const float *vals = kv_run(job, 1, row0 + j, len - j, &run) + col;
+        job->ops->axpy_rows(o, p + j, vals, job->kv_stride, run, width);
+    }
+}
 
 static float max_of(const float *x, int n) {
     float max = -INFINITY;
@@ -333,13 +366,13 @@ static int first_key(int pos, int window) {
     return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
 }
 
-/* Head h's output from its exp(score - max) row p over keys vals[0..len): the weighted
- * sum of values, then one division. */
-static void weighted_values(const tl_cpu_ops *k, float *o, const float *p, const float *vals,
-                            size_t kv_stride, int len, int width, float sum) {
+/* Head h's output from its exp(score - max) row p over value rows row0..row0+len: the
+ * weighted sum of values (columns col.. of width), then one division. */
+static void weighted_values(const attention_job *job, float *o, const float *p, int row0, size_t col,
+                            int len, int width, float sum) {
     memset(o, 0, (size_t)width * sizeof *o);
-    k->axpy_rows(o, p, vals, kv_stride, len, width);
-    k->scale(o, 1.0f / sum, width);
+    axpy_values(job, o, p, row0, len, col, width);
+    job->ops->scale(o, 1.0f / sum, width);
 }
 
 /* Many query rows (prefill): one item per (row, head), scores in the thread's own row. */
@@ -355,13 +388,12 @@ static void attention_task(void *arg, int begin, int end, int thread_index) {
         int len = pos - first + 1;
         size_t q_off = ((size_t)i * job->n_head + h) * hd;
         const float *q = job->q + q_off;
-        const float *keys = job->k_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
-        const float *vals = job->v_cache + (size_t)first * job->kv_stride + (size_t)(h / job->group) * hd;
+        size_t col = (size_t)(h / job->group) * hd;
         /* two passes: scores and their max, then exp and the weighted sum of values */
-        k->dot_rows(q, keys, job->kv_stride, len, hd, job->scale, scores);
+        dot_keys(job, q, first, len, col, scores);
         float max = max_of(scores, len);
         float sum = k->exp_sum(scores, scores, len, max);
-        weighted_values(k, job->out + q_off, scores, vals, job->kv_stride, len, hd, sum);
+        weighted_values(job, job->out + q_off, scores, first, col, len, hd, sum);
     }
 }
 
@@ -377,16 +409,14 @@ static void attention_task(void *arg, int begin, int end, int thread_index) {
 
 static void decode_scores_task(void *arg, int begin, int end, int thread_index) {
     const attention_job *job = arg;
-    const tl_cpu_ops *k = job->ops;
     int hd = job->head_dim, blocks = (job->len + DECODE_KEY_BLOCK - 1) / DECODE_KEY_BLOCK;
     for (int item = begin; item < end; item++) {
         int kvh = item / blocks, j0 = (item % blocks) * DECODE_KEY_BLOCK;
         int j1 = j0 + DECODE_KEY_BLOCK < job->len ? j0 + DECODE_KEY_BLOCK : job->len;
         /* the block's keys stay in L1 while every head of the group reads them */
-        const float *keys = job->k_cache + ((size_t)job->first + j0) * job->kv_stride + (size_t)kvh * hd;
         for (int h = kvh * job->group; h < (kvh + 1) * job->group; h++)
-            k->dot_rows(job->q + (size_t)h * hd, keys, job->kv_stride, j1 - j0, hd, job->scale,
-                        job->scratch + (size_t)h * job->stride + j0);
+            dot_keys(job, job->q + (size_t)h * hd, job->first + j0, j1 - j0, (size_t)kvh * hd,
+                     job->scratch + (size_t)h * job->stride + j0);
     }
 }
 
@@ -396,11 +426,9 @@ static void decode_values_task(void *arg, int begin, int end, int thread_index) 
     for (int item = begin; item < end; item++) {
         int kvh = item / blocks, c0 = (item % blocks) * DECODE_COL_BLOCK;
         int width = hd - c0 < DECODE_COL_BLOCK ? hd - c0 : DECODE_COL_BLOCK;
-        const float *vals = job->v_cache + (size_t)job->first * job->kv_stride + (size_t)kvh * hd + c0;
         for (int h = kvh * job->group; h < (kvh + 1) * job->group; h++)
-            weighted_values(job->ops, job->out + (size_t)h * hd + c0,
-                            job->scratch + (size_t)h * job->stride, vals, job->kv_stride,
-                            job->len, width, job->sums[h]);
+            weighted_values(job, job->out + (size_t)h * hd + c0, job->scratch + (size_t)h * job->stride,
+                            job->first, (size_t)kvh * hd + c0, job->len, width, job->sums[h]);
     }
 }
 
@@ -421,11 +449,10 @@ static void attention_one_row(attention_job *job, tl_threadpool *pool) {
     tl_parallel_for(pool, n_kv_head * col_blocks, 1, decode_values_task, job);
 }
 
-void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
-                      const float *v_cache, int n_head, int n_kv_head, int head_dim,
-                      float scale, int window, float *out, void *scratch,
-                      tl_threadpool *pool) {
-    attention_job job = {
+static void attention_rows(const float *q, int n, int pos0, const float *k_cache, const float *v_cache,
+                           const tl_cpu_kv_pages *pages, int n_head, int n_kv_head, int head_dim, float scale,
+                           int window, float *out, void *scratch, tl_threadpool *pool) {
+    attention_job job = { .pages = pages,
         .ops = ops(), .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
         .scratch = scratch, .n_head = n_head, .head_dim = head_dim,
         .group = n_head / n_kv_head, .pos0 = pos0, .window = window,
@@ -436,6 +463,21 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
         attention_one_row(&job, pool);
     else
         tl_parallel_for(pool, n * n_head, 1, attention_task, &job);
+}
+
+void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
+                      const float *v_cache, int n_head, int n_kv_head, int head_dim,
+                      float scale, int window, float *out, void *scratch,
+                      tl_threadpool *pool) {
+    attention_rows(q, n, pos0, k_cache, v_cache, NULL, n_head, n_kv_head, head_dim, scale, window, out,
+                   scratch, pool);
+}
+
+void tl_cpu_attention_paged(const float *q, int n, int pos0, const tl_cpu_kv_pages *pages, int n_head,
+                            int n_kv_head, int head_dim, float scale, int window, float *out, void *scratch,
+                            tl_threadpool *pool) {
+    attention_rows(q, n, pos0, NULL, NULL, pages, n_head, n_kv_head, head_dim, scale, window, out, scratch,
+                   pool);
 }
 
 /* ---- tree attention (tree speculation) ------------------------------------------ */
@@ -463,22 +505,20 @@ static void tree_attention_task(void *arg, int begin, int end, int thread_index)
         if (prefix < 0) prefix = 0, first = t->n_prefix;
         size_t q_off = ((size_t)i * a->n_head + h) * hd, col = (size_t)(h / a->group) * hd;
         const float *q = a->q + q_off;
-        k->dot_rows(q, a->k_cache + (size_t)first * a->kv_stride + col, a->kv_stride, prefix, hd, a->scale, scores);
+        dot_keys(a, q, first, prefix, col, scores);
         int len = prefix;
         for (int j = 0; j < t->n_nodes; j++)
             if ((t->visible[node] >> j & 1) && (a->window <= 0 || pos - t->pos[j] < a->window))
-                k->dot_rows(q, a->k_cache + (size_t)(t->n_prefix + j) * a->kv_stride + col, a->kv_stride, 1, hd,
-                            a->scale, scores + len++);
+                dot_keys(a, q, t->n_prefix + j, 1, col, scores + len++);
         float max = max_of(scores, len);
         float sum = k->exp_sum(scores, scores, len, max);
         float *o = a->out + q_off;
         memset(o, 0, (size_t)hd * sizeof *o);
-        k->axpy_rows(o, scores, a->v_cache + (size_t)first * a->kv_stride + col, a->kv_stride, prefix, hd);
+        axpy_values(a, o, scores, first, prefix, col, hd);
         int at = prefix;
         for (int j = 0; j < t->n_nodes; j++)
             if ((t->visible[node] >> j & 1) && (a->window <= 0 || pos - t->pos[j] < a->window))
-                k->axpy_rows(o, scores + at++, a->v_cache + (size_t)(t->n_prefix + j) * a->kv_stride + col,
-                             a->kv_stride, 1, hd);
+                axpy_values(a, o, scores + at++, t->n_prefix + j, 1, col, hd);
         k->scale(o, 1.0f / sum, hd);
     }
 }
@@ -486,8 +526,16 @@ static void tree_attention_task(void *arg, int begin, int end, int thread_index)
 void tl_cpu_tree_attention(const float *q, int n, const tl_tree *tree, int first, const float *k_cache,
                            const float *v_cache, int n_head, int n_kv_head, int head_dim, float scale,
                            int window, float *out, void *scratch, tl_threadpool *pool) {
+    tl_cpu_tree_attention_paged(q, n, tree, first, k_cache, v_cache, NULL, n_head, n_kv_head, head_dim, scale,
+                                window, out, scratch, pool);
+}
+
+void tl_cpu_tree_attention_paged(const float *q, int n, const tl_tree *tree, int first, const float *k_cache,
+                                 const float *v_cache, const tl_cpu_kv_pages *pages, int n_head, int n_kv_head,
+                                 int head_dim, float scale, int window, float *out, void *scratch,
+                                 tl_threadpool *pool) {
     tree_attention_job job = {
-        .a = { .ops = ops(), .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+        .a = { .ops = ops(), .pages = pages, .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
                .scratch = scratch, .n_head = n_head, .head_dim = head_dim,
                .group = n_head / n_kv_head, .window = window,
                .kv_stride = (size_t)n_kv_head * head_dim,

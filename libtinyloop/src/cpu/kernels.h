@@ -92,6 +92,19 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
                       float scale, int window, float *out, void *scratch,
                       tl_threadpool *pool);
 
+/* A paged KV cache (kv_cache.h): row r of a slot's keys at table[r >> shift] + k_off +
+ * (r & (2^shift - 1)) * n_kv_head * head_dim, its values likewise at v_off. */
+typedef struct tl_cpu_kv_pages {
+    const float *const *table;
+    int shift;
+    size_t k_off, v_off;
+} tl_cpu_kv_pages;
+/* tl_cpu_attention reading keys and values through pages (the same floats as over the
+ * same rows laid out contiguously). */
+void tl_cpu_attention_paged(const float *q, int n, int pos0, const tl_cpu_kv_pages *pages, int n_head,
+                            int n_kv_head, int head_dim, float scale, int window, float *out, void *scratch,
+                            tl_threadpool *pool);
+
 /* tl_cpu_attention for n rows of a token tree (backend.h, tl_tree): query row i is node
  * first + i at position tree->pos[first + i], against the prefix rows and the nodes it
  * sees. The same scratch. */
@@ -100,6 +113,11 @@ void tl_cpu_tree_attention(const float *q, int n, const struct tl_tree *tree, in
                            const float *k_cache, const float *v_cache, int n_head, int n_kv_head,
                            int head_dim, float scale, int window, float *out, void *scratch,
                            tl_threadpool *pool);
+/* The same through pages (pages != NULL; k_cache / v_cache unused) or not (pages NULL). */
+void tl_cpu_tree_attention_paged(const float *q, int n, const struct tl_tree *tree, int first,
+                                 const float *k_cache, const float *v_cache, const tl_cpu_kv_pages *pages,
+                                 int n_head, int n_kv_head, int head_dim, float scale, int window, float *out,
+                                 void *scratch, tl_threadpool *pool);
 
 /* log-softmax helpers for scoring and sampling */
 float tl_cpu_logsumexp(const float *x, int n);
