@@ -5,15 +5,16 @@ third-party plugin (docs/plugins.md), except that it is listed here instead of i
 entry point. The registry calls `builtin_plugins()` once per process.
 
 Shipped: `speculative` (self-speculative decoding), `tree_speculative` (tree
-speculation, greedy and sampled) and `kv_share` (loop iterations share K/V slots,
-approximate). Paged KV and the fp16 body will each be added as a module of this
-package and listed in `builtin_plugins`.
+speculation, greedy and sampled), `kv_share` (loop iterations share K/V slots,
+approximate) and `fp16_body` (the loop body's weights held as fp16). Paged KV will be
+added as a module of this package and listed in `builtin_plugins`.
 """
 
 
 def builtin_plugins() -> list:
     """The Plugin values this package provides, in registration order."""
+    from .fp16_body import PLUGIN as fp16_body
     from .kv_share import PLUGIN as kv_share
     from .speculative import PLUGIN as speculative
     from .tree_speculative import PLUGIN as tree_speculative
-    return [speculative, tree_speculative, kv_share]
+    return [speculative, tree_speculative, kv_share, fp16_body]
