@@ -107,9 +107,11 @@ def test_cached_decode_equals_full_sequence(files, name):  # noqa: F811
 
 # |as stored - f16 body| on log-probs of these random models: rounding a weight to fp16
 # moves it by at most 2^-11 of itself, every body matmul output by at most 2^-11 of
-# sum |w x|; through L iterations of the body the measured worst log-prob change is
-# ~1e-3 (q2-g32 at depth 5), and the bound is 4x that. It must also be non-zero: the
-# mode really changes the weights.
+# sum |w x|. Measured worst log-prob change at max depth 5 (CPU, AVX2): 1.0e-3
+# (huginn-q4), 0.8e-3 to 0.9e-3 for base / q8 / q4 / q2; the bound is 4x that. For a
+# quantized body it must also be non-zero (the mode really changes the weights); bf16
+# values are fp16 values already (8 mantissa bits of f16's 10), so only kernel order
+# differs there.
 AS_STORED_BOUND = 4e-3
 
 
@@ -124,7 +126,9 @@ def test_close_to_the_as_stored_model(files, name):  # noqa: F811
         a, b = stored.score(tokens, depth=depth), half.score(tokens, depth=depth)
         c = full.score(tokens, depth=depth)
     diff = np.abs(a.astype(np.float64) - b).max()
-    assert 0 < diff <= AS_STORED_BOUND, f"{name}: as stored vs f16 body: {diff:.3g}"
+    assert diff <= AS_STORED_BOUND, f"{name}: as stored vs f16 body: {diff:.3g}"
+    if config.get("dtype", "f32") in QUANTIZED_DTYPES + ("f32",):
+        assert diff > 0, f"{name}: the f16 body changed nothing"
     # f32 holds the decoded values exactly: only the backend's activation handling differs
     assert np.abs(a.astype(np.float64) - c).max() <= tolerance(config)[0] * 2
 
