@@ -312,11 +312,12 @@ def test_memory_report(model):
     before = model.memory_report()
     assert set(before) == {"weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
                            "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size",
-                           "kv_pages_in_use", "kv_pool_bytes", "kv_pool_cap_bytes"}
+                           "kv_pages_in_use", "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes"}
     assert before["kv_page_size"] == before["kv_pages_in_use"] == before["kv_pool_bytes"] == 0   # contiguous
     assert before["weights_bytes"] > 0 and before["device_bytes"] == 0
     parts = ("weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes", "prefix_cache_bytes")
     assert before["total_bytes"] == sum(before[k] for k in parts)
+    assert 0 < before["body_bytes"] < before["weights_bytes"]   # part of the weights
     with model.context():
         during = model.memory_report()
         assert during["kv_cache_bytes"] > before["kv_cache_bytes"]

@@ -10,6 +10,7 @@
 
 #include "api_structs.h"
 #include "backend.h"
+#include "body_dtype.h"
 #include "context.h"
 #include "cpu/threadpool.h"
 #include "error.h"
@@ -180,6 +181,8 @@ static tl_status check_load_options(const tl_load_options *o) {
     if (o->kv_pool_bytes > 0 && ps == 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_pool_bytes %lld caps the KV page pool, which "
                        "needs kv_page_size > 0", (long long)o->kv_pool_bytes);
+    tl_status st = tl_body_dtype_check(o->body_dtype);
+    if (st != TL_OK) return st;
     tl_kv_choice kv;
     return tl_kv_choice_resolve(o->kv_policy, o->kv_ring_slots, NULL, "tl_load_options", &kv);
 }
@@ -295,6 +298,7 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     full.device_index = model->backend->device_index;
     snprintf(full.device_name, sizeof full.device_name, "%s", model->device_name);
     full.draft_vocab = model->draft.n;
+    full.body_dtype = model->load_opts.body_dtype;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;
@@ -337,6 +341,7 @@ static void memory_totals(const tl_model *model, tl_memory_report *r) {
         tl_kv_pool_usage(model->kv_pool, &r->kv_pool_bytes, &r->kv_pages_in_use);
         r->kv_cache_bytes += r->kv_pool_bytes;
     }
+    r->body_bytes = tl_body_bytes(model);
     r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes +
                      r->prefix_cache_bytes;
 }

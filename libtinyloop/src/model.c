@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "body_dtype.h"
 #include "error.h"
 #include "format.h"
 
@@ -399,6 +400,8 @@ tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, 
         copy_load_options(m, opts);
         st = build_draft_vocab(m, file->path);
     }
+    if (st == TL_OK)   /* before any backend sees the tensors */
+        st = tl_body_dtype_apply(m, file->path);
     if (st != TL_OK) {
         tl_model_destroy(m); /* the file stays the caller's */
         return st;
@@ -418,6 +421,7 @@ void tl_model_destroy(struct tl_model *model)
     free(model->core);
     free(model->post);
     tl_draft_vocab_free(&model->draft);
+    tl_body_dtype_free(model);
     tl_file_close(model->file);
     free(model);
 }

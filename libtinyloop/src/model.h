@@ -78,6 +78,8 @@ struct tl_model {
     tl_block_weights *pre, *core, *post;
     tl_tensor token_frequency;         /* [V] vocab.frequency; .data == NULL when absent */
     tl_draft_vocab draft;              /* the drafts' tokens and head (load option) */
+    void *body_copy;                   /* the body's matrices as body_dtype asks, or NULL
+                                          (body_dtype.h); core views point into it */
 
     tl_load_options load_opts;         /* as resolved at load (device string not kept) */
     char device_name[64];

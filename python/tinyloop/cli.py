@@ -313,7 +313,8 @@ def cmd_info(args) -> dict:
                "architecture": architecture, "metadata": other, "dtypes": dtypes,
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
-               "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab}
+               "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
+               "body_dtype": info.body_dtype}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -336,6 +337,7 @@ def cmd_info(args) -> dict:
         print(f"device:       {info.device_name}, {info.n_threads} threads")
         print("drafts:       " + (f"score the {info.draft_vocab} most frequent tokens (draft_vocab)"
                                    if info.draft_vocab else "score every token"))
+        print(f"loop body:    {info.body_dtype} ({memory['body_bytes'] / mib:.1f} MiB)")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
                                            for k, v in memory.items()))
         if default is not None:

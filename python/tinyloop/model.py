@@ -25,6 +25,9 @@ from .tokenizer import Tokenizer
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
                 5: "aborted", 6: "context_full"}
 
+#: Model(body_dtype=...) -> the tl_body_dtype value of tinyloop.h
+BODY_DTYPES = {"as_stored": 0, "f16": 1, "f32": 2}
+
 # C's eos_token field: -1 = the model's EOS, -2 = never stop on EOS
 _EOS_MODEL = -1
 _EOS_NEVER = -2
@@ -55,6 +58,8 @@ class ModelInfo:
     name: str
     #: tokens speculative drafts score (the draft vocabulary); 0 = the whole vocabulary
     draft_vocab: int
+    #: how the loop body's matrices are held: "as_stored", "f16" or "f32" (Model body_dtype)
+    body_dtype: str
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
     metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -468,6 +473,15 @@ class _Scoring:
         return _text_stream(self.stream(prompt, **options), self._model.tokenizer)
 
 
+def _body_dtype_value(body_dtype) -> int:
+    if not isinstance(body_dtype, str):
+        raise TypeError(f"body_dtype must be a str, got {type(body_dtype).__name__}")
+    if body_dtype not in BODY_DTYPES:
+        raise ValueError(f"body_dtype must be one of {', '.join(map(repr, BODY_DTYPES))}, "
+                         f"got {body_dtype!r}")
+    return BODY_DTYPES[body_dtype]
+
+
 def _default_model_path() -> str:
     from .default_model import default_model_path
     return os.fspath(default_model_path())
@@ -489,12 +503,19 @@ class Model(_Scoring, _OwnsHandle):
     prefix caches (copied when a shared page is written); 0 = one contiguous cache per
     context (default). kv_pool_bytes caps the pool (0 = no cap): an append that needs a
     page past the cap raises OutOfMemoryError and leaves the sequence as it was
-    (docs/api.md, "Paged KV")."""
+    (docs/api.md, "Paged KV").
+
+    body_dtype: how the loop body's weight matrices (the core blocks', and a concat
+    injection's) are held in memory: "as_stored" (the file's encoding, default), "f16"
+    (decoded at load and rounded to fp16: float matmuls with no per-read decoding, more
+    memory) or "f32" (the decoded values exactly). Not for a model without a loop body
+    (docs/api.md, "Body dtype")."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
-                 kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0):
+                 kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
+                 body_dtype: str = "as_stored"):
         self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
@@ -514,6 +535,7 @@ class Model(_Scoring, _OwnsHandle):
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         opts.kv_page_size = _args.max_int32("kv_page_size", kv_page_size)
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
+        opts.body_dtype = _body_dtype_value(body_dtype)
         out = ffi.new("tl_model **")
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]
@@ -586,6 +608,8 @@ class Model(_Scoring, _OwnsHandle):
             value = getattr(c_info, f.name)
             if f.name in ("device_name", "name"):
                 value = ffi.string(value).decode("utf-8", "replace")
+            elif f.name == "body_dtype":
+                value = {v: k for k, v in BODY_DTYPES.items()}[int(value)]
             values[f.name] = value if isinstance(value, str) else int(value)
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
@@ -623,14 +647,15 @@ class Model(_Scoring, _OwnsHandle):
     def memory_report(self) -> dict:
         """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
-        kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise)."""
+        kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
+        held (body_bytes, part of weights)."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
         return {name: int(getattr(c_report, name)) for name in (
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
             "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
-            "kv_pool_bytes", "kv_pool_cap_bytes")}
+            "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes")}
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")
@@ -830,7 +855,7 @@ class Context(_Scoring, _OwnsHandle):
 
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
-                 kv_ring_slots: int = 0):
+                 kv_ring_slots: int = 0, body_dtype: str = "as_stored"):
         self._handle = None
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)

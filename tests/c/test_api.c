@@ -1600,6 +1600,64 @@ static void test_version(void) {
     CHECK(strcmp(tl_status_name(TL_ERR_CONTEXT_FULL), "TL_ERR_CONTEXT_FULL") == 0, "status name");
 }
 
+/* ---- body dtype ---------------------------------------------------------------- */
+
+/* body_dtype: bad values refused, an old struct loads as stored, f16 / f32 bodies load,
+ * score close to the stored one and grow the report by the body's decoded size. */
+static void test_body_dtype(fixture *f, const char *path) {
+    tl_load_options lo;
+    tl_load_options_default(&lo);
+    lo.max_seq_len = MAX_SEQ;
+    lo.n_threads = 2;
+    tl_model *m = NULL;
+    lo.body_dtype = 3;
+    CHECK_STATUS(tl_load_model(path, &lo, &m), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "body_dtype 3") != NULL, "error names body_dtype");
+    lo.body_dtype = -1;
+    CHECK_STATUS(tl_load_model(path, &lo, &m), TL_ERR_INVALID_ARGUMENT);
+
+    tl_memory_report stored;
+    tl_memory_report_default(&stored);
+    CHECK_OK(tl_memory_report_get(f->model, &stored));
+    float ref[N_TOK - 1], got[N_TOK - 1];
+    CHECK_OK(tl_score(f->model, f->tokens, N_TOK, 0, ref));
+    for (int32_t choice = TL_BODY_F16; choice <= TL_BODY_F32; choice++) {
+        lo.body_dtype = choice;
+        tl_status st = tl_load_model(path, &lo, &m);
+        if (f->info.n_core == 0) {
+            CHECK(st == TL_ERR_INVALID_ARGUMENT && strstr(tl_last_error(), "no loop body"),
+                  "body_dtype %d on a model without a loop body is refused", choice);
+            continue;
+        }
+        CHECK(st == TL_OK, "load with body_dtype %d", choice);
+        if (st != TL_OK) continue;
+        tl_model_info info;
+        tl_model_info_default(&info);
+        CHECK_OK(tl_model_get_info(m, &info));
+        CHECK(info.body_dtype == choice, "info.body_dtype %d", info.body_dtype);
+        tl_memory_report r;
+        tl_memory_report_default(&r);
+        CHECK_OK(tl_memory_report_get(m, &r));
+        CHECK(r.body_bytes > 0 && r.weights_bytes - r.body_bytes == stored.weights_bytes - stored.body_bytes,
+              "body_dtype %d: only the body's bytes change (%llu vs %llu)", choice,
+              (unsigned long long)r.weights_bytes, (unsigned long long)stored.weights_bytes);
+        CHECK_OK(tl_score(m, f->tokens, N_TOK, 0, got));
+        CHECK(max_abs_diff(ref, got, N_TOK - 1) < 1e-2f, "body_dtype %d scores like the stored body", choice);
+        CHECK_OK(tl_free_model(m));
+    }
+    /* a caller's struct from before the field: the value past its end is not read */
+    lo.body_dtype = 9;
+    lo.struct_size = (uint32_t)offsetof(tl_load_options, body_dtype);
+    CHECK_OK(tl_load_model(path, &lo, &m));
+    if (m) {
+        tl_model_info info;
+        tl_model_info_default(&info);
+        CHECK_OK(tl_model_get_info(m, &info));
+        CHECK(info.body_dtype == TL_BODY_AS_STORED, "an old struct loads as stored");
+        CHECK_OK(tl_free_model(m));
+    }
+}
+
 /* Load the model at `path` (MAX_SEQ positions, 2 threads, KV pages of page_size
  * positions; 0 = contiguous) into f; 0 when it failed. */
 static int open_fixture(fixture *f, const char *path, int32_t page_size) {
@@ -1645,6 +1703,7 @@ static void run_model(const char *path) {
     test_draft_vocab(&f, path);
     test_memory_report(&f);
     test_kv_policy(&f);
+    test_body_dtype(&f, path);
     test_two_threads(&f);
     test_prefix_cache(&f);
     test_generate_with_pool(&f);

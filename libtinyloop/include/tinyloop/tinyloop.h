@@ -86,6 +86,20 @@ typedef enum tl_kv_policy {
                               slot (i - 1) mod N (N >= the depth: exact)             */
 } tl_kv_policy;
 
+/* How the loop body's weight matrices are held in memory (docs/api.md, "Body dtype"):
+ * the core blocks' attention and MLP matrices, and the concat injection's W_a, which are
+ * read L times per token. TL_BODY_F16 / TL_BODY_F32 decode them at load (q8/q4/q2:
+ * w = scale * q + min; bf16, f16, f32 values) and keep them as f16 / f32, so the body's
+ * matmuls run on float weights with no per-read decoding, at the price of memory. The
+ * prelude, coda, norms, biases and embedding stay as stored. Not for a model without a
+ * loop body (n_core = 0): TL_ERR_INVALID_ARGUMENT. */
+typedef enum tl_body_dtype {
+    TL_BODY_AS_STORED = 0, /* the file's encoding (default)                           */
+    TL_BODY_F16 = 1,       /* fp16 (round to nearest even; a value beyond fp16's
+                              range is an error naming the tensor)                   */
+    TL_BODY_F32 = 2        /* f32: the decoded values exactly (exactness studies)     */
+} tl_body_dtype;
+
 typedef struct tl_load_options {
     uint32_t struct_size;
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
@@ -107,6 +121,8 @@ typedef struct tl_load_options {
                                   pool are taken as sequences grow and shared by forks
                                   and prefix caches (docs/api.md, "Paged KV");
                                   0 = one contiguous cache per context (default)      */
+    int32_t body_dtype;        /* the loop body's matrices in memory, a tl_body_dtype
+                                  (above); 0 = as stored in the file                 */
     int64_t kv_pool_bytes;     /* paged KV: cap on the pool's bytes; a call that needs
                                   a page past it fails with TL_ERR_OUT_OF_MEMORY and
                                   leaves the sequence as it was; 0 = no cap           */
@@ -141,6 +157,7 @@ typedef struct tl_model_info {
                                   "cuda:0 (...)"                                  */
     char name[128];            /* general.name metadata, may be empty          */
     int32_t draft_vocab;       /* tokens the drafts score; 0 = the whole vocabulary */
+    int32_t body_dtype;        /* the load option body_dtype (a tl_body_dtype)     */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);
@@ -168,6 +185,8 @@ typedef struct tl_memory_report {
     uint64_t kv_pages_in_use;   /* pages held by contexts and prefix caches           */
     uint64_t kv_pool_bytes;     /* their bytes                                        */
     uint64_t kv_pool_cap_bytes; /* the cap (kv_pool_bytes load option); 0 = none      */
+    uint64_t body_bytes;        /* the loop body's matrices as held (stored, or the
+                                  body_dtype copy), already in weights_bytes          */
 } tl_memory_report;
 
 TL_API void tl_memory_report_default(tl_memory_report *report);
