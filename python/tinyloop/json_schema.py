@@ -197,18 +197,7 @@ class _Converter:
         target = schema["$ref"]
         if target in self.refs:
             return self.refs[target]
-        if not isinstance(target, str) or not (target == "#" or target.startswith("#/")):
-            raise SchemaError(f"{path}/$ref: only references inside the schema (#/...) are "
-                              f"supported, got {target!r}")
-        node = self.root
-        for part in target[2:].split("/") if target != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                raise SchemaError(f"{path}/$ref: {target!r} points nowhere")
+        node = self.resolve(target, path)
         name = self.fresh(target.rsplit("/", 1)[-1] or "root-ref")
         self.refs[target] = name
         self.rules[name] = None           # reserved while its body is built
@@ -250,13 +239,19 @@ class _Converter:
         return merged
 
     def resolve(self, target, where: str):
+        """The node a local reference (#, #/a/b, with JSON-pointer escapes) points to."""
+        if not isinstance(target, str) or not (target == "#" or target.startswith("#/")):
+            raise SchemaError(f"{where}/$ref: only references inside the schema (#/...) are "
+                              f"supported, got {target!r}")
         node = self.root
-        if not isinstance(target, str) or not target.startswith("#"):
-            raise SchemaError(f"{where}/$ref: only references inside the schema are supported")
-        for part in target[2:].split("/") if target not in ("#", "#/") else []:
-            if not isinstance(node, dict) or part not in node:
+        for part in target[2:].split("/") if target != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
                 raise SchemaError(f"{where}/$ref: {target!r} points nowhere")
-            node = node[part]
         return node
 
     _TYPE_KEYWORDS = {
