@@ -309,6 +309,20 @@ def test_speculative_decoding_with_paged_kv(files, name):  # noqa: F811
             assert r.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("tree", [None, (2, 2)])
+def test_a_speculative_stream_gives_back_its_round_pages_at_its_end(files, tree):  # noqa: F811
+    # rounds write drafts past the kept tokens and truncate without giving pages back;
+    # the stream's end must leave exactly the pages of the tokens it kept
+    name, page_size = "base", 2
+    depth, expected = plain_greedy(files, name)
+    with tinyloop.Model(files.path(name), device=DEVICE, kv_page_size=page_size) as model:
+        with model.context() as ctx:
+            drafting = dict(tree=tree) if tree else dict(n_draft=8)
+            r = ctx.generate(SPEC_PROMPT, max_tokens=7, depth=depth, draft_depth=1, **drafting, **GREEDY)
+            assert r.tokens == expected[:7] and r.drafted_tokens > 0
+            assert pages(model) == -(-len(ctx) // page_size), (len(ctx), pages(model))
+
+
 @pytest.mark.parametrize("name", ["base", "injection-concat", "coda2", "sliding_window"])
 def test_tree_speculation_with_paged_kv(files, name):  # noqa: F811
     depth, expected = plain_greedy(files, name)

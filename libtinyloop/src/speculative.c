@@ -274,6 +274,9 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
     size_t keep = g->base + g->n_generated;
     if (reason != TL_STOP_EOS && g->n_generated > 0) keep--;
     if (g->ctx->n_tokens > keep) tl_context_set_length(g->ctx, keep);
+    /* rounds truncate without giving pages back (the next round writes them again);
+     * at the stream's end the pages past the kept tokens go back to the pool */
+    tl_context_trim(g->ctx);
     g->n_ready = g->ready_at = 0;
 }
 
