@@ -19,9 +19,9 @@ class ChatTemplateUnavailable(ChatTemplateError):
     """jinja2, which renders chat templates, is not installed."""
 
 
-def load_chat_template(model) -> Callable[[list], str] | None:
-    """A function messages -> prompt text, or None when the model has no template. It
-    raises ChatTemplateError when it cannot render."""
+def load_chat_template(model) -> Callable[..., str] | None:
+    """A function (messages, add_generation_prompt=True) -> prompt text, or None when the
+    model has no template. It raises ChatTemplateError when it cannot render."""
     source = model.info.metadata.get("tokenizer.chat_template")
     if not source:
         return None
@@ -29,7 +29,7 @@ def load_chat_template(model) -> Callable[[list], str] | None:
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        def missing(messages):
+        def missing(messages, add_generation_prompt=True):
             raise ChatTemplateUnavailable("chat needs the jinja2 package to render the model's chat "
                                     "template (pip install 'tinyloop[serve]')")
         return missing
@@ -47,9 +47,9 @@ def load_chat_template(model) -> Callable[[list], str] | None:
     bos = tok.decode([tok.bos_id], skip_special_tokens=False) if tok.bos_id >= 0 else ""
     eos = tok.decode([tok.eos_id], skip_special_tokens=False) if tok.eos_id >= 0 else ""
 
-    def render(messages: list) -> str:
+    def render(messages: list, add_generation_prompt: bool = True) -> str:
         try:
-            return compiled.render(messages=messages, add_generation_prompt=True,
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=bos, eos_token=eos)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None

@@ -2,8 +2,9 @@
 
 Standard library only (http.server): one thread per connection, at most `parallel`
 generations at once (each in a context of its own, so they run in parallel in C), the
-rest wait their turn. Endpoints: GET /v1/models, GET /health, POST /v1/completions and
-POST /v1/chat/completions, with `stream: true` as server-sent events. A bad request gets
+rest wait their turn. Endpoints: GET /v1/models, GET /health, GET /metrics, POST
+/v1/completions and POST /v1/chat/completions, with `stream: true` as server-sent events,
+and POST /tokenize and /detokenize. A bad request gets
 a 4xx with OpenAI's error body and costs no generation; a client that goes away
 mid-stream stops its generation.
 """
@@ -20,13 +21,14 @@ import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import choice_batch, server_api
+from . import choice_batch, server_api, server_tokens
 from .chat_template import load_chat_template
 from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
 from .decode_batcher import DecodeBatcher
 from .prompt_cache import PromptCache
 from .server_api import RequestError
 from .server_logprobs import LogprobReport, joined
+from .server_metrics import ServerMetrics
 from .text_generation import GenerationCancelled, TextGeneration, generate_text
 
 MAX_BODY_BYTES = 1 << 20
@@ -60,6 +62,7 @@ class ModelServer(ThreadingHTTPServer):
         self.template = load_chat_template(model)
         self.created = int(time.time())
         self.log = log or (lambda line: None)
+        self.metrics = ServerMetrics()
 
     @property
     def url(self) -> str:
@@ -95,10 +98,26 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # one line per request, to the server's log
         self.server.log(f"{self.address_string()} {fmt % args}")
 
+    def send_response(self, code, message=None):
+        # every response is counted by route, unknown paths together (bounded labels)
+        path = getattr(self, "path", "").split("?", 1)[0]
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{model}"
+        self.server.metrics.response(path if path in _ROUTES else "other", code)
+        super().send_response(code, message)
+
     def _send_json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_text(self, status: int, text: str, content_type: str) -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -147,12 +166,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, self._model_entry())
         elif path == "/health":
             self._send_json(200, {"status": "ok"})
+        elif path == "/metrics":
+            self._send_text(200, self.server.metrics.render(self.server.model),
+                            "text/plain; version=0.0.4; charset=utf-8")
         else:
             self._send_error(RequestError(f"no route GET {path}", status=404, code="not_found"))
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
-        routes = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat}
+        routes = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat,
+                  "/tokenize": self._tokenize, "/detokenize": self._detokenize}
         try:
             if path not in routes:
                 self.close_connection = True
@@ -172,6 +195,13 @@ class _Handler(BaseHTTPRequestHandler):
         return {"id": self.server.name, "object": "model", "created": self.server.created,
                 "owned_by": "tinyloop", "max_model_len": info.max_seq_len,
                 "default_depth": info.default_depth, "max_depth": info.max_depth}
+
+    def _tokenize(self, body) -> None:
+        server = self.server
+        self._send_json(200, server_tokens.tokenize(body, server.model, server.name, server.template))
+
+    def _detokenize(self, body) -> None:
+        self._send_json(200, server_tokens.detokenize(body, self.server.model, self.server.name))
 
     def _completions(self, body) -> None:
         request = server_api.completion_request(body, self.server.model, self.server.name)
@@ -201,6 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
         its choice's index; the choices' chunks come one choice after another)."""
         rid = server_api.new_id(prefix)
         server = self.server
+        self._arrived, self._first_seen = time.monotonic(), False
         choices = request.choices()
         # the prompt cache serves single-choice requests; several choices start afresh
         use_cache = server.cache is not None and len(choices) == 1
@@ -219,7 +250,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     sum(r.completion_tokens for r in records),
                                     sum(r.cached_tokens for r in records))
 
-        with server.slots:
+        with self._slot():
             if server.stopping.is_set():
                 raise RequestError("the server is shutting down", status=503, kind="server_error")
             try:
@@ -237,13 +268,14 @@ class _Handler(BaseHTTPRequestHandler):
                         if request.include_usage:
                             events.send(dict(last_chunk(rid, 0, None), choices=[], usage=usage()))
                         events.send("[DONE]")
+                        self._answered(records, usage())
                         return
                     answers = []
                     for start in runs:
                         with start() as run:
                             records.append(run.record)
                             echo_text, echo_logprobs = echoed(run)
-                            parts = list(run.chunks())
+                            parts = list(self._pieces(run))
                             text = echo_text + "".join(piece for piece, _ in parts)
                             logprobs = joined([echo_logprobs] + [lp for _, lp in parts] + [run.report.take()],
                                               chat)
@@ -252,8 +284,39 @@ class _Handler(BaseHTTPRequestHandler):
                             answers.append((text, run.record.finish_reason, logprobs))
                             run.ok = True
                 self._send_json(200, whole_body(rid, request.model, answers, usage()))
+                self._answered(records, usage())
             except TinyLoopError as e:
                 raise _library_error(e) from None
+
+    @contextmanager
+    def _slot(self):
+        """One of the server's generation slots, counted as waiting, then running."""
+        metrics = self.server.metrics
+        metrics.queue(waiting=1)
+        try:
+            self.server.slots.acquire()
+        finally:
+            metrics.queue(waiting=-1)
+        metrics.queue(running=1)
+        try:
+            yield
+        finally:
+            metrics.queue(running=-1)
+            self.server.slots.release()
+
+    def _pieces(self, run):
+        """The run's (piece, logprobs) chunks, the request's first text piece timed."""
+        for piece, logprobs in run.chunks():
+            if piece and not self._first_seen:
+                self._first_seen = True
+                self.server.metrics.first_piece(time.monotonic() - self._arrived)
+            yield piece, logprobs
+
+    def _answered(self, records, usage: dict) -> None:
+        self.server.metrics.generation(time.monotonic() - self._arrived, usage["prompt_tokens"],
+                                       usage["completion_tokens"],
+                                       usage["prompt_tokens_details"]["cached_tokens"],
+                                       [r.finish_reason for r in records])
 
     def _cancelled(self) -> bool:
         return self.server.stopping.is_set() or self._client_gone()
@@ -308,7 +371,7 @@ class _Handler(BaseHTTPRequestHandler):
             # the first piece starts the library's stream: before the 200 went out, its
             # refusals are still a 4xx
             echo_text, echo_logprobs = echoed(run)
-            chunks = run.chunks()
+            chunks = self._pieces(run)
             head, head_logprobs = next(chunks, ("", None))
             if first:
                 events.send(first(rid, index))
@@ -325,6 +388,11 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         events.send(last_chunk(rid, index, run.record.finish_reason, report.take()))
         return True
+
+
+# the routes responses are counted under (send_response); others count as "other"
+_ROUTES = {"/v1/models", "/v1/models/{model}", "/health", "/metrics", "/v1/completions",
+           "/v1/chat/completions", "/tokenize", "/detokenize"}
 
 
 class _ChoiceRun:

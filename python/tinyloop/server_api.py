@@ -103,7 +103,7 @@ def _number(body, name, default, *, lo=None, hi=None, integer=False):
     return int(value) if integer else float(value)
 
 
-def _flag(body, name, default=False) -> bool:
+def flag_field(body, name, default=False) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -133,18 +133,28 @@ def _stops(body) -> list:
     return stops
 
 
-def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens",
-            min_tokens=1) -> dict:
+def check_fields(body, allowed: set) -> None:
+    """A JSON object with none but the `allowed` fields."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r} (accepted: {', '.join(sorted(allowed))})",
                            unknown[0])
+
+
+def check_model(body: dict, served_name: str) -> None:
+    """The request's `model`, when given, is the served one (else a 404)."""
     name = body.get("model")
     if name is not None and name != served_name:
         raise RequestError(f"model {name!r} is not served here (this server runs {served_name!r})",
                            "model", status=404, code="model_not_found")
+
+
+def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens",
+            min_tokens=1) -> dict:
+    check_fields(body, allowed)
+    check_model(body, served_name)
     n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     best_of = _number(body, "best_of", None, lo=1, hi=MAX_CHOICES, integer=True)
     if best_of is not None and best_of != n:
@@ -252,7 +262,7 @@ def _logit_bias(body, vocab_size: int) -> dict:
 
 
 def _stream_flags(body) -> tuple:
-    stream = _flag(body, "stream")
+    stream = flag_field(body, "stream")
     usage = False
     extra = body.get("stream_options")
     if extra is not None:
@@ -260,7 +270,7 @@ def _stream_flags(body) -> tuple:
             raise RequestError("stream_options needs stream = true", "stream_options")
         if not isinstance(extra, dict) or set(extra) - {"include_usage"}:
             raise RequestError("stream_options accepts only include_usage", "stream_options")
-        usage = _flag(extra, "include_usage")
+        usage = flag_field(extra, "include_usage")
     return stream, usage
 
 
@@ -284,7 +294,7 @@ def _ask_logprobs(options: dict, top: int | None) -> int | None:
 
 
 def completion_request(body, model, served_name: str) -> GenerationRequest:
-    echo = _flag(body, "echo") if isinstance(body, dict) else False
+    echo = flag_field(body, "echo") if isinstance(body, dict) else False
     # with echo, max_tokens 0 scores the prompt alone (as evaluation harnesses ask)
     options, n, seeded = _common(body, model, served_name, COMPLETION_FIELDS,
                                  min_tokens=0 if echo else 1)
@@ -295,7 +305,7 @@ def completion_request(body, model, served_name: str) -> GenerationRequest:
     _only(body, "suffix", ("",), "no insertion")
     prompts = []
     for prompt, param in _prompt_list(body.get("prompt")):
-        prompt_ids = _prompt_ids(prompt, model, param)
+        prompt_ids = prompt_token_ids(prompt, model, param)
         _fit(options, prompt_ids, model, param)
         prompts.append((prompt_ids, prompt if isinstance(prompt, str)
                         else model.tokenizer.decode(prompt_ids)))
@@ -325,11 +335,13 @@ def _prompt_list(prompt) -> list:
     return [(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
 
 
-def _prompt_ids(prompt, model, param: str) -> list:
+def prompt_token_ids(prompt, model, param: str, add_bos=None) -> list:
+    """A prompt's ids: a string encoded (add_bos None: as the tokenizer does by default),
+    or a list of token ids checked against the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(f"{param} is empty", param)
-        return _encode(model, prompt, param, add_bos=None)
+        return _encode(model, prompt, param, add_bos=add_bos)
     if _is_token_list(prompt) and prompt:
         bad = [t for t in prompt if not 0 <= t < model.info.vocab_size]
         if bad:
@@ -354,26 +366,32 @@ def chat_request(body, model, served_name: str, template) -> GenerationRequest:
                                "max_completion_tokens")
         name = "max_completion_tokens"
     options, n, seeded = _common(body, model, served_name, CHAT_FIELDS, name)
-    wanted = _flag(body, "logprobs")
+    wanted = flag_field(body, "logprobs")
     top = _number(body, "top_logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS, integer=True)
     if top is not None and not wanted:
         raise RequestError("top_logprobs needs logprobs = true", "top_logprobs")
     top = _ask_logprobs(options, (top or 0) if wanted else None)
+    prompt_ids = chat_prompt_ids(body, model, template)
+    _fit(options, prompt_ids, model, "messages")
+    stream, usage = _stream_flags(body)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
+                             top_logprobs=top, n=n, seeded=seeded)
+
+
+def chat_prompt_ids(body: dict, model, template, add_generation_prompt: bool = True) -> list:
+    """The token ids of body["messages"] rendered through the model's chat template (no
+    BOS beyond what the template writes)."""
     if template is None:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use "
                            "/v1/completions", "messages")
     messages = _messages(body.get("messages"))
     try:
-        text = template(messages)
+        text = template(messages, add_generation_prompt)
     except ChatTemplateUnavailable as e:
         raise RequestError(str(e), "messages", status=501, kind="server_error") from None
     except ChatTemplateError as e:
         raise RequestError(str(e), "messages") from None
-    prompt_ids = _encode(model, text, "messages", add_bos=False)
-    _fit(options, prompt_ids, model, "messages")
-    stream, usage = _stream_flags(body)
-    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
-                             top_logprobs=top, n=n, seeded=seeded)
+    return _encode(model, text, "messages", add_bos=False)
 
 
 def _messages(messages) -> list:
