@@ -16,6 +16,8 @@ import json
 import math
 import re
 
+from .gbnf_text import literal, names
+
 #: the longest run a length or count bound may ask for (each step is a grammar rule)
 MAX_BOUND = 1000
 
@@ -54,32 +56,12 @@ _BASE_RULES = {
     "uuid": r'hex hex hex hex hex hex hex hex "-" hex hex hex hex "-" hex hex hex hex "-" '
             r'hex hex hex hex "-" hex hex hex hex hex hex hex hex hex hex hex hex',
 }
-# which base rules each base rule uses (so that only what a grammar needs is written)
-_BASE_USES = {name: [w for w in re.findall(r"[a-z0-9-]+", body) if w in _BASE_RULES and w != name]
-              for name, body in _BASE_RULES.items()}
-
 _FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid"}
 
 
 class SchemaError(ValueError):
     """A schema that cannot be turned into a grammar: the message names the keyword and
     its place (a JSON pointer into the schema)."""
-
-
-def literal(text: str) -> str:
-    """`text` as a GBNF string literal."""
-    out = []
-    for ch in text:
-        cp = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif 0x20 <= cp < 0x7f:
-            out.append(ch)
-        elif cp <= 0xffff:
-            out.append(f"\\u{cp:04X}")
-        else:
-            out.append(f"\\U{cp:08X}")
-    return '"' + "".join(out) + '"'
 
 
 def _json_text(value) -> str:
@@ -96,14 +78,12 @@ class _Converter:
         self.rules = {}          # name -> body, in the order written
         self.bodies = {}         # body -> name, so that equal rules are written once
         self.refs = {}           # "#/$defs/x" -> rule name (set before its body: recursion)
-        self.base = set()        # base rules in use
 
     # ---- rules --------------------------------------------------------------------------
-    def use(self, name: str) -> str:
-        if name not in self.base:
-            self.base.add(name)
-            for dep in _BASE_USES[name]:
-                self.use(dep)
+    @staticmethod
+    def use(name: str) -> str:
+        """A base rule's name (the grammar writes the rules its root reaches)."""
+        assert name in _BASE_RULES, name
         return name
 
     def rule(self, hint: str, body: str) -> str:
@@ -417,10 +397,16 @@ class _Converter:
 
     def grammar(self) -> str:
         top = self.visit(self.root, "", "root")
-        lines = [f"root ::= {top}"] if top != "root" else []
-        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
-        lines += [f"{name} ::= {_BASE_RULES[name]}" for name in _BASE_RULES if name in self.base]
-        return "\n".join(lines) + "\n"
+        bodies = {"root": top} if top != "root" else {}
+        bodies.update(self.rules)
+        bodies.update(_BASE_RULES)
+        reached, todo = set(), ["root"]
+        while todo:                      # only the rules the root reaches are written
+            name = todo.pop()
+            if name not in reached:
+                reached.add(name)
+                todo += [n for n in names(bodies[name]) if n in bodies]
+        return "".join(f"{name} ::= {body}\n" for name, body in bodies.items() if name in reached)
 
 
 def json_schema_to_gbnf(schema) -> str:
