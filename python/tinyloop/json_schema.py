@@ -5,21 +5,28 @@ that the schema accepts, so that generation constrained by it (tinyloop.Grammar)
 valid output by construction. The grammar covers a subset of the valid documents where
 the full set cannot be written as a grammar or would invite runaway output: properties
 come in the schema's order, properties a schema does not declare are never generated,
-numbers have at most 16 digits in each part, and whitespace between tokens is limited as
-in JSON_GBNF. A keyword that constrains values but cannot be honoured (`pattern`,
-`uniqueItems`, most numeric bounds, ...) raises SchemaError naming it and where it is,
-rather than being ignored: the promise is that output validates."""
+numbers have at most 16 digits in each part (bounded numbers have no exponent, bounded
+integers and numbers no negative zero), and whitespace between tokens is limited as in
+JSON_GBNF. Numeric bounds are json_schema_numbers' ranges. A keyword that constrains
+values but cannot be honoured (`pattern`, `uniqueItems`, `multipleOf`, ...) raises
+SchemaError naming it and where it is, rather than being ignored: the promise is that
+output validates."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
+from fractions import Fraction
 
+from . import json_schema_numbers as numbers
 from .gbnf_text import literal, names
 
 #: the longest run a length or count bound may ask for (each step is a grammar rule)
 MAX_BOUND = 1000
+#: the most digits an integer bound may have
+MAX_INTEGER_DIGITS = 100
 
 # Keywords that describe a value without constraining it.
 _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment",
@@ -236,8 +243,8 @@ class _Converter:
 
     _TYPE_KEYWORDS = {
         "string": {"minLength", "maxLength", "format"},
-        "integer": {"minimum", "exclusiveMinimum"},
-        "number": {"minimum", "exclusiveMinimum"},
+        "integer": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
+        "number": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
         "boolean": set(), "null": set(),
         "object": {"properties", "required", "additionalProperties"},
         "array": {"items", "prefixItems", "minItems", "maxItems"},
@@ -303,24 +310,82 @@ class _Converter:
         return self.rule(f"{hint}-string", f'"\\"" {chars} "\\""')
 
     def numeric(self, schema: dict, t: str, path: str, hint: str) -> str:
-        lo, strict = schema.get("minimum"), False
-        if "exclusiveMinimum" in schema:
-            if lo is not None:
-                raise SchemaError(f"{path}/exclusiveMinimum: not supported beside minimum")
-            lo, strict = schema["exclusiveMinimum"], True
-        if lo is None:
+        (lo, lo_key), (hi, hi_key) = self.numeric_bounds(schema, t, path)
+        if lo is None and hi is None:
             return self.use(t)
-        if isinstance(lo, bool) or not isinstance(lo, (int, float)) or not math.isfinite(lo):
-            raise SchemaError(f"{path}/minimum: must be a number")
-        key = "exclusiveMinimum" if strict else "minimum"
-        if t == "integer" and (lo, strict) in ((0, False), (-1, True)):
-            return self.rule(f"{hint}-non-negative", self.use("natural"))
-        if t == "integer" and (lo, strict) in ((1, False), (0, True)):
-            return self.rule(f"{hint}-positive", f"[1-9] {self.use('digits15')}?")
-        if t == "number" and (lo, strict) == (0, False):
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"{path}/{hi_key}: no {t} lies between the bounds"
+                              + (" (with at most 16 digits after the point)" if t == "number" else ""))
+        if t == "integer":
+            # the integers of 16 digits or fewer (or as many as the bound nearest 0 has)
+            nearest = lo if lo is not None and lo > 0 else -hi if hi is not None and hi < 0 else 0
+            if len(str(nearest)) > MAX_INTEGER_DIGITS:
+                raise SchemaError(f"{path}/{lo_key if nearest == lo else hi_key}: more than "
+                                  f"{MAX_INTEGER_DIGITS} digits (not supported)")
+            cap = 10 ** max(16, len(str(nearest))) - 1
+            lo, hi = max(-cap, lo if lo is not None else -cap), min(cap, hi if hi is not None else cap)
+            return self.rule(f"{hint}-range", numbers.integer_range(self, lo, hi))
+        if lo == 0 and hi is None:       # exponents stay: no exponent changes the sign
             return self.rule(f"{hint}-non-negative",
                              f"{self.use('natural')} {self.use('fraction')}? {self.use('exponent')}?")
-        raise SchemaError(f"{path}/{key}: only {key} 0 (and, for integers, minimum 1) is supported")
+        cap = Decimal(10 ** 16) - Decimal(1).scaleb(-numbers.FRACTION_DIGITS)
+        if (lo is not None and lo > cap) or (hi is not None and hi < -cap):
+            raise SchemaError(f"{path}/{lo_key if lo is not None and lo > cap else hi_key}: "
+                              f"outside the numbers the grammar writes (16 digits before the point)")
+        lo = None if lo is not None and lo < -cap else lo
+        hi = None if hi is not None and hi > cap else hi
+        return self.rule(f"{hint}-range", numbers.number_range(self, lo, hi, 16))
+
+    def numeric_bounds(self, schema: dict, t: str, path: str):
+        """((lo, key), (hi, key)): the tightest inclusive bounds (None: none) and the
+        keywords they come from. Integers get ints; numbers get decimals with at most
+        FRACTION_DIGITS places, rounded inwards, that a text must reach so that its
+        double (as a validator parses it) satisfies the bound: a bound is taken as the
+        double its keyword's value is, a strict one as the next double inside it."""
+        sides = []
+        for key, strict_key, up in (("minimum", "exclusiveMinimum", False), ("maximum", "exclusiveMaximum", True)):
+            given = []
+            flag = schema.get(strict_key)
+            if isinstance(flag, bool):           # draft 4: a flag on minimum / maximum
+                if flag and key not in schema:
+                    raise SchemaError(f"{path}/{strict_key}: true needs {key} beside it (draft 4)")
+                if key in schema:
+                    given.append((key, flag))
+            else:
+                given += [(k, k == strict_key) for k in (key, strict_key) if k in schema]
+            best = (None, None)
+            for k, strict in given:
+                v = schema[k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise SchemaError(f"{path}/{k}: must be a number")
+                b = self.integer_bound(v, strict, up) if t == "integer" else self.number_bound(v, strict, up, f"{path}/{k}")
+                if best[0] is None or (b < best[0] if up else b > best[0]):
+                    best = (b, k)
+            sides.append(best)
+        return sides
+
+    @staticmethod
+    def integer_bound(v, strict: bool, up: bool) -> int:
+        v = Fraction(v)
+        if up:
+            return math.ceil(v) - 1 if strict else math.floor(v)
+        return math.floor(v) + 1 if strict else math.ceil(v)
+
+    @staticmethod
+    def number_bound(v, strict: bool, up: bool, where: str) -> Decimal:
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        if f != v:
+            raise SchemaError(f"{where}: {v} is not exactly a double (not supported for numbers)")
+        if strict:
+            f = math.nextafter(f, -math.inf if up else math.inf)
+        d = Decimal(int(f)) if f.is_integer() else Decimal(repr(f))
+        step = Decimal(1).scaleb(-numbers.FRACTION_DIGITS)
+        with localcontext() as ctx:
+            ctx.prec = 400
+            return d.quantize(step, rounding=ROUND_FLOOR if up else ROUND_CEILING)
 
     def object(self, schema: dict, path: str, hint: str) -> str:
         props = schema.get("properties", {})
