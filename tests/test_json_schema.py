@@ -89,6 +89,23 @@ CASES = [
      ["0.2", "0.3", "0.1000000000000001", "0.29999"], ["0.1", "0.3000000000000001", "0", "1"]),
     ({"type": "array", "items": {"type": "number", "exclusiveMinimum": -1, "maximum": 0}, "maxItems": 3},
      ["[-0.5, 0, -0.999]"], ["[-1]", "[0.5]"]),
+    # patterns: anchored, unanchored, alternatives of both, JSON escapes, sets
+    ({"type": "string", "pattern": "^[A-Z]{2,3}-\\d{4}$"}, ['"AB-1234"', '"XYZ-0000"'],
+     ['"AB-123"', '"ABCD-1234"', '"ab-1234"', '"AB-12345"', '" AB-1234"', '"AB-1234\\n"']),
+    ({"pattern": "c[ao]t"}, ['"cat"', '"a cot!"', '"concat"', '"\\n\\u00e9cat"'], ['"ct"', '"cut"', '""'], [], False),
+    ({"type": "string", "pattern": "^ab|cd$|^x$"}, ['"abz"', '"zcd"', '"x"', '"ab"'],
+     ['"zab"', '"cdz"', '"xx"', '""'], [], False),
+    ({"type": "string", "pattern": '^a"b\\\\c\\n(?:\\t|\\u0001)$'}, ['"a\\"b\\\\c\\n\\t"', '"a\\"b\\\\c\\n\\u0001"'],
+     ['"a\\"b\\\\c\\n"', '"a\\"b\\\\c"']),
+    ({"type": "string", "pattern": "^[^@\\s]+@[^@\\s]+\\.[a-z]{2,}$"},
+     ['"a@b.io"', '"jo.smith@example.com"', '"\u00e9@x.fr"'], ['"a b@c.de"', '"a@b.c"', '"@b.cd"', '"a@@b.cd"'],
+     [], False),
+    ({"type": "string", "pattern": "^a.b$"}, ['"axb"', '"a b"', '"a\u00e9b"', '"a\\tb"'], ['"a\\nb"', '"ab"'],
+     ['"a\\rb"', '"a\U0001F600b"']),                           # ECMA's . leaves out \r; one BMP character
+    ({"type": "string", "pattern": "^\\W\\w(?:[^\\d]|\\D)\\S\\s$"}, ['"-a_x "', '"\\n9.!\\t"'],
+     ['"aa_x "', '"-a9x "', '"-a_  "'], ['"\u20aca_x "', '"-\u00e9_x "']),   # ASCII \W, \w and \D
+    ({"type": "string", "pattern": "^(?:yes|no)(?: [0-9]{1,2})?$", "minLength": 2, "maxLength": 6},
+     ['"yes"', '"no 42"', '"no 7"'], ['"maybe"', '"yes 123"', '"yes "']),
     (True, ['{"a": [1, {"b": null}]}', '"s"'], []),
 ]
 
@@ -140,10 +157,10 @@ def test_sampled_generations_validate(text_model, case):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"type": "string", "pattern": "^a+$"}, "/pattern: this keyword is not supported"),
     ({"type": "array", "uniqueItems": True}, "/uniqueItems"),
     ({"type": "number", "multipleOf": 2}, "/multipleOf"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, "/properties/a/format"),
+    ({"type": "string", "format": "hostname"}, "/format: 'hostname' is not supported"),
     ({"type": "string", "maxLength": 10**6}, "/maxLength: 1000000 is above"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "/maxLength: 2 is below minLength 3"),
     ({"type": "bogus"}, "/type: unknown type 'bogus'"),
@@ -163,13 +180,46 @@ def test_sampled_generations_validate(text_model, case):
     ({"type": "number", "minimum": 2 ** 53 + 1}, "/minimum: 9007199254740993 is not exactly a double"),
     ({"type": "number", "minimum": 1e20}, "/minimum: outside the numbers the grammar writes"),
     ({"type": "number", "minimum": 1e-20, "maximum": 2e-20}, "with at most 16 digits after the point"),
+    # patterns: what the subset leaves out, and length bounds it does not imply
+    ({"type": "string", "pattern": "(?=a)b"}, "/pattern: lookahead (at offset 0) is not supported"),
+    ({"type": "string", "pattern": "(?<!a)b"}, "/pattern: lookbehind"),
+    ({"type": "string", "pattern": "(a)\\1"}, "/pattern: the backreference \\1 (at offset 3)"),
+    ({"type": "string", "pattern": "\\bword"}, "/pattern: the word boundary \\b"),
+    ({"type": "string", "pattern": "(?<n>a)"}, "/pattern: a named group"),
+    ({"type": "string", "pattern": "(?i)a"}, "/pattern: a group with flags"),
+    ({"type": "string", "pattern": "\\p{L}"}, "/pattern: Unicode property escapes"),
+    ({"type": "string", "pattern": "\\q"}, "/pattern: the escape \\q"),
+    ({"type": "string", "pattern": "\\01"}, "/pattern: an octal escape"),
+    ({"type": "string", "pattern": "a[]"}, "/pattern: an empty class"),
+    ({"type": "string", "pattern": "[\\w-z]"}, "/pattern: a range with a class escape"),
+    ({"type": "string", "pattern": "[a[]"}, "/pattern: a '[' inside a class"),
+    ({"type": "string", "pattern": "[a--]"}, "/pattern: '--' inside a class"),
+    ({"type": "string", "pattern": "[z-a]"}, "/pattern: the range at offset 1 is out of order"),
+    ({"type": "string", "pattern": "a{,3}"}, "/pattern: a '{' that starts no quantifier"),
+    ({"type": "string", "pattern": "a{3,2}"}, "/pattern: {3,2} (at offset 1): the counts are out of order"),
+    ({"type": "string", "pattern": "a{1001}"}, "/pattern: a count above 1000"),
+    ({"type": "string", "pattern": "a**"}, "/pattern: a quantifier after a quantifier"),
+    ({"type": "string", "pattern": "*a"}, "/pattern: a quantifier with nothing to repeat"),
+    ({"type": "string", "pattern": "^*a"}, "/pattern: a quantifier on the anchor ^"),
+    ({"type": "string", "pattern": "(a"}, "/pattern: a '(' without its ')'"),
+    ({"type": "string", "pattern": "a)"}, "/pattern: an unmatched ')'"),
+    ({"type": "string", "pattern": "[a"}, "/pattern: a '[' without its ']'"),
+    ({"type": "string", "pattern": "a\\"}, "/pattern: a '\\' that ends the pattern"),
+    ({"type": "string", "pattern": "\U0001F600"}, "/pattern: the character U+1F600"),
+    ({"type": "string", "pattern": "\\ud83d"}, "/pattern: the character U+D83D"),
+    ({"type": "string", "pattern": "^a$b"}, "/pattern: no string the grammar can write matches it"),
+    ({"type": "string", "pattern": 5}, "/pattern: must be a string"),
+    ({"type": "string", "pattern": "^a", "format": "date"}, "/pattern: not supported together with format"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "/maxLength: not supported together with pattern"),
+    ({"type": "string", "pattern": "^a{2}$", "minLength": 3}, "/minLength: not supported together with pattern"),
+    ({"type": "string", "pattern": "a", "maxLength": 3}, "which matches any number of characters"),
 ])
 def test_unsupported_keywords_are_refused(schema, where):
     with pytest.raises(SchemaError, match=re.escape(where)):
         json_schema_to_gbnf(schema)
 
 
-# ---- random integer and number ranges ----------------------------------------------
+# ---- random integer ranges, number ranges and patterns -------------------------------
 
 _BOUND_KEYS = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]
 
@@ -260,6 +310,72 @@ def test_random_number_ranges(text_model):
     assert checked > 1500 and accepted > 500, (checked, accepted)
 
 
+# Pattern pieces: (ECMA text, a sampler of a string it matches). The strings tried are
+# over an alphabet on which ECMA-262 and Python's re agree for every piece (no \r, no
+# \x1c-\x1f, ASCII only); $ is \Z to Python (as fastjsonschema writes it).
+_ALPHABET = "abc1 -._\n\t\"\\"
+_PIECES = [
+    ("a", "a"), ("b", "b"), ("c", "c"), ("-", "-"), (" ", " "), ("\\.", "."), ("\\\\", "\\"), ('"', '"'),
+    ("\\n", "\n"), ("\\t", "\t"), ("[a-c]", "abc"), ("[^ab]", "c1 -._\n\t\"\\"), ("[\\d.]", "1."), ("\\d", "1"),
+    ("\\w", "abc1_"), ("\\s", " \n\t"), ("\\W", " -.\n\"\\"), ("\\D", "ab -"), ("\\S", "ab1-."),
+    (".", "abc1 -._\t\"\\"), ("[^\\s]", "ab."), ("[^\\w-]", " .\n"), ("[\\s\\-a]", " -a"), ("\\x61", "a"),
+    ("\\u0062", "b"),
+]
+
+
+def _random_pattern(rnd, depth):
+    """(pattern text, sampler, kind): kind "atom" may take a quantifier as it is."""
+    k = rnd.random()
+    if depth <= 0 or k < 0.35:
+        text, chars = rnd.choice(_PIECES)
+        return text, lambda: rnd.choice(chars), "atom"
+    if k < 0.7:
+        parts = [_random_pattern(rnd, depth - 1) for _ in range(rnd.randint(2, 3))]
+        if k < 0.55:
+            return "".join(p[0] for p in parts), lambda: "".join(p[1]() for p in parts), "seq"
+        return "|".join(p[0] for p in parts), lambda: rnd.choice(parts)[1](), "alt"
+    text, sample, _ = _random_pattern(rnd, depth - 1)
+    if k < 0.8:
+        return rnd.choice(["(", "(?:"]) + text + ")", sample, "atom"
+    if k < 0.9:
+        return rnd.choice(["^", ""]) + "(?:" + text + ")" + rnd.choice(["$", ""]), sample, "seq"
+    quantifier, lo, hi = rnd.choice([("*", 0, 3), ("+", 1, 3), ("?", 0, 1), ("{2}", 2, 2), ("{0,2}", 0, 2),
+                                     ("{1,3}", 1, 3), ("{2,}", 2, 4)])
+    text = text if _ == "atom" else f"(?:{text})"
+    return (text + quantifier + rnd.choice(["", "", "", "?"]),
+            lambda: "".join(sample() for _ in range(rnd.randint(lo, hi))), "seq")
+
+
+def test_random_patterns(text_model):
+    """Random patterns of the subset (anchors anywhere, nested quantifiers, lazy ones,
+    classes, escapes): the grammar accepts a JSON string exactly when Python's re.search
+    finds the pattern in its text; a pattern refused as matching nothing matches none of
+    the strings tried."""
+    rnd = random.Random(13)
+    checked = matched = refused = 0
+    for _ in range(150):
+        text, sample, _ = _random_pattern(rnd, 3)
+        text = ("^" if rnd.random() < 0.3 else "") + text + ("$" if rnd.random() < 0.3 else "")
+        python = re.compile(text.replace("$", "\\Z"))
+        strings = {"".join(rnd.choice(_ALPHABET) for _ in range(rnd.randint(0, 6))) for _ in range(20)}
+        strings |= {"".join(rnd.choice(_ALPHABET) for _ in range(rnd.randint(0, 2))) + sample()
+                    + "".join(rnd.choice(_ALPHABET) for _ in range(rnd.randint(0, 2))) for _ in range(30)}
+        try:
+            gbnf = json_schema_to_gbnf({"type": "string", "pattern": text})
+        except SchemaError as e:
+            assert "no string the grammar can write matches it" in str(e), (text, e)
+            assert not any(python.search(s) for s in strings), text
+            refused += 1
+            continue
+        with Grammar(text_model, gbnf) as g:
+            for s in sorted(strings):
+                want = bool(python.search(s))
+                assert g.accepts(json.dumps(s, ensure_ascii=False)) == want, (text, s)
+                checked += 1
+                matched += want
+    assert checked > 5000 and matched > 2000 and checked - matched > 1000 and refused < 20, (checked, matched, refused)
+
+
 def test_range_grammars_are_compact():
     """Digit-interval decomposition: rules grow with the bounds' digits, not the range."""
     small = json_schema_to_gbnf({"type": "integer", "minimum": 123456789, "maximum": 987654321})
@@ -278,8 +394,8 @@ def test_annotations_are_ignored_and_json_text_is_taken():
 # ---- the shipped model and the server ------------------------------------------------
 
 def test_shipped_model_answers_in_the_schema(shipped):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer", "minimum": 0}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 30}},
               "required": ["name", "age"], "additionalProperties": False}
     with Grammar(shipped, json_schema_to_gbnf(schema)) as g:
         r = shipped.generate("A JSON object describing a cat, with its name and age:\n", max_tokens=40,
@@ -289,13 +405,15 @@ def test_shipped_model_answers_in_the_schema(shipped):
 
 
 def test_server_json_schema(server):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}},
-              "required": ["ok", "n"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": -3,
+                                                                                "exclusiveMaximum": 3},
+                                               "id": {"type": "string", "pattern": "^[a-c]\\d$"}},
+              "required": ["ok", "n", "id"], "additionalProperties": False}
     validate = _validator(schema)
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     ended = 0
     for seed in range(4):
-        status, reply = server.post("/v1/completions", {"prompt": "{", "max_tokens": 40, "temperature": 1.5,
+        status, reply = server.post("/v1/completions", {"prompt": "{", "max_tokens": 80, "temperature": 1.5,
                                                         "seed": seed, "response_format": fmt})
         assert status == 200, reply
         choice = reply["choices"][0]
@@ -308,8 +426,12 @@ def test_server_json_schema(server):
 @pytest.mark.parametrize("fmt, words", [
     ({"type": "json_schema"}, "json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}},
-     "pattern"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}}},
+     "response_format.json_schema.schema/pattern: lookahead"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}},
+     "schema/maximum: no integer"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}},
+     "schema/uniqueItems"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}}, "bogus"),
     ({"type": "xml"}, "response_format"),
 ])
@@ -326,7 +448,7 @@ def test_grammar_from_json_schema(text_model):
         r = text_model.generate("", max_tokens=8, grammar=g, temperature=0.0)
         assert r.text in ('"yes"', '"no"')
     with pytest.raises(SchemaError, match="/pattern"):
-        Grammar.from_json_schema(text_model, {"type": "string", "pattern": "x"})
+        Grammar.from_json_schema(text_model, {"type": "string", "pattern": "(?!x)"})
     assert tinyloop.json_schema_to_gbnf is json_schema_to_gbnf
 
 
@@ -342,6 +464,6 @@ def test_cli_generate_with_a_schema_or_a_grammar(paths, tmp_path, capsys):
     gbnf.write_text('root ::= "ok"\n')
     assert cli.main(["generate", str(paths[0]), "x", "--grammar", str(gbnf), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == "ok"
-    schema.write_text('{"type": "string", "pattern": "a"}')
+    schema.write_text('{"type": "string", "pattern": "\\\\1"}')
     assert cli.main(["generate", str(paths[0]), "x", "--json-schema", str(schema), "--json"]) != 0
     assert "/pattern" in capsys.readouterr().out

@@ -7,10 +7,11 @@ the full set cannot be written as a grammar or would invite runaway output: prop
 come in the schema's order, properties a schema does not declare are never generated,
 numbers have at most 16 digits in each part (bounded numbers have no exponent, bounded
 integers and numbers no negative zero), and whitespace between tokens is limited as in
-JSON_GBNF. Numeric bounds are json_schema_numbers' ranges. A keyword that constrains
-values but cannot be honoured (`pattern`, `uniqueItems`, `multipleOf`, ...) raises
-SchemaError naming it and where it is, rather than being ignored: the promise is that
-output validates."""
+JSON_GBNF. Numeric bounds are json_schema_numbers' ranges, `pattern` is
+json_schema_pattern's. A keyword that constrains values but cannot be honoured
+(`uniqueItems`, `multipleOf`, a lookahead in a pattern, ...) raises SchemaError
+naming it and where it is, rather than being ignored: the promise is that output
+validates."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fractions import Fraction
 
 from . import json_schema_numbers as numbers
 from .gbnf_text import literal, names
+from .json_schema_pattern import PatternError, pattern_content
 
 #: the longest run a length or count bound may ask for (each step is a grammar rule)
 MAX_BOUND = 1000
@@ -174,7 +176,7 @@ class _Converter:
             return "object"
         if {"items", "prefixItems", "minItems", "maxItems"} & set(schema):
             return "array"
-        if {"minLength", "maxLength", "format"} & set(schema):
+        if {"minLength", "maxLength", "format", "pattern"} & set(schema):
             return "string"
         self.check_keywords(schema, set(), path)
         return ["object", "array", "string", "number", "boolean", "null"]
@@ -242,7 +244,7 @@ class _Converter:
         return node
 
     _TYPE_KEYWORDS = {
-        "string": {"minLength", "maxLength", "format"},
+        "string": {"minLength", "maxLength", "format", "pattern"},
         "integer": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
         "number": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
         "boolean": set(), "null": set(),
@@ -294,6 +296,8 @@ class _Converter:
 
     def string(self, schema: dict, path: str, hint: str) -> str:
         fmt = schema.get("format")
+        if "pattern" in schema:
+            return self.pattern(schema, path, hint)
         if fmt is not None:
             if fmt not in _FORMATS:
                 raise SchemaError(f"{path}/format: {fmt!r} is not supported (supported: "
@@ -308,6 +312,26 @@ class _Converter:
             return self.use("string")
         chars = self.repeat(f"{hint}-chars", self.use("char1"), lo, hi)
         return self.rule(f"{hint}-string", f'"\\"" {chars} "\\""')
+
+    def pattern(self, schema: dict, path: str, hint: str) -> str:
+        pattern = schema["pattern"]
+        if not isinstance(pattern, str):
+            raise SchemaError(f"{path}/pattern: must be a string")
+        if "format" in schema:
+            raise SchemaError(f"{path}/pattern: not supported together with format")
+        try:
+            content, shortest, longest = pattern_content(self, pattern, hint)
+        except PatternError as e:
+            raise SchemaError(f"{path}/pattern: {e}") from None
+        lo, hi = self.bounds(schema, "minLength", "maxLength", path)
+        # a length bound is honoured only where every match already keeps it
+        if lo > shortest:
+            raise SchemaError(f"{path}/minLength: not supported together with pattern, "
+                              f"which matches {shortest} characters")
+        if hi is not None and (longest is None or longest > hi):
+            raise SchemaError(f"{path}/maxLength: not supported together with pattern, which "
+                              f"matches {'any number of' if longest is None else longest} characters")
+        return self.rule(f"{hint}-pattern", f'"\\"" {content} "\\""')
 
     def numeric(self, schema: dict, t: str, path: str, hint: str) -> str:
         (lo, lo_key), (hi, hi_key) = self.numeric_bounds(schema, t, path)
