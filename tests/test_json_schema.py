@@ -4,6 +4,7 @@ every sampled generation a grammar completes validates (an independent validator
 fastjsonschema, judges), unsupported keywords are refused by name, and the server's
 response_format json_schema gives valid answers."""
 
+import ipaddress
 import json
 import math
 import random
@@ -106,6 +107,14 @@ CASES = [
      ['"aa_x "', '"-a9x "', '"-a_  "'], ['"\u20aca_x "', '"-\u00e9_x "']),   # ASCII \W, \w and \D
     ({"type": "string", "pattern": "^(?:yes|no)(?: [0-9]{1,2})?$", "minLength": 2, "maxLength": 6},
      ['"yes"', '"no 42"', '"no 7"'], ['"maybe"', '"yes 123"', '"yes "']),
+    # formats written exactly, uniqueItems false
+    ({"type": "string", "format": "ipv4"}, ['"192.168.0.1"', '"0.0.0.0"', '"255.255.255.255"'],
+     ['"256.1.1.1"', '"01.2.3.4"', '"1.2.3"', '"1.2.3.4."']),
+    ({"type": "string", "format": "ipv6"},
+     ['"::1"', '"2001:db8::8a2e:370:7334"', '"::ffff:192.0.2.128"', '"1:2:3:4:5:6:7:8"', '"::"'],
+     ['"1:2:3:4:5:6:7:8:9"', '"1::2::3"', '"12345::"', '":1"', '"::ffff:192.0.2.256"']),
+    ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3}, "uniqueItems": False, "maxItems": 3},
+     ["[1, 1]", "[]", "[0, 3, 3]"], ["[4]", "[1, 2, 3, 0]", "[-1]"]),
     (True, ['{"a": [1, {"b": null}]}', '"s"'], []),
 ]
 
@@ -157,7 +166,7 @@ def test_sampled_generations_validate(text_model, case):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"type": "array", "uniqueItems": True}, "/uniqueItems"),
+    ({"type": "array", "uniqueItems": True}, "/uniqueItems: only false"),
     ({"type": "number", "multipleOf": 2}, "/multipleOf"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, "/properties/a/format"),
     ({"type": "string", "format": "hostname"}, "/format: 'hostname' is not supported"),
@@ -374,6 +383,36 @@ def test_random_patterns(text_model):
                 checked += 1
                 matched += want
     assert checked > 5000 and matched > 2000 and checked - matched > 1000 and refused < 20, (checked, matched, refused)
+
+
+def test_random_ip_addresses(text_model):
+    """format ipv4 / ipv6: on random addresses, near misses and mangled ones the grammar
+    accepts exactly what fastjsonschema does."""
+    rnd = random.Random(14)
+    octets = [0, 1, 9, 10, 99, 100, 199, 200, 249, 250, 255, 256, 300]
+    for fmt in ("ipv4", "ipv6"):
+        schema = {"type": "string", "format": fmt}
+        validate = _validator(schema)
+        texts = set()
+        for _ in range(600):
+            if fmt == "ipv4":
+                parts = [str(rnd.choice(octets + [rnd.randint(0, 255)])) for _ in range(rnd.choice([3, 4, 4, 4, 5]))]
+                if rnd.random() < 0.1:
+                    parts[0] = "0" + parts[0]
+                texts.add(".".join(parts))
+                continue
+            mask = rnd.choice([2 ** 128 - 1, (2 ** 128 - 1) ^ (2 ** 64 - 1), 2 ** 32 - 1, (2 ** 16 - 1) << 64, 0])
+            a = ipaddress.IPv6Address(rnd.getrandbits(128) & mask)
+            t = rnd.choice([a.compressed, a.exploded, a.compressed.upper(), a.exploded.replace(":0", ":", 1)])
+            t += rnd.choice(["", "", "", ":", ":1", "::", ":1.2.3.4"])
+            texts.add(("::" if rnd.random() < 0.1 else "") + t)
+        valid = 0
+        with Grammar(text_model, json_schema_to_gbnf(schema)) as g:
+            for t in sorted(texts):
+                ok = _valid(validate, json.dumps(t))
+                assert g.accepts(json.dumps(t)) == ok, (fmt, t)
+                valid += ok
+        assert 100 < valid < len(texts) - 100, (fmt, valid, len(texts))
 
 
 def test_range_grammars_are_compact():

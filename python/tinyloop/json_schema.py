@@ -9,7 +9,7 @@ numbers have at most 16 digits in each part (bounded numbers have no exponent, b
 integers and numbers no negative zero), and whitespace between tokens is limited as in
 JSON_GBNF. Numeric bounds are json_schema_numbers' ranges, `pattern` is
 json_schema_pattern's. A keyword that constrains values but cannot be honoured
-(`uniqueItems`, `multipleOf`, a lookahead in a pattern, ...) raises SchemaError
+(`uniqueItems: true`, `multipleOf`, a lookahead in a pattern, ...) raises SchemaError
 naming it and where it is, rather than being ignored: the promise is that output
 validates."""
 
@@ -64,8 +64,21 @@ _BASE_RULES = {
             r'( digit digit? )? )? )? )? )? ( [zZ] | [-+] ( [01] digit | "2" [0-3] ) ":" [0-5] digit )',
     "uuid": r'hex hex hex hex hex hex hex hex "-" hex hex hex hex "-" hex hex hex hex "-" '
             r'hex hex hex hex "-" hex hex hex hex hex hex hex hex hex hex hex hex',
+    # RFC 3986's IPv4address and IPv6address (no zone)
+    "dec-octet": r'"25" [0-5] | "2" [0-4] digit | "1" digit digit | [1-9] digit | digit',
+    "ipv4": r'dec-octet "." dec-octet "." dec-octet "." dec-octet',
+    "h16": r'hex ( hex ( hex hex? )? )?',
+    "h16c": r'h16 ":"',
+    "ls32": r'h16 ":" h16 | ipv4',
+    "ipv6": r'h16c h16c h16c h16c h16c h16c ls32 | "::" h16c h16c h16c h16c h16c ls32 '
+            r'| h16? "::" h16c h16c h16c h16c ls32 | ( h16 ( ":" h16 )? )? "::" h16c h16c h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 )? )? )? "::" h16c h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? "::" h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? "::" ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? "::" h16 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? )? "::"',
 }
-_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid"}
+_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid", "ipv4": "ipv4", "ipv6": "ipv6"}
 
 
 class SchemaError(ValueError):
@@ -249,7 +262,7 @@ class _Converter:
         "number": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
         "boolean": set(), "null": set(),
         "object": {"properties", "required", "additionalProperties"},
-        "array": {"items", "prefixItems", "minItems", "maxItems"},
+        "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
     }
 
     def check_keywords(self, schema: dict, allowed: set, path: str) -> None:
@@ -462,6 +475,9 @@ class _Converter:
         return self.rule(hint, f'"{{" {ws} {start} "}}"')
 
     def array(self, schema: dict, path: str, hint: str) -> str:
+        if schema.get("uniqueItems", False) is not False:
+            raise SchemaError(f"{path}/uniqueItems: only false is supported (a grammar cannot "
+                              f"compare items)")
         ws = self.use("ws")
         prefix = schema.get("prefixItems")
         items = schema.get("items", True)
