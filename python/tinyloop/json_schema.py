@@ -354,9 +354,9 @@ class _Converter:
             raise SchemaError(f"{path}/{hi_key}: no {t} lies between the bounds"
                               + (" (with at most 16 digits after the point)" if t == "number" else ""))
         if t == "integer":
-            # the integers of 16 digits or fewer (or as many as the bound nearest 0 has)
+            # the integers of 16 digits or fewer (or as many as the admitted one nearest 0 has)
             nearest = lo if lo is not None and lo > 0 else -hi if hi is not None and hi < 0 else 0
-            if len(str(nearest)) > MAX_INTEGER_DIGITS:
+            if nearest >= 10 ** MAX_INTEGER_DIGITS:
                 raise SchemaError(f"{path}/{lo_key if nearest == lo else hi_key}: more than "
                                   f"{MAX_INTEGER_DIGITS} digits (not supported)")
             cap = 10 ** max(16, len(str(nearest))) - 1
@@ -393,9 +393,11 @@ class _Converter:
             best = (None, None)
             for k, strict in given:
                 v = schema[k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                        isinstance(v, float) and not math.isfinite(v):
                     raise SchemaError(f"{path}/{k}: must be a number")
-                b = self.integer_bound(v, strict, up) if t == "integer" else self.number_bound(v, strict, up, f"{path}/{k}")
+                b = (self.integer_bound(v, strict, up) if t == "integer"
+                     else self.number_bound(v, strict, up, f"{path}/{k}"))
                 if best[0] is None or (b < best[0] if up else b > best[0]):
                     best = (b, k)
             sides.append(best)
@@ -415,7 +417,8 @@ class _Converter:
         except OverflowError:
             f = math.inf
         if f != v:
-            raise SchemaError(f"{where}: {v} is not exactly a double (not supported for numbers)")
+            shown = v if abs(v) < 10 ** 30 else f"{Decimal(v):.6e}"
+            raise SchemaError(f"{where}: {shown} is not exactly a double (not supported for numbers)")
         if strict:
             f = math.nextafter(f, -math.inf if up else math.inf)
         d = Decimal(int(f)) if f.is_integer() else Decimal(repr(f))
