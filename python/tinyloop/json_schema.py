@@ -5,19 +5,30 @@ that the schema accepts, so that generation constrained by it (tinyloop.Grammar)
 valid output by construction. The grammar covers a subset of the valid documents where
 the full set cannot be written as a grammar or would invite runaway output: properties
 come in the schema's order, properties a schema does not declare are never generated,
-numbers have at most 16 digits in each part, and whitespace between tokens is limited as
-in JSON_GBNF. A keyword that constrains values but cannot be honoured (`pattern`,
-`uniqueItems`, most numeric bounds, ...) raises SchemaError naming it and where it is,
-rather than being ignored: the promise is that output validates."""
+numbers have at most 16 digits in each part (bounded numbers have no exponent, bounded
+integers and numbers no negative zero), and whitespace between tokens is limited as in
+JSON_GBNF. Numeric bounds are json_schema_numbers' ranges, `pattern` is
+json_schema_pattern's. A keyword that constrains values but cannot be honoured
+(`uniqueItems: true`, `multipleOf`, a lookahead in a pattern, ...) raises SchemaError
+naming it and where it is, rather than being ignored: the promise is that output
+validates."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
+from fractions import Fraction
+
+from . import json_schema_numbers as numbers
+from .gbnf_text import literal, names
+from .json_schema_pattern import PatternError, pattern_content
 
 #: the longest run a length or count bound may ask for (each step is a grammar rule)
 MAX_BOUND = 1000
+#: the most digits an integer bound may have
+MAX_INTEGER_DIGITS = 100
 
 # Keywords that describe a value without constraining it.
 _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment",
@@ -53,33 +64,26 @@ _BASE_RULES = {
             r'( digit digit? )? )? )? )? )? ( [zZ] | [-+] ( [01] digit | "2" [0-3] ) ":" [0-5] digit )',
     "uuid": r'hex hex hex hex hex hex hex hex "-" hex hex hex hex "-" hex hex hex hex "-" '
             r'hex hex hex hex "-" hex hex hex hex hex hex hex hex hex hex hex hex',
+    # RFC 3986's IPv4address and IPv6address (no zone)
+    "dec-octet": r'"25" [0-5] | "2" [0-4] digit | "1" digit digit | [1-9] digit | digit',
+    "ipv4": r'dec-octet "." dec-octet "." dec-octet "." dec-octet',
+    "h16": r'hex ( hex ( hex hex? )? )?',
+    "h16c": r'h16 ":"',
+    "ls32": r'h16 ":" h16 | ipv4',
+    "ipv6": r'h16c h16c h16c h16c h16c h16c ls32 | "::" h16c h16c h16c h16c h16c ls32 '
+            r'| h16? "::" h16c h16c h16c h16c ls32 | ( h16 ( ":" h16 )? )? "::" h16c h16c h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 )? )? )? "::" h16c h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? "::" h16c ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? "::" ls32 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? "::" h16 '
+            r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? )? "::"',
 }
-# which base rules each base rule uses (so that only what a grammar needs is written)
-_BASE_USES = {name: [w for w in re.findall(r"[a-z0-9-]+", body) if w in _BASE_RULES and w != name]
-              for name, body in _BASE_RULES.items()}
-
-_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid"}
+_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid", "ipv4": "ipv4", "ipv6": "ipv6"}
 
 
 class SchemaError(ValueError):
     """A schema that cannot be turned into a grammar: the message names the keyword and
     its place (a JSON pointer into the schema)."""
-
-
-def literal(text: str) -> str:
-    """`text` as a GBNF string literal."""
-    out = []
-    for ch in text:
-        cp = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif 0x20 <= cp < 0x7f:
-            out.append(ch)
-        elif cp <= 0xffff:
-            out.append(f"\\u{cp:04X}")
-        else:
-            out.append(f"\\U{cp:08X}")
-    return '"' + "".join(out) + '"'
 
 
 def _json_text(value) -> str:
@@ -96,14 +100,12 @@ class _Converter:
         self.rules = {}          # name -> body, in the order written
         self.bodies = {}         # body -> name, so that equal rules are written once
         self.refs = {}           # "#/$defs/x" -> rule name (set before its body: recursion)
-        self.base = set()        # base rules in use
 
     # ---- rules --------------------------------------------------------------------------
-    def use(self, name: str) -> str:
-        if name not in self.base:
-            self.base.add(name)
-            for dep in _BASE_USES[name]:
-                self.use(dep)
+    @staticmethod
+    def use(name: str) -> str:
+        """A base rule's name (the grammar writes the rules its root reaches)."""
+        assert name in _BASE_RULES, name
         return name
 
     def rule(self, hint: str, body: str) -> str:
@@ -187,7 +189,7 @@ class _Converter:
             return "object"
         if {"items", "prefixItems", "minItems", "maxItems"} & set(schema):
             return "array"
-        if {"minLength", "maxLength", "format"} & set(schema):
+        if {"minLength", "maxLength", "format", "pattern"} & set(schema):
             return "string"
         self.check_keywords(schema, set(), path)
         return ["object", "array", "string", "number", "boolean", "null"]
@@ -255,12 +257,12 @@ class _Converter:
         return node
 
     _TYPE_KEYWORDS = {
-        "string": {"minLength", "maxLength", "format"},
-        "integer": {"minimum", "exclusiveMinimum"},
-        "number": {"minimum", "exclusiveMinimum"},
+        "string": {"minLength", "maxLength", "format", "pattern"},
+        "integer": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
+        "number": {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"},
         "boolean": set(), "null": set(),
         "object": {"properties", "required", "additionalProperties"},
-        "array": {"items", "prefixItems", "minItems", "maxItems"},
+        "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
     }
 
     def check_keywords(self, schema: dict, allowed: set, path: str) -> None:
@@ -307,6 +309,8 @@ class _Converter:
 
     def string(self, schema: dict, path: str, hint: str) -> str:
         fmt = schema.get("format")
+        if "pattern" in schema:
+            return self.pattern(schema, path, hint)
         if fmt is not None:
             if fmt not in _FORMATS:
                 raise SchemaError(f"{path}/format: {fmt!r} is not supported (supported: "
@@ -322,25 +326,106 @@ class _Converter:
         chars = self.repeat(f"{hint}-chars", self.use("char1"), lo, hi)
         return self.rule(f"{hint}-string", f'"\\"" {chars} "\\""')
 
+    def pattern(self, schema: dict, path: str, hint: str) -> str:
+        pattern = schema["pattern"]
+        if not isinstance(pattern, str):
+            raise SchemaError(f"{path}/pattern: must be a string")
+        if "format" in schema:
+            raise SchemaError(f"{path}/pattern: not supported together with format")
+        try:
+            content, shortest, longest = pattern_content(self, pattern, hint)
+        except PatternError as e:
+            raise SchemaError(f"{path}/pattern: {e}") from None
+        lo, hi = self.bounds(schema, "minLength", "maxLength", path)
+        # a length bound is honoured only where every match already keeps it
+        if lo > shortest:
+            raise SchemaError(f"{path}/minLength: not supported together with pattern, "
+                              f"which matches {shortest} characters")
+        if hi is not None and (longest is None or longest > hi):
+            raise SchemaError(f"{path}/maxLength: not supported together with pattern, which "
+                              f"matches {'any number of' if longest is None else longest} characters")
+        return self.rule(f"{hint}-pattern", f'"\\"" {content} "\\""')
+
     def numeric(self, schema: dict, t: str, path: str, hint: str) -> str:
-        lo, strict = schema.get("minimum"), False
-        if "exclusiveMinimum" in schema:
-            if lo is not None:
-                raise SchemaError(f"{path}/exclusiveMinimum: not supported beside minimum")
-            lo, strict = schema["exclusiveMinimum"], True
-        if lo is None:
+        (lo, lo_key), (hi, hi_key) = self.numeric_bounds(schema, t, path)
+        if lo is None and hi is None:
             return self.use(t)
-        if isinstance(lo, bool) or not isinstance(lo, (int, float)) or not math.isfinite(lo):
-            raise SchemaError(f"{path}/minimum: must be a number")
-        key = "exclusiveMinimum" if strict else "minimum"
-        if t == "integer" and (lo, strict) in ((0, False), (-1, True)):
-            return self.rule(f"{hint}-non-negative", self.use("natural"))
-        if t == "integer" and (lo, strict) in ((1, False), (0, True)):
-            return self.rule(f"{hint}-positive", f"[1-9] {self.use('digits15')}?")
-        if t == "number" and (lo, strict) == (0, False):
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"{path}/{hi_key}: no {t} lies between the bounds"
+                              + (" (with at most 16 digits after the point)" if t == "number" else ""))
+        if t == "integer":
+            # the integers of 16 digits or fewer (or as many as the admitted one nearest 0 has)
+            nearest = lo if lo is not None and lo > 0 else -hi if hi is not None and hi < 0 else 0
+            if nearest >= 10 ** MAX_INTEGER_DIGITS:
+                raise SchemaError(f"{path}/{lo_key if nearest == lo else hi_key}: more than "
+                                  f"{MAX_INTEGER_DIGITS} digits (not supported)")
+            cap = 10 ** max(16, len(str(nearest))) - 1
+            lo, hi = max(-cap, lo if lo is not None else -cap), min(cap, hi if hi is not None else cap)
+            return self.rule(f"{hint}-range", numbers.integer_range(self, lo, hi))
+        if lo == 0 and hi is None:       # exponents stay: no exponent changes the sign
             return self.rule(f"{hint}-non-negative",
                              f"{self.use('natural')} {self.use('fraction')}? {self.use('exponent')}?")
-        raise SchemaError(f"{path}/{key}: only {key} 0 (and, for integers, minimum 1) is supported")
+        cap = Decimal(10 ** 16) - Decimal(1).scaleb(-numbers.FRACTION_DIGITS)
+        if (lo is not None and lo > cap) or (hi is not None and hi < -cap):
+            raise SchemaError(f"{path}/{lo_key if lo is not None and lo > cap else hi_key}: "
+                              f"outside the numbers the grammar writes (16 digits before the point)")
+        lo = None if lo is not None and lo < -cap else lo
+        hi = None if hi is not None and hi > cap else hi
+        return self.rule(f"{hint}-range", numbers.number_range(self, lo, hi, 16))
+
+    def numeric_bounds(self, schema: dict, t: str, path: str):
+        """((lo, key), (hi, key)): the tightest inclusive bounds (None: none) and the
+        keywords they come from. Integers get ints; numbers get decimals with at most
+        FRACTION_DIGITS places, rounded inwards, that a text must reach so that its
+        double (as a validator parses it) satisfies the bound: a bound is taken as the
+        double its keyword's value is, a strict one as the next double inside it."""
+        sides = []
+        for key, strict_key, up in (("minimum", "exclusiveMinimum", False), ("maximum", "exclusiveMaximum", True)):
+            given = []
+            flag = schema.get(strict_key)
+            if isinstance(flag, bool):           # draft 4: a flag on minimum / maximum
+                if flag and key not in schema:
+                    raise SchemaError(f"{path}/{strict_key}: true needs {key} beside it (draft 4)")
+                if key in schema:
+                    given.append((key, flag))
+            else:
+                given += [(k, k == strict_key) for k in (key, strict_key) if k in schema]
+            best = (None, None)
+            for k, strict in given:
+                v = schema[k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                        isinstance(v, float) and not math.isfinite(v):
+                    raise SchemaError(f"{path}/{k}: must be a number")
+                b = (self.integer_bound(v, strict, up) if t == "integer"
+                     else self.number_bound(v, strict, up, f"{path}/{k}"))
+                if best[0] is None or (b < best[0] if up else b > best[0]):
+                    best = (b, k)
+            sides.append(best)
+        return sides
+
+    @staticmethod
+    def integer_bound(v, strict: bool, up: bool) -> int:
+        v = Fraction(v)
+        if up:
+            return math.ceil(v) - 1 if strict else math.floor(v)
+        return math.floor(v) + 1 if strict else math.ceil(v)
+
+    @staticmethod
+    def number_bound(v, strict: bool, up: bool, where: str) -> Decimal:
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        if f != v:
+            shown = v if abs(v) < 10 ** 30 else f"{Decimal(v):.6e}"
+            raise SchemaError(f"{where}: {shown} is not exactly a double (not supported for numbers)")
+        if strict:
+            f = math.nextafter(f, -math.inf if up else math.inf)
+        d = Decimal(int(f)) if f.is_integer() else Decimal(repr(f))
+        step = Decimal(1).scaleb(-numbers.FRACTION_DIGITS)
+        with localcontext() as ctx:
+            ctx.prec = 400
+            return d.quantize(step, rounding=ROUND_FLOOR if up else ROUND_CEILING)
 
     def object(self, schema: dict, path: str, hint: str) -> str:
         props = schema.get("properties", {})
@@ -393,6 +478,9 @@ class _Converter:
         return self.rule(hint, f'"{{" {ws} {start} "}}"')
 
     def array(self, schema: dict, path: str, hint: str) -> str:
+        if schema.get("uniqueItems", False) is not False:
+            raise SchemaError(f"{path}/uniqueItems: only false is supported (a grammar cannot "
+                              f"compare items)")
         ws = self.use("ws")
         prefix = schema.get("prefixItems")
         items = schema.get("items", True)
@@ -417,10 +505,16 @@ class _Converter:
 
     def grammar(self) -> str:
         top = self.visit(self.root, "", "root")
-        lines = [f"root ::= {top}"] if top != "root" else []
-        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
-        lines += [f"{name} ::= {_BASE_RULES[name]}" for name in _BASE_RULES if name in self.base]
-        return "\n".join(lines) + "\n"
+        bodies = {"root": top} if top != "root" else {}
+        bodies.update(self.rules)
+        bodies.update(_BASE_RULES)
+        reached, todo = set(), ["root"]
+        while todo:                      # only the rules the root reaches are written
+            name = todo.pop()
+            if name not in reached:
+                reached.add(name)
+                todo += [n for n in names(bodies[name]) if n in bodies]
+        return "".join(f"{name} ::= {body}\n" for name, body in bodies.items() if name in reached)
 
 
 def json_schema_to_gbnf(schema) -> str:
