@@ -183,20 +183,27 @@ struct tl_buf {
     cuda_page_table *table;   // a page table's view (data nullptr), else nullptr
 };
 
-// A slot of a paged KV cache as kernels read it (kv_cache.h): row r of its keys at
-// table[r >> shift] + k_off + (r & (2^shift - 1)) * row width, its values at v_off. The
-// table lives in device memory and is updated in stream order (page_table_set), so a
-// recorded step that holds its address reads the entries current at each replay.
-// table == nullptr: a contiguous cache (the kernels' k / v pointers).
+// A slot of a paged KV cache as kernels read and write it (kv_cache.h): row r of its
+// keys at table[r >> shift] + k_off + (r & (2^shift - 1)) * row width, its values at
+// v_off. The table lives in device memory and is updated in stream order
+// (page_table_set), so a recorded step that holds its address reads the entries current
+// at each replay. table == nullptr: a contiguous cache (the kernels' k / v pointers).
 struct kv_pages {
     const float *const *table;
     int shift;
     size_t k_off, v_off;
 };
 
-__device__ __forceinline__ const float *kv_row(const float *flat, const kv_pages &pg, int plane, int row, size_t width) {
+// Row `row` of a slot's keys (plane 0) or values (plane 1): `flat` + row * width when
+// contiguous, else its page's row, the page read from the table on the device (after
+// pdl_wait: page_table_set is a kernel of the stream). Every kernel that reads or
+// writes cache rows (attention, the KV stores, the fused RoPE + store epilogues) finds
+// them here, so one kernel serves both layouts; T = float for the writers.
+template <typename T>
+__device__ __forceinline__ T *kv_row(T *flat, const kv_pages &pg, int plane, int row, size_t width) {
     if (!pg.table) return flat + (size_t)row * width;
-    return pg.table[row >> pg.shift] + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width;
+    const float *page = pg.table[row >> pg.shift];
+    return const_cast<T *>(page + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width);
 }
 
 // Host side: the kernels' view of a slot (k_cache / v_cache: a table's views at the slot's offset).

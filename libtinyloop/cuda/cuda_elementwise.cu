@@ -241,21 +241,10 @@ __global__ void rope_store_kernel(float *q, const float *k, const float *v, int 
     }
 }
 
-// Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch).
-__global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, const float *v,
+// Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch; kv_row: contiguous
+// or each row to its page through the table).
+__global__ void kv_store_kernel(float *k_cache, float *v_cache, kv_pages pg, const float *k, const float *v,
                                 int n, pos_arg pos, int width) {
-    pdl_wait();
-    pdl_trigger();
-    const size_t per = (size_t)n * width, row0 = (size_t)pos_value(pos) * width;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * per;
-         e += (size_t)gridDim.x * blockDim.x) {
-        if (e < per) k_cache[row0 + e] = k[e];
-        else v_cache[row0 + e - per] = v[e - per];
-    }
-}
-
-// kv_store into a paged slot: each row to its page through the table.
-__global__ void kv_store_paged_kernel(kv_pages pg, const float *k, const float *v, int n, pos_arg pos, int width) {
     pdl_wait();
     pdl_trigger();
     const size_t per = (size_t)n * width;
@@ -265,8 +254,7 @@ __global__ void kv_store_paged_kernel(kv_pages pg, const float *k, const float *
         const int plane = e >= per;
         const size_t at = plane ? e - per : e;
         const int row = (int)(at / width), col = (int)(at % width);
-        float *dst = const_cast<float *>(kv_row(nullptr, pg, plane, pos0 + row, (size_t)width)) + col;
-        *dst = plane ? v[at] : k[at];
+        kv_row(plane ? v_cache : k_cache, pg, plane, pos0 + row, (size_t)width)[col] = plane ? v[at] : k[at];
     }
 }
 
@@ -422,11 +410,7 @@ void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k
                      int n, pos_arg pos0, int width, const kv_pages &pg) {
     size_t count = 2 * (size_t)n * width;
     if (count == 0) return;
-    if (pg.table) {
-        launch(ex, "kv_store (paged)", kv_store_paged_kernel, stride_blocks(count), 256, 0, pg, k, v, n, pos0, width);
-        return;
-    }
-    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, k, v, n, pos0,
+    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, pg, k, v, n, pos0,
            width);
 }
 
