@@ -337,12 +337,12 @@ int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const ma
 int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight &w_up, const matmul_in_args &a,
                         int n, int gelu, float *y, size_t ldy);
 // q/k/v (ws[0..2]) of n decode rows in one GEMV launch whose epilogue rotates q and k
-// (RoPE at pos0..) and writes q to `q` and k, v to the caches' rows pos0..; 0 (nothing
-// launched) for shapes launch_matmul_in declines, f32 weights, mixed dtypes, or head
-// sizes a row group cannot pair.
+// (RoPE at pos0..) and writes q to `q` and k, v to the caches' rows pos0.. (through pg's
+// table when paged); 0 (nothing launched) for shapes launch_matmul_in declines, f32
+// weights, mixed dtypes, or head sizes a row group cannot pair.
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
                              size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache);
+                             float *v_cache, const kv_pages &pg);
 // cuda_gemm_tc.cu: ys[j] = x W_j^T on tensor cores for matrices of q8/q4/q2/f16 weights
 // and one width; 0 (nothing launched) for other dtypes, or when the context has tensor
 // cores off or too little scratch (ex->tc_scratch, gemm_tc_scratch_bytes()).
@@ -361,10 +361,11 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
                        float sigma);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
                      const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
-// RoPE on q (in place) and k, then k and v rows into the caches at pos0: one launch.
+// RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's
+// table when paged): one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
                        const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
-                       float *v_cache);
+                       float *v_cache, const kv_pages &pg);
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count);
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out);
