@@ -625,9 +625,9 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     for (;;) {
         const dev_weight &w = set_weight(set, j);
         const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
-        // writers only: other lanes' positions may lie past a paged slot's table
+        // EPI_ROPE: writers only (other lanes' positions may lie past a paged slot's table)
         const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
-        float *dst = writer ? out_elem<EPI>(set, rope, j, pos, out_i, out_row) : nullptr;
+        float *dst = EPI != EPI_ROPE || writer ? out_elem<EPI>(set, rope, j, pos, out_i, out_row) : nullptr;
         // the residual this tile adds to, requested now (into shared memory: a register
         // would be spilled, and the spill would wait for the load) and used at the end
         if (writer && set.accumulate) copy4_async(&resid[warp][lane], dst);
