@@ -214,6 +214,111 @@ def test_paged_forks_and_chained_greedy_decoding(model_dir):
     assert_close(mine, after, FLOAT_TOLERANCE, "its parent after the fork")
 
 
+# Paged KV through the fused decode kernels, which write K/V rows through the device page
+# table: the q/k/v GEMV whose epilogue rotates q and k and stores k and v (f16/q8/q4
+# weights, no qkv bias, up to 8 rows), and the RoPE + store kernel after separate
+# projections (f32 weights, a qkv bias, prefill chunks of more than 8 rows). Each page
+# holds every virtual layer's rows (five slots here), GQA groups two heads, and the
+# rotary pairs are half, interleaved and partial.
+FUSED_PAGED = {
+    "q4-g64": dict(dtype="q4", group_size=64),
+    "f16-interleaved-partial": dict(dtype="f16", rope_style="interleaved", rope_dims=12),
+    "q8-half-partial": dict(dtype="q8", group_size=32, rope_dims=20),
+    "f32": dict(dtype="f32"),
+    "q4-qkv-bias": dict(dtype="q4", group_size=64, qkv_bias=1),
+}
+FUSED_PAGE_SIZES = [1, 4, 16, 64]
+# Appends of a sequence of 75 positions: a prefill of 13 rows (GEMM, then RoPE + store),
+# steps of one row (recorded and replayed), then chunks of 3 and 8 rows (the GEMV's
+# multi-row epilogue, whose rows straddle page boundaries), then one-row steps past 64.
+FUSED_APPENDS = [13] + [1] * 20 + [3, 8] + [1] * 31
+
+
+def _appended(model, tokens, sizes, depth):
+    """The last logits after each append of `sizes` tokens, and the pages then in use."""
+    rows, at = [], 0
+    with model.context() as ctx:
+        for size in sizes:
+            rows.append(ctx.append(tokens[at:at + size], depth=depth))
+            at += size
+        pages = model.memory_report()["kv_pages_in_use"]
+    return np.array(rows), pages
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("page_size", FUSED_PAGE_SIZES)
+@pytest.mark.parametrize("name", list(FUSED_PAGED))
+def test_paged_fused_decode_matches_contiguous(model_dir, monkeypatch, name, page_size, graphs):
+    """Prefill, one-row steps and multi-row chunks on a paged slot, crossing page
+    boundaries, with CUDA graphs on and off: equal to the contiguous cache on CUDA, to
+    the paged cache on the CPU, and (the last step) to full-sequence scoring; greedy
+    generation gives the contiguous cache's tokens."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", graphs)
+    config = {**SMALL, **FUSED_PAGED[name]}
+    path = _model(model_dir, f"fused-{name}", SMALL, FUSED_PAGED[name])
+    n = sum(FUSED_APPENDS)
+    tokens = _tokens(n, SMALL["vocab_size"], n)
+    depth = SMALL["max_depth"]
+    label = f"{name}, pages of {page_size}, graphs {graphs}"
+    with tinyloop.Model(path, device=CUDA) as plain:
+        contiguous, _ = _appended(plain, tokens, FUSED_APPENDS, depth)
+        expected_tokens = plain.generate(tokens[:9], max_tokens=60, depth=depth, temperature=0.0, eos=False).tokens
+    with tinyloop.Model(path, device="cpu", kv_page_size=page_size) as cpu:
+        on_cpu, _ = _appended(cpu, tokens, FUSED_APPENDS, depth)
+    with tinyloop.Model(path, device=CUDA, kv_page_size=page_size) as gpu:
+        paged, pages = _appended(gpu, tokens, FUSED_APPENDS, depth)
+        full = gpu.score_last_token(tokens, depth=depth)
+        generated = gpu.generate(tokens[:9], max_tokens=60, depth=depth, temperature=0.0, eos=False).tokens
+    assert pages == -(-n // page_size), label
+    assert_close(paged, contiguous, FLOAT_TOLERANCE, f"{label}: paged vs contiguous on CUDA")
+    assert_close(paged, on_cpu, _tolerance(config), f"{label}: CUDA vs CPU, paged")
+    assert_close(paged[-1], full, FLOAT_TOLERANCE, f"{label}: cached decode vs full scoring")
+    assert generated == expected_tokens, label
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("page_size", FUSED_PAGE_SIZES)
+@pytest.mark.parametrize("name", ["q4-g64", "f32"])
+def test_paged_fused_forks_copy_on_write(model_dir, monkeypatch, name, page_size, graphs):
+    """A parent decodes (its steps recorded, then replayed), forks, and both go on with
+    different tokens in steps of one row and chunks of three: the parent's first write
+    into the shared partly filled page copies it, and its replayed steps must then write
+    the copy (the fused kernels read the table on the device), the fork its own rows.
+    Each equals a fresh contiguous run of its own sequence, and the pages wholly before
+    the fork stay shared."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", graphs)
+    path = _model(model_dir, f"fused-{name}", SMALL, FUSED_PAGED[name])
+    depth = SMALL["max_depth"]
+    vocab = SMALL["vocab_size"]
+    before = [10, 1, 1, 1]                   # 13 positions, then the fork
+    after = [1, 1, 3, 1, 1, 3, 1, 1, 1, 1]   # 14 more on each side
+    seq_a = _tokens(30, vocab, 28)           # the parent's, with one more step once alone
+    seq_b = np.concatenate([seq_a[:13], _tokens(31, vocab, 14)])
+    label = f"{name}, pages of {page_size}, graphs {graphs}"
+    with tinyloop.Model(path, device=CUDA) as plain:
+        expect_a, _ = _appended(plain, seq_a, before + after + [1], depth)
+        expect_b, _ = _appended(plain, seq_b, before + after, depth)
+    with tinyloop.Model(path, device=CUDA, kv_page_size=page_size) as gpu:
+        with gpu.context() as parent:
+            rows_a, at = [], 0
+            for size in before:
+                rows_a.append(parent.append(seq_a[at:at + size], depth=depth))
+                at += size
+            held = gpu.memory_report()["kv_pages_in_use"]
+            with parent.fork() as child:
+                assert gpu.memory_report()["kv_pages_in_use"] == held, "a fork takes no page"
+                rows_b = list(rows_a)
+                for size in after:
+                    rows_a.append(parent.append(seq_a[at:at + size]))
+                    rows_b.append(child.append(seq_b[at:at + size]))
+                    at += size
+                own = -(-at // page_size) - 13 // page_size   # from the fork's partly filled page on
+                assert gpu.memory_report()["kv_pages_in_use"] == 13 // page_size + 2 * own, label
+            rows_a.append(parent.append(seq_a[at:at + 1]))   # alone again
+    assert_close(rows_a, expect_a, FLOAT_TOLERANCE, f"{label}: the parent")
+    assert_close(rows_b, expect_b, FLOAT_TOLERANCE, f"{label}: the fork")
+
+
 def test_greedy_generation_matches_cpu(model_dir):
     path = _model(model_dir, "f32", SMALL, DTYPES["f32"])
     prompt = _tokens(1, SMALL["vocab_size"], 8)

@@ -448,17 +448,18 @@ int cuda_matmul_in(tl_exec *ex, const tl_tensor *const *ws, int n_w, const tl_ma
     return 1;
 }
 
-// q/k/v projections of decode rows with RoPE and the KV store in the GEMV's epilogue.
+// q/k/v projections of decode rows with RoPE and the KV store in the GEMV's epilogue;
+// a paged slot's rows through its device page table (kv_row), like kv_store.
 int cuda_matmul_rope_store(tl_exec *ex, const tl_tensor *const *ws, const tl_matmul_in *in, int n, tl_act q,
                            int pos0, const tl_rope_params *p, const tl_attn_geom *g, tl_act k_cache,
                            tl_act v_cache) {
-    if (k_cache.buf->table) return 0;   // paged: composed of the GEMV, rope and kv_store
     const matmul_in_args a = matmul_in_of(in);
     if (bind(ex)) return 1;
     const dev_weight *dws[3] = { W(ws[0]), W(ws[1]), W(ws[2]) };
     const size_t ldq = (size_t)g->n_head * g->head_dim;
     const pos_arg pos = step_pos(ex, pos0);
-    if (!launch_matmul_rope_store(ex, dws, a, n, P(q), ldq, pos, *p, g->head_dim, P(k_cache), P(v_cache)))
+    if (!launch_matmul_rope_store(ex, dws, a, n, P(q), ldq, pos, *p, g->head_dim, P(k_cache), P(v_cache),
+                                  kv_pages_of(k_cache, v_cache)))
         return 0;
     note_matmul_in(ex, 18, in, a, n, (uint64_t)pos.base);
     step_note(ex, { K(ws[0]), K(ws[1]), K(ws[2]), K(P(q)), K(P(k_cache)), K(P(v_cache)), (uint64_t)p->rope_dims,
@@ -479,16 +480,16 @@ int cuda_matmul_gated(tl_exec *ex, const tl_tensor *w_gate, const tl_tensor *w_u
     return 1;
 }
 
+// RoPE on q and k, then the KV store (a paged slot's rows through its table): one launch.
 int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, const tl_rope_params *p,
                     const tl_attn_geom *g, tl_act k_cache, tl_act v_cache) {
-    if (k_cache.buf->table) return 0;   // paged: rope, then kv_store through the table
     if (bind(ex)) return 1;
     pos_arg pos = step_pos(ex, pos0);
     step_note(ex, { 15, K(P(q)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base, (uint64_t)p->rope_dims,
                     (uint64_t)p->style, K(p->theta), (uint64_t)g->n_head, (uint64_t)g->n_kv_head,
                     (uint64_t)g->head_dim, K(P(k_cache)), K(P(v_cache)) });
     launch_rope_store(ex, P(q), P(k), P(v), n, pos, *p, g->n_head, g->n_kv_head, g->head_dim, P(k_cache),
-                      P(v_cache));
+                      P(v_cache), kv_pages_of(k_cache, v_cache));
     return 1;
 }
 

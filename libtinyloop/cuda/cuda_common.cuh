@@ -183,20 +183,27 @@ struct tl_buf {
     cuda_page_table *table;   // a page table's view (data nullptr), else nullptr
 };
 
-// A slot of a paged KV cache as kernels read it (kv_cache.h): row r of its keys at
-// table[r >> shift] + k_off + (r & (2^shift - 1)) * row width, its values at v_off. The
-// table lives in device memory and is updated in stream order (page_table_set), so a
-// recorded step that holds its address reads the entries current at each replay.
-// table == nullptr: a contiguous cache (the kernels' k / v pointers).
+// A slot of a paged KV cache as kernels read and write it (kv_cache.h): row r of its
+// keys at table[r >> shift] + k_off + (r & (2^shift - 1)) * row width, its values at
+// v_off. The table lives in device memory and is updated in stream order
+// (page_table_set), so a recorded step that holds its address reads the entries current
+// at each replay. table == nullptr: a contiguous cache (the kernels' k / v pointers).
 struct kv_pages {
     const float *const *table;
     int shift;
     size_t k_off, v_off;
 };
 
-__device__ __forceinline__ const float *kv_row(const float *flat, const kv_pages &pg, int plane, int row, size_t width) {
+// Row `row` of a slot's keys (plane 0) or values (plane 1): `flat` + row * width when
+// contiguous, else its page's row, the page read from the table on the device (after
+// pdl_wait: page_table_set is a kernel of the stream). Every kernel that reads or
+// writes cache rows (attention, the KV stores, the fused RoPE + store epilogues) finds
+// them here, so one kernel serves both layouts; T = float for the writers.
+template <typename T>
+__device__ __forceinline__ T *kv_row(T *flat, const kv_pages &pg, int plane, int row, size_t width) {
     if (!pg.table) return flat + (size_t)row * width;
-    return pg.table[row >> pg.shift] + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width;
+    const float *page = pg.table[row >> pg.shift];
+    return const_cast<T *>(page + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width);
 }
 
 // Host side: the kernels' view of a slot (k_cache / v_cache: a table's views at the slot's offset).
@@ -330,12 +337,12 @@ int launch_matmul_in(tl_exec *ex, const dev_weight *const *ws, int n_w, const ma
 int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight &w_up, const matmul_in_args &a,
                         int n, int gelu, float *y, size_t ldy);
 // q/k/v (ws[0..2]) of n decode rows in one GEMV launch whose epilogue rotates q and k
-// (RoPE at pos0..) and writes q to `q` and k, v to the caches' rows pos0..; 0 (nothing
-// launched) for shapes launch_matmul_in declines, f32 weights, mixed dtypes, or head
-// sizes a row group cannot pair.
+// (RoPE at pos0..) and writes q to `q` and k, v to the caches' rows pos0.. (through pg's
+// table when paged); 0 (nothing launched) for shapes launch_matmul_in declines, f32
+// weights, mixed dtypes, or head sizes a row group cannot pair.
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
                              size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache);
+                             float *v_cache, const kv_pages &pg);
 // cuda_gemm_tc.cu: ys[j] = x W_j^T on tensor cores for matrices of q8/q4/q2/f16 weights
 // and one width; 0 (nothing launched) for other dtypes, or when the context has tensor
 // cores off or too little scratch (ex->tc_scratch, gemm_tc_scratch_bytes()).
@@ -354,10 +361,11 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
                        float sigma);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
                      const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
-// RoPE on q (in place) and k, then k and v rows into the caches at pos0: one launch.
+// RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's
+// table when paged): one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
                        const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
-                       float *v_cache);
+                       float *v_cache, const kv_pages &pg);
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count);
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out);

@@ -197,12 +197,13 @@ __global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, pos_arg 
     rope_rows(x, n, n_heads, head_dim, pairs, style, freqs, rope_consecutive{ pos_value(pos) });
 }
 
-// One launch for what follows the q/k/v projections of a decode step: q rotated in
-// place (a thread per row, head and pair, as rope_kernel), then a thread per element
-// of k (rotated from its pair, read-only) and of v, written to the cache rows pos0 + i.
+// One launch for what follows the q/k/v projections: q rotated in place (a thread per
+// row, head and pair, as rope_kernel), then a thread per element of k (rotated from its
+// pair, read-only) and of v, written to the cache rows pos0 + i (kv_row: contiguous or
+// through the page table).
 __global__ void rope_store_kernel(float *q, const float *k, const float *v, int n, pos_arg pos, int pairs,
                                   int style, rope_freqs freqs, int n_head, int n_kv_head, int head_dim,
-                                  float *k_cache, float *v_cache) {
+                                  float *k_cache, float *v_cache, kv_pages pg) {
     pdl_wait();
     pdl_trigger();
     const int q_items = n * n_head * pairs, kvd = n_kv_head * head_dim, kv_items = n * kvd;
@@ -231,31 +232,20 @@ __global__ void rope_store_kernel(float *q, const float *k, const float *v, int 
             const float a = row[ia], b = row[ib];
             out = rope_member(a, b, s, c, dim != ia);
         }
-        k_cache[(size_t)(pos0 + i) * kvd + within] = out;
+        kv_row(k_cache, pg, 0, pos0 + i, kvd)[within] = out;
         return;
     }
     e -= kv_items;
     if (e < kv_items) {
         const int i = e / kvd, within = e - i * kvd;
-        v_cache[(size_t)(pos0 + i) * kvd + within] = v[e];
+        kv_row(v_cache, pg, 1, pos0 + i, kvd)[within] = v[e];
     }
 }
 
-// Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch).
-__global__ void kv_store_kernel(float *k_cache, float *v_cache, const float *k, const float *v,
+// Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch; kv_row: contiguous
+// or each row to its page through the table).
+__global__ void kv_store_kernel(float *k_cache, float *v_cache, kv_pages pg, const float *k, const float *v,
                                 int n, pos_arg pos, int width) {
-    pdl_wait();
-    pdl_trigger();
-    const size_t per = (size_t)n * width, row0 = (size_t)pos_value(pos) * width;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * per;
-         e += (size_t)gridDim.x * blockDim.x) {
-        if (e < per) k_cache[row0 + e] = k[e];
-        else v_cache[row0 + e - per] = v[e - per];
-    }
-}
-
-// kv_store into a paged slot: each row to its page through the table.
-__global__ void kv_store_paged_kernel(kv_pages pg, const float *k, const float *v, int n, pos_arg pos, int width) {
     pdl_wait();
     pdl_trigger();
     const size_t per = (size_t)n * width;
@@ -265,8 +255,7 @@ __global__ void kv_store_paged_kernel(kv_pages pg, const float *k, const float *
         const int plane = e >= per;
         const size_t at = plane ? e - per : e;
         const int row = (int)(at / width), col = (int)(at % width);
-        float *dst = const_cast<float *>(kv_row(nullptr, pg, plane, pos0 + row, (size_t)width)) + col;
-        *dst = plane ? v[at] : k[at];
+        kv_row(plane ? v_cache : k_cache, pg, plane, pos0 + row, (size_t)width)[col] = plane ? v[at] : k[at];
     }
 }
 
@@ -422,17 +411,13 @@ void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k
                      int n, pos_arg pos0, int width, const kv_pages &pg) {
     size_t count = 2 * (size_t)n * width;
     if (count == 0) return;
-    if (pg.table) {
-        launch(ex, "kv_store (paged)", kv_store_paged_kernel, stride_blocks(count), 256, 0, pg, k, v, n, pos0, width);
-        return;
-    }
-    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, k, v, n, pos0,
+    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, pg, k, v, n, pos0,
            width);
 }
 
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
                        const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
-                       float *v_cache) {
+                       float *v_cache, const kv_pages &pg) {
     const int pairs = p.rope_dims / 2;
     const size_t count = (size_t)n * n_head * pairs + 2 * (size_t)n * n_kv_head * head_dim;
     if (n <= 0) return;
@@ -441,7 +426,7 @@ void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, in
         return;
     }
     launch(ex, "rope + kv store", rope_store_kernel, (int)((count + 255) / 256), 256, 0, q, k, v, n, pos0, pairs,
-           p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache);
+           p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache, pg);
 }
 
 void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page) {

@@ -83,16 +83,18 @@ enum gemv_epilogue {
     EPI_ROPE = 2,    // q/k/v: RoPE on q and k, q to y[0], k and v to the cache rows (gemv_rope)
 };
 
-// EPI_ROPE: q, k, v = set.w[0..2]; y[1], y[2] are the caches' row 0, ld their row width.
-// Rows of q and k are computed in rotary pairs: logical row 2m + e of a head is member
-// e of pair m (half style: dims m and m + pairs; interleaved: 2m, 2m + 1; past the
-// rotary dims, itself), so a row group holds both members of its pairs.
+// EPI_ROPE: q, k, v = set.w[0..2]; y[1], y[2] are the caches' row 0, ld their row width,
+// and pg their page table when the slot is paged (kv_row). Rows of q and k are computed
+// in rotary pairs: logical row 2m + e of a head is member e of pair m (half style: dims
+// m and m + pairs; interleaved: 2m, 2m + 1; past the rotary dims, itself), so a row
+// group holds both members of its pairs.
 struct gemv_rope {
     pos_arg pos;       // position of input row 0
     int pairs;         // rope_dims / 2
     int interleaved;   // tl_rope_params.style
     int head_dim;
     rope_freqs freqs;
+    kv_pages pg;       // table nullptr: contiguous caches
 };
 
 // The weight row (and output dim) of logical row `row` of member j.
@@ -100,6 +102,19 @@ __device__ __forceinline__ int rope_row(const gemv_rope &rope, int j, int row) {
     if (j == 2 || rope.interleaved) return row;
     const int t = row % rope.head_dim;
     return t < 2 * rope.pairs ? row - t + (t >> 1) + (t & 1) * rope.pairs : row;
+}
+
+// Where output `out_row` of input row out_i of member j goes: row out_i of y[j], or
+// with EPI_ROPE k and v (j > 0) to the cache rows of their positions, found by kv_row:
+// one epilogue for contiguous and paged slots, the page read from the device table
+// (a recorded step replays against the pages current then).
+template <int EPI>
+__device__ __forceinline__ float *out_elem(const matrix_set &set, const gemv_rope &rope, int j, int pos, int out_i,
+                                           int out_row) {
+    float *const y = set_out(set, j);
+    const size_t ld = set_ld(set, j);
+    if (EPI == EPI_ROPE && j > 0) return kv_row(y, rope.pg, j - 1, pos + out_i, ld) + out_row;
+    return y + (size_t)out_i * ld + out_row;
 }
 
 // Where float4 k (0..7) of chunk c of an activation row sits in shared memory. The
@@ -610,10 +625,9 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
     for (;;) {
         const dev_weight &w = set_weight(set, j);
         const bool writer = sub == 0 && lane < OUT_ROWS * NR && out_i < n && row0 + out_r < w.rows;
-        // EPI_ROPE: k and v go to the cache rows of their positions
-        const size_t y_row = EPI == EPI_ROPE && j > 0 ? (size_t)(pos + out_i) : (size_t)out_i;
+        // EPI_ROPE: writers only (other lanes' positions may lie past a paged slot's table)
         const int out_row = EPI == EPI_ROPE ? rope_row(rope, j, row0 + out_r) : row0 + out_r;
-        float *dst = set_out(set, j) + y_row * set_ld(set, j) + out_row;
+        float *dst = EPI != EPI_ROPE || writer ? out_elem<EPI>(set, rope, j, pos, out_i, out_row) : nullptr;
         // the residual this tile adds to, requested now (into shared memory: a register
         // would be spilled, and the spill would wait for the load) and used at the end
         if (writer && set.accumulate) copy4_async(&resid[warp][lane], dst);
@@ -1040,7 +1054,7 @@ int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight 
 
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
                              size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache) {
+                             float *v_cache, const kv_pages &pg) {
     if (n <= 0) return 1;
     const int dt = ws[0]->dtype, pairs = p.rope_dims / 2;
     if (!gemv_fits(ex, ws, 3, n) || dt == TL_DTYPE_F32 || ws[1]->dtype != dt || ws[2]->dtype != dt ||
@@ -1061,6 +1075,7 @@ int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const mat
     rope.interleaved = p.style;
     rope.head_dim = head_dim;
     rope.freqs = rope_frequencies(p);
+    rope.pg = pg;
     DISPATCH_DTYPE(dt, gemv_dt, ex, set, gemv_input_of(a), n, &rope);
     return 1;
 }
