@@ -48,6 +48,9 @@ def text_model(tmp_path_factory):
     ('root ::= root "a" | "b"', "rule 'root' is left-recursive"),
     ('root ::= a\na ::= b? a "x"\nb ::= "y"', "rule 'a' is left-recursive"),
     ('root ::= ("")* "a"', "left-recursive"),
+    ('root ::= "\\uD800"', "line 1 column 11: escape of a code point that is not a character"),
+    ('root ::= [a-\\U00110000]', "line 1 column 13: escape of a code point that is not a character"),
+    ('root ::= "é€\\q"', "line 1 column 13: unknown escape"),   # columns count characters
 ])
 def test_parser_refuses_with_the_position(text_model, gbnf, where):
     with pytest.raises(InvalidArgumentError, match="grammar: .*" + re.escape(where)):
@@ -63,6 +66,10 @@ MATCHES = [
     ('root ::= "\\n\\t\\"\\\\\\x41\\u00e9"', ['\n\t"\\Aé'], ['\n\t"\\A', "ntA"]),
     ('root ::= [\\]\\-\\\\]+', ["]-\\"], ["a", ""]),
     ('root ::= . "!"', ["x!", "€!"], ["!", "xy!"]),
+    ('root ::= [à-ÿ]+ "\\u00e9" "\\U0001F600"?', ["àÿé", "ééé😀"], ["aé", "ā", "é😀😀", "é"]),
+    ('root ::= [\\x7f-\\u0800\\uffff-\\U00010000]+', ["\x7f\u0800", "\uffff\U00010000ß"],
+     ["\u0801", "~", "\U00010001"]),
+    ('root ::= [^\\u0080-\\U0010FFFF]* "☃"', ["abc☃", "☃"], ["é☃", "☃☃"]),
     ('# a comment\nroot ::= item   # trailing\n  | "x" item\nitem ::= ( "a"\n    | "b" )\n',
      ["a", "b", "xa"], ["x", "ab", ""]),
     ('root ::= "(" root ")" | ""', ["", "()", "((()))"], ["(()", ")(", "(x)"]),
