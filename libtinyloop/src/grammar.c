@@ -309,8 +309,8 @@ static void walk(tl_grammar_matcher *m, uint32_t node, const stack_set *here, tl
     const tl_grammar *g = m->g;
     for (uint32_t c = g->nodes[node].first_child; c; c = g->nodes[c].next_sibling) {
         tl_utf8_state v = u;
-        uint32_t lo, hi;
-        int r = tl_utf8_feed(&v, (uint8_t)g->nodes[c].byte, &lo, &hi);
+        uint32_t lo = g->nodes[c].byte, hi;
+        int r = u.have == 0 && lo < 0x80 ? TL_UTF8_DONE : tl_utf8_feed(&v, (uint8_t)lo, &lo, &hi);   /* ASCII first */
         const stack_set *next = here;
         if (r == TL_UTF8_INVALID) continue;
         if (r == TL_UTF8_DONE) {
