@@ -48,6 +48,9 @@ def text_model(tmp_path_factory):
     ('root ::= root "a" | "b"', "rule 'root' is left-recursive"),
     ('root ::= a\na ::= b? a "x"\nb ::= "y"', "rule 'a' is left-recursive"),
     ('root ::= ("")* "a"', "left-recursive"),
+    ('root ::= "\\uD800"', "line 1 column 11: escape of a code point that is not a character"),
+    ('root ::= [a-\\U00110000]', "line 1 column 13: escape of a code point that is not a character"),
+    ('root ::= "é€\\q"', "line 1 column 13: unknown escape"),   # columns count characters
 ])
 def test_parser_refuses_with_the_position(text_model, gbnf, where):
     with pytest.raises(InvalidArgumentError, match="grammar: .*" + re.escape(where)):
@@ -63,6 +66,10 @@ MATCHES = [
     ('root ::= "\\n\\t\\"\\\\\\x41\\u00e9"', ['\n\t"\\Aé'], ['\n\t"\\A', "ntA"]),
     ('root ::= [\\]\\-\\\\]+', ["]-\\"], ["a", ""]),
     ('root ::= . "!"', ["x!", "€!"], ["!", "xy!"]),
+    ('root ::= [à-ÿ]+ "\\u00e9" "\\U0001F600"?', ["àÿé", "ééé😀"], ["aé", "ā", "é😀😀", "é"]),
+    ('root ::= [\\x7f-\\u0800\\uffff-\\U00010000]+', ["\x7f\u0800", "\uffff\U00010000ß"],
+     ["\u0801", "~", "\U00010001"]),
+    ('root ::= [^\\u0080-\\U0010FFFF]* "☃"', ["abc☃", "☃"], ["é☃", "☃☃"]),
     ('# a comment\nroot ::= item   # trailing\n  | "x" item\nitem ::= ( "a"\n    | "b" )\n',
      ["a", "b", "xa"], ["x", "ab", ""]),
     ('root ::= "(" root ")" | ""', ["", "()", "((()))"], ["(()", ")(", "(x)"]),
@@ -87,37 +94,36 @@ def test_matcher_accepts_and_refuses(text_model, case):
 
 # ---- generation, the mask replayed ---------------------------------------------------
 
-ANIMALS = ["cat", "dog", "cow"]
+ANIMALS = ["cat", "dog", "cow", "élan"]
 #: the finite language of ANIMAL_GBNF, spelled out
 SENTENCES = {a + tail for a in ANIMALS for tail in
              ["", "."] + [" and " + b + end for b in ANIMALS for end in ("", ".")]}
-ANIMAL_GBNF = 'root ::= animal (" and " animal)? "."?\nanimal ::= "cat" | "dog" | "cow"'
+ANIMAL_GBNF = 'root ::= animal (" and " animal)? "."?\nanimal ::= "cat" | "dog" | "cow" | "élan"'
 EOS = 150
-PIECES = ["c", "a", "t", "d", "o", "g", "w", " ", "and", " and ", "an", "d ", ".", "cat", "dog", "co",
-          "ow", "x", "é", "", " a", "nd", "ca", "t.", "g ", "cow.", "at", "og", " and c"]
+PIECES = [b"c", b"a", b"t", b"d", b"o", b"g", b"w", b" ", b"and", b" and ", b"an", b"d ", b".", b"cat", b"dog",
+          b"co", b"ow", b"x", "é".encode(), b"", b" a", b"nd", b"ca", b"t.", b"g ", b"cow.", b"at", b"og",
+          b" and c", b"\xa9", b"\xa9lan", b" \xc3", b"l", b"\xa9l", b"\xa9la", b"n", b"\xa9\xa9", b"\xc3\xa9l"]
 
 
 def _vocabulary():
-    """Token bytes for a 160-token random model: the pieces above spread over the ids,
-    a cut UTF-8 character, others that never fit, and EOS (no bytes)."""
+    """Token bytes for a 160-token random model: the pieces above spread over the ids
+    (some hold part of the é of "élan"), a cut UTF-8 character, others that never fit,
+    and EOS (no bytes)."""
     vocab = [f"q{i}".encode() for i in range(160)]
     for k, piece in enumerate(PIECES):
-        vocab[(k * 37) % 149] = piece.encode()
+        vocab[(k * 37) % 149] = piece
     vocab[149] = b"\xc3"
     vocab[EOS] = b""
     return vocab
 
 
-def _allowed(text: str, vocab) -> np.ndarray:
-    """The independent mask: a token fits when some sentence starts with text + it."""
+def _allowed(done: bytes, vocab) -> np.ndarray:
+    """The independent mask: a token fits when some sentence's bytes start with the
+    text's and then its."""
     ok = np.zeros(len(vocab), dtype=bool)
     for t, piece in enumerate(vocab):
-        try:
-            s = piece.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        ok[t] = t != EOS and s != "" and any(x.startswith(text + s) for x in SENTENCES)
-    ok[EOS] = text in SENTENCES
+        ok[t] = t != EOS and piece != b"" and any(x.encode().startswith(done + piece) for x in SENTENCES)
+    ok[EOS] = done.decode("utf-8", errors="replace") in SENTENCES
     return ok
 
 
@@ -144,13 +150,13 @@ def test_generation_equals_masked_replay(small_model, sampled, prompt_seed):
     with Grammar(small_model, ANIMAL_GBNF, token_bytes=vocab) as g:
         result = small_model.generate(prompt, max_tokens=30, eos=EOS, grammar=g, seed=seed, **options)
     tokens = result.tokens
-    text = "".join(vocab[t].decode() for t in tokens)
+    text = b"".join(vocab[t] for t in tokens).decode()
     assert result.stop_reason == "eos"
     assert text in SENTENCES
     with small_model.context() as replay:
         logits = replay.append(prompt)
         for k in range(len(tokens) + 1):
-            done = "".join(vocab[t].decode() for t in tokens[:k])
+            done = b"".join(vocab[t] for t in tokens[:k])
             ok = _allowed(done, vocab)
             if k == len(tokens):   # the end: EOS was picked, or nothing but EOS could follow
                 only_eos = ok.sum() == 1 and ok[EOS]
@@ -175,14 +181,16 @@ def test_fixed_sentence_comes_out_exactly(text_model):
             assert r.stop_reason == "eos"
 
 
-def test_dead_end_stops_with_grammar(text_model):
-    """Each token is one byte: a non-ASCII character never fits in one token, so the
-    grammar cannot go on after "a"."""
+def test_split_characters_and_dead_ends(text_model):
+    """Each token is one byte: "é" comes out of two tokens. A class that takes nothing is
+    a dead end, after "a" or at once."""
     with Grammar(text_model, 'root ::= "a" "é"') as g:
         r = text_model.generate("x", max_tokens=10, grammar=g, temperature=0.0)
-    assert r.tokens == [ord("a")]
-    assert r.stop_reason == "grammar"
-    with Grammar(text_model, 'root ::= "é"') as g:
+    assert r.tokens == [ord("a"), 0xC3, 0xA9] and r.text == "aé" and r.stop_reason == "eos"
+    with Grammar(text_model, 'root ::= "a" [^\\x00-\\U0010FFFF]') as g:
+        r = text_model.generate("x", max_tokens=10, grammar=g, temperature=0.0)
+    assert r.tokens == [ord("a")] and r.stop_reason == "grammar"
+    with Grammar(text_model, 'root ::= [^\\x00-\\U0010FFFF]') as g:
         r = text_model.generate("x", max_tokens=10, grammar=g)
     assert r.tokens == [] and r.stop_reason == "grammar"
 
@@ -300,6 +308,10 @@ def test_server_grammar_field(servers):
     assert reply["choices"][0]["text"] in ("yes", "no")
     assert reply["choices"][0]["finish_reason"] == "stop"
     status, reply = plain.post("/v1/completions", {"prompt": "x", "max_tokens": 20, "grammar": 'root ::= "é"'})
+    assert status == 200 and reply["choices"][0]["text"] == "é"   # two byte tokens
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    status, reply = plain.post("/v1/completions", {"prompt": "x", "max_tokens": 20,
+                                                   "grammar": 'root ::= [^\\x00-\\U0010FFFF]'})
     assert status == 200 and reply["choices"][0]["text"] == ""
     assert reply["choices"][0]["finish_reason"] == "stop"   # a dead end
     body = {"prompt": "x", "max_tokens": 5, "temperature": 0}
@@ -357,42 +369,53 @@ def test_matcher_equals_reference_on_random_strings(text_model, case):
     assert any(reference_matcher.accepts(s) for s in strings)
 
 
+#: strings of any characters, and non-ASCII classes over characters of 2, 3 and 4 bytes
+REPLAYED = [JSON_GBNF, 'root ::= "\\"" [^"]* "\\""', 'root ::= ( [à-ÿ] | [☀-☃] | [😀-🙏] | " " )+ "."']
+
+
 @pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("prompt_text", ["{", "x"])
-def test_json_generation_follows_the_reference_mask(text_model, sampled, prompt_text):
-    """JSON on the byte-level model, replayed: each step's token is the sampling
+@pytest.mark.parametrize("prompt_text, gbnf", [("{", JSON_GBNF), ("x", JSON_GBNF), ('"', REPLAYED[1]),
+                                               ("x", REPLAYED[2])])
+def test_generation_follows_the_reference_mask(text_model, sampled, prompt_text, gbnf):
+    """Generations on the byte-level model (every byte a token, so every non-ASCII
+    character is cut over tokens), replayed: each step's token is the sampling
     reference's pick over the logits masked by the reference matcher (a byte fits when
-    the text plus it can still begin a JSON value; EOS when the text is one)."""
-    matcher = ref_grammar.Matcher(ref_grammar.parse(JSON_GBNF))
+    the bytes so far and it can still begin a sentence, also inside a character; EOS
+    when the text is one)."""
+    matcher = ref_grammar.Matcher(ref_grammar.parse(gbnf))
     options = (dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0) if sampled else dict(temperature=0.0))
     prompt = text_model.tokenizer.encode(prompt_text)   # objects, strings, numbers with exponents
     seed = 2
-    with Grammar(text_model, JSON_GBNF) as g:
+    with Grammar(text_model, gbnf) as g:
         r = text_model.generate(prompt, max_tokens=20, grammar=g, seed=seed, **options)
     tokens = r.tokens
-    assert all(t < 128 for t in tokens)
+    if sampled and gbnf != JSON_GBNF:
+        assert max(tokens) >= 0xC0, "no character of several bytes: the test would check little"
 
-    def mask(text):
+    def mask(done):
         ok = np.zeros(textmodel.VOCAB, dtype=bool)
-        for b in range(128):
-            ok[b] = matcher.viable(text + chr(b))
-        ok[textmodel.EOS] = matcher.accepts(text)
+        for b in range(256):
+            ok[b] = matcher.viable_bytes(done + bytes([b]))
+        ok[textmodel.EOS] = matcher.accepts_bytes(done)
         return ok
 
     with text_model.context() as replay:
         logits = replay.append(prompt)
         for k in range(len(tokens) + (r.stop_reason == "eos")):
-            text = bytes(tokens[:k]).decode()
-            if k == len(tokens) and matcher.complete(text):
+            done = bytes(tokens[:k])
+            if k == len(tokens) and matcher.complete_bytes(done):
                 break   # the library stops without a step: nothing else could follow
-            masked = np.where(mask(text), logits, -np.inf).astype(np.float32)
+            masked = np.where(mask(done), logits, -np.inf).astype(np.float32)
             expected = reference_tokens(reference, [masked], options, history=prompt + tokens[:k],
                                         seed=seed, first_step=k)[0]
-            assert (tokens[k] if k < len(tokens) else textmodel.EOS) == expected, f"step {k}: {text!r}"
+            assert (tokens[k] if k < len(tokens) else textmodel.EOS) == expected, f"step {k}: {done!r}"
             if k < len(tokens):
                 logits = replay.append([tokens[k]])
     if r.stop_reason == "eos":
-        json.loads(r.text)
+        text = bytes(tokens).decode()
+        assert matcher.accepts(text)
+        if gbnf == JSON_GBNF:
+            json.loads(text)
 
 
 def test_one_grammar_serves_threads(text_model):

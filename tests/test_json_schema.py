@@ -165,6 +165,28 @@ def test_sampled_generations_validate(text_model, case):
     assert ended >= 2, "too few generations ended: the test would check little"
 
 
+def test_non_ascii_strings_validate(text_model):
+    """Strings of characters cut over the byte-level model's tokens: a name of 2 to 4
+    characters (leads of 2-, 3- and 4-byte characters favoured) and an enum of non-ASCII
+    words; every generation the grammar completed validates, lengths counted in
+    characters, and names hold characters of every length."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 4},
+        "city": {"enum": ["Zürich", "東京", "🏔"]}},
+        "required": ["name", "city"], "additionalProperties": False}
+    validate = _validator(schema)
+    lengths = set()
+    with Grammar.from_json_schema(text_model, schema) as g:
+        assert g.accepts('{"name": "çé☃😀", "city": "東京"}') and not g.accepts('{"name": "çé☃😀!", "city": "東京"}')
+        for seed in range(8):
+            r = text_model.generate("", max_tokens=80, grammar=g, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0,
+                                    seed=seed, logit_bias={0xC3: 4.0, 0xE2: 4.0, 0xF0: 4.0})
+            if r.stop_reason == "eos":
+                assert _valid(validate, r.text), r.text
+                lengths |= {len(c.encode()) for c in json.loads(r.text)["name"]}
+    assert {2, 3, 4} <= lengths, lengths
+
+
 @pytest.mark.parametrize("schema, where", [
     ({"type": "array", "uniqueItems": True}, "/uniqueItems: only false"),
     ({"type": "number", "multipleOf": 2}, "/multipleOf"),

@@ -14,6 +14,8 @@ tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t draft_
                                   float *logits, int32_t *argmax);
 tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,
                                  int32_t n_nodes, int32_t n_first, int32_t depth, float *logits);
+tl_status tl_testing_grammar_masks(const tl_grammar *grammar, const int32_t *tokens, size_t n_tokens,
+                                   int32_t eos, uint8_t *allowed, uint8_t *complete);
 """
 _opened = {}
 

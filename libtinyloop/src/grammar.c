@@ -1,12 +1,16 @@
 /* grammar.c — see grammar.h: a grammar compiled against a vocabulary, the matcher of a
  * generation and its token mask.
  *
- * Each token's bytes are decoded to code points once; the tokens form a trie over them.
- * The mask walks the trie from the matcher's stack set, advancing the set by one code
- * point per trie edge and pruning a subtree as soon as the set is empty, so a step
- * costs in proportion to the tokens that stay possible (and their shared prefixes),
- * not to the vocabulary times the token lengths. Tokens that are not whole UTF-8 on
- * their own (a character split over tokens) and empty tokens are never allowed. */
+ * The tokens form a trie over their bytes. The mask walks it from the matcher's state (a
+ * stack set and the character it is in the middle of, if any), decoding UTF-8 along the
+ * path: a byte that completes a character advances the set by that code point, a byte
+ * that leaves it incomplete narrows the interval of code points that can still complete
+ * it, and a subtree is pruned as soon as the set is empty, the bytes cannot be UTF-8 or
+ * no stack's next class meets the interval. So a step costs in proportion to the tokens
+ * that stay possible (and their shared prefixes), not to the vocabulary times the token
+ * lengths; while a character is pending only the tokens that begin with continuation
+ * bytes are looked at. Empty tokens, and tokens that can never be UTF-8 wherever they
+ * come, are left out of the trie. */
 #include "grammar.h"
 
 #include <math.h>
@@ -17,7 +21,7 @@
 #include "model.h"
 
 typedef struct trie_node {
-    uint32_t cp;
+    uint32_t byte;
     uint32_t first_child, next_sibling;   /* 0 = none (node 0 is the root) */
     int32_t first_token;                  /* tokens spelled by the path here, -1 = none */
 } trie_node;
@@ -29,25 +33,56 @@ struct tl_grammar {
     trie_node *nodes;
     size_t n_nodes;
     int32_t *next_token;    /* [vocab]: the next token at the same trie node, -1 = none */
-    uint32_t *cps;          /* every token's code points, concatenated */
-    uint32_t *cp_start;     /* [vocab + 1] */
-    uint32_t max_cps;       /* the longest token, in code points */
+    uint8_t *bytes;         /* the bytes of every token in the trie, concatenated */
+    uint32_t *byte_start;   /* [vocab + 1]; a token left out has none */
+    uint32_t max_bytes;     /* the longest token, in bytes */
 };
 
-size_t tl_utf8_decode(const uint8_t *s, size_t n, uint32_t *cp) {
-    if (n == 0) return 0;
-    uint8_t b = s[0];
-    size_t len = b < 0x80 ? 1 : (b & 0xE0) == 0xC0 ? 2 : (b & 0xF0) == 0xE0 ? 3 : (b & 0xF8) == 0xF0 ? 4 : 0;
-    if (len == 0 || len > n) return 0;
-    uint32_t v = len == 1 ? b : len == 2 ? (b & 0x1Fu) : len == 3 ? (b & 0x0Fu) : (b & 0x07u);
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xC0) != 0x80) return 0;
-        v = (v << 6) | (s[i] & 0x3Fu);
+/* ---- UTF-8, a byte at a time ------------------------------------------------------ */
+
+int tl_utf8_feed(tl_utf8_state *u, uint8_t b, uint32_t *lo, uint32_t *hi) {
+    static const uint8_t lead_bits[5] = { 0, 0x7F, 0x1F, 0x0F, 0x07 };
+    static const uint32_t least[5] = { 0, 0, 0x80, 0x800, 0x10000 }, most[5] = { 0, 0x7F, 0x7FF, 0xFFFF, 0x10FFFF };
+    tl_utf8_state s = *u;
+    if (s.have == 0) {
+        s.len = b < 0x80 ? 1 : (b & 0xE0) == 0xC0 ? 2 : (b & 0xF0) == 0xE0 ? 3 : (b & 0xF8) == 0xF0 ? 4 : 0;
+        if (s.len == 0) return TL_UTF8_INVALID;
+        s.value = b & lead_bits[s.len];
+    } else {
+        if ((b & 0xC0) != 0x80) return TL_UTF8_INVALID;
+        s.value = (s.value << 6) | (b & 0x3Fu);
     }
-    static const uint32_t min_for_len[5] = { 0, 0, 0x80, 0x800, 0x10000 };
-    if (v < min_for_len[len] || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) return 0;   /* overlong, surrogate */
-    *cp = v;
-    return len;
+    s.have++;
+    /* the code points whose encoding in s.len bytes begins with these: one interval,
+     * less overlong forms, surrogates (only ever at the top of the ED block, so the
+     * interval never straddles them) and what lies past U+10FFFF */
+    unsigned rest = 6u * (unsigned)(s.len - s.have);
+    uint32_t l = s.value << rest, h = l | ((1u << rest) - 1);
+    if (l < least[s.len]) l = least[s.len];
+    if (h > most[s.len]) h = most[s.len];
+    if (l <= 0xDFFF && h >= 0xD800) {
+        if (l >= 0xD800) l = 0xE000;
+        else h = 0xD7FF;
+    }
+    if (l > h) return TL_UTF8_INVALID;
+    *lo = l;
+    *hi = h;
+    if (s.have < s.len) {
+        *u = s;
+        return TL_UTF8_PENDING;
+    }
+    *u = (tl_utf8_state){ 0, 0, 0 };
+    return TL_UTF8_DONE;
+}
+
+size_t tl_utf8_decode(const uint8_t *s, size_t n, uint32_t *cp) {
+    tl_utf8_state u = { 0, 0, 0 };
+    uint32_t hi;
+    for (size_t i = 0; i < n && i < 4; i++) {
+        int r = tl_utf8_feed(&u, s[i], cp, &hi);
+        if (r != TL_UTF8_PENDING) return r == TL_UTF8_DONE ? i + 1 : 0;
+    }
+    return 0;
 }
 
 /* ---- stack sets ---------------------------------------------------------------- */
@@ -59,13 +94,15 @@ typedef struct stack_set {
     size_t n, cap;
 } stack_set;
 
-/* The mask is a function of the stack set alone, and generations come back to the same
- * sets (every character inside a JSON string leaves the same one): a few recent masks
- * are kept with the set they were walked from. */
+/* The mask is a function of the state alone (the stack set and the pending character),
+ * and generations come back to the same states (every character inside a JSON string
+ * leaves the same one): a few recent masks are kept with the state they were walked
+ * from. */
 #define MASK_CACHE 4
 
 typedef struct mask_entry {
-    stack_set from;           /* a copy of the set; n == 0 and no data: unused */
+    stack_set from;           /* a copy of the set */
+    tl_utf8_state pending;    /* and of the character it was in */
     uint8_t *allowed;         /* [vocab] */
     size_t n_allowed;
     int used;
@@ -74,9 +111,11 @@ typedef struct mask_entry {
 struct tl_grammar_matcher {
     const tl_grammar *g;
     stack_set cur, next;
+    tl_utf8_state pending;    /* the character the text ends inside of (have == 0: none);
+                                 cur is the set before it */
     mask_entry cache[MASK_CACHE];
     unsigned cache_next;      /* the entry replaced next */
-    stack_set *levels;        /* [max_cps + 1]: the mask's trie walk, one set per depth */
+    stack_set *levels;        /* [max_bytes + 2]: the mask's trie walk, one set per depth */
     uint32_t *work;           /* expansion scratch: stacks being built, one after another */
     size_t cap_work;
     uint8_t *allowed;         /* [vocab] */
@@ -152,11 +191,37 @@ static void expand(tl_grammar_matcher *m, stack_set *out, size_t at, size_t len)
     }
 }
 
-static int class_matches(const tl_grammar_rules *R, uint32_t cls, uint32_t cp) {
+/* Whether class cls takes some code point of [lo, hi]. */
+static int class_meets(const tl_grammar_rules *R, uint32_t cls, uint32_t lo, uint32_t hi) {
     const tl_gclass *c = &R->classes[cls];
-    int in = 0;
-    for (uint32_t i = 0; i < c->n && !in; i++) in = cp >= R->ranges[c->first + i][0] && cp <= R->ranges[c->first + i][1];
-    return in != c->negated;
+    const uint32_t (*r)[2] = R->ranges + c->first;
+    if (!c->negated) {
+        for (uint32_t i = 0; i < c->n; i++)
+            if (r[i][0] <= hi && r[i][1] >= lo) return 1;
+        return 0;
+    }
+    /* negated: unless the ranges cover all of [lo, hi]; x runs past the ranges that
+     * cover it, in any order, until one is left uncovered or hi is passed */
+    for (uint32_t x = lo;;) {
+        int moved = 0;
+        for (uint32_t i = 0; i < c->n; i++) {
+            if (r[i][0] <= x && x <= r[i][1]) {
+                if (r[i][1] >= hi) return 0;
+                x = r[i][1] + 1;
+                moved = 1;
+            }
+        }
+        if (!moved) return 1;
+    }
+}
+
+/* Whether some stack of s can take a code point of [lo, hi] next. */
+static int set_meets(const tl_grammar_rules *R, const stack_set *s, uint32_t lo, uint32_t hi) {
+    for (size_t i = 0; i < s->n; i++) {
+        size_t len = s->stacks[i][1];
+        if (len && class_meets(R, R->elems[s->data[s->stacks[i][0] + len - 1]].id, lo, hi)) return 1;
+    }
+    return 0;
 }
 
 /* out = the stacks of `in` after code point cp. */
@@ -168,7 +233,7 @@ static void advance(tl_grammar_matcher *m, const stack_set *in, uint32_t cp, sta
         if (len == 0) continue;
         const uint32_t *st = in->data + in->stacks[i][0];
         uint32_t pos = st[len - 1];
-        if (!class_matches(R, R->elems[pos].id, cp)) continue;
+        if (!class_meets(R, R->elems[pos].id, cp, cp)) continue;
         if (!ensure((void **)&m->work, &m->cap_work, len + 1, sizeof *m->work)) {
             m->failed = 1;
             return;
@@ -197,7 +262,7 @@ tl_status tl_grammar_matcher_new(const tl_grammar *g, tl_grammar_matcher **out) 
     if (!m) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a grammar matcher");
     m->g = g;
     __atomic_add_fetch(&((tl_grammar *)g)->refs, 1, __ATOMIC_RELAXED);   /* released with m */
-    m->levels = calloc((size_t)g->max_cps + 2, sizeof *m->levels);
+    m->levels = calloc((size_t)g->max_bytes + 2, sizeof *m->levels);
     m->allowed = malloc((size_t)g->vocab + 1);
     m->cap_work = 0;
     if (!m->levels || !m->allowed || !ensure((void **)&m->work, &m->cap_work, 64, sizeof *m->work)) {
@@ -224,7 +289,7 @@ void tl_grammar_matcher_free(tl_grammar_matcher *m) {
     set_free(&m->cur);
     set_free(&m->next);
     if (m->levels)
-        for (uint32_t i = 0; i <= m->g->max_cps + 1; i++) set_free(&m->levels[i]);
+        for (uint32_t i = 0; i <= m->g->max_bytes + 1; i++) set_free(&m->levels[i]);
     for (int i = 0; i < MASK_CACHE; i++) {
         set_free(&m->cache[i].from);
         free(m->cache[i].allowed);
@@ -237,20 +302,34 @@ void tl_grammar_matcher_free(tl_grammar_matcher *m) {
     tl_grammar_free(g);
 }
 
-/* Mark the tokens below trie node `node`, whose path the stacks levels[depth] follow. */
-static void walk(tl_grammar_matcher *m, uint32_t node, uint32_t depth, size_t *n_allowed) {
+/* Mark the tokens below trie node `node` at `depth` bytes, whose path leaves the stacks
+ * `here` (cur or a level above depth + 1) and the character u pending. */
+static void walk(tl_grammar_matcher *m, uint32_t node, const stack_set *here, tl_utf8_state u, uint32_t depth,
+                 size_t *n_allowed) {
     const tl_grammar *g = m->g;
-    const stack_set *here = depth == 0 ? &m->cur : &m->levels[depth];
     for (uint32_t c = g->nodes[node].first_child; c; c = g->nodes[c].next_sibling) {
-        stack_set *after = &m->levels[depth + 1];
-        advance(m, here, g->nodes[c].cp, after);
-        if (after->n == 0) continue;
+        tl_utf8_state v = u;
+        uint32_t lo = g->nodes[c].byte, hi;
+        int r = u.have == 0 && lo < 0x80 ? TL_UTF8_DONE : tl_utf8_feed(&v, (uint8_t)lo, &lo, &hi);   /* ASCII first */
+        const stack_set *next = here;
+        if (r == TL_UTF8_INVALID) continue;
+        if (r == TL_UTF8_DONE) {
+            next = &m->levels[depth + 1];
+            advance(m, here, lo, &m->levels[depth + 1]);
+            if (next->n == 0) continue;
+        } else if (!set_meets(&g->rules, here, lo, hi)) {
+            continue;
+        }
         for (int32_t t = g->nodes[c].first_token; t >= 0; t = g->next_token[t]) {
             m->allowed[t] = 1;
             (*n_allowed)++;
         }
-        walk(m, c, depth + 1, n_allowed);
+        walk(m, c, next, v, depth + 1, n_allowed);
     }
+}
+
+static int pending_equal(tl_utf8_state a, tl_utf8_state b) {
+    return a.have == b.have && (a.have == 0 || (a.len == b.len && a.value == b.value));
 }
 
 static int sets_equal(const stack_set *a, const stack_set *b) {
@@ -272,24 +351,26 @@ static void cache_store(tl_grammar_matcher *m, size_t n) {
     if (m->cur.n) memcpy(e->from.stacks, m->cur.stacks, m->cur.n * sizeof *m->cur.stacks);
     e->from.n = m->cur.n;
     e->from.n_data = m->cur.n_data;
+    e->pending = m->pending;
     memcpy(e->allowed, m->allowed, V);
     e->n_allowed = n;
     e->used = 1;
     m->cache_next = (m->cache_next + 1) % MASK_CACHE;
 }
 
-/* The tokens the current set allows, in m->allowed (EOS not yet decided). */
+/* The tokens the current state allows, in m->allowed (EOS not yet decided). */
 static size_t allowed_tokens(tl_grammar_matcher *m) {
     size_t V = (size_t)m->g->vocab;
     for (int i = 0; i < MASK_CACHE; i++) {
-        if (m->cache[i].used && sets_equal(&m->cache[i].from, &m->cur)) {
+        if (m->cache[i].used && pending_equal(m->cache[i].pending, m->pending) &&
+            sets_equal(&m->cache[i].from, &m->cur)) {
             memcpy(m->allowed, m->cache[i].allowed, V);
             return m->cache[i].n_allowed;
         }
     }
     memset(m->allowed, 0, V);
     size_t n = 0;
-    walk(m, 0, 0, &n);
+    walk(m, 0, &m->cur, m->pending, 0, &n);
     if (!m->failed) cache_store(m, n);
     return n;
 }
@@ -299,7 +380,7 @@ tl_status tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos, siz
     size_t n = allowed_tokens(m);
     if (eos >= 0 && eos < g->vocab) {
         n -= m->allowed[eos];
-        m->allowed[eos] = (uint8_t)set_accepts_end(&m->cur);
+        m->allowed[eos] = (uint8_t)(m->pending.have == 0 && set_accepts_end(&m->cur));
         n += m->allowed[eos];
     }
     *n_allowed = n;
@@ -310,66 +391,87 @@ tl_status tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos, siz
     return TL_OK;
 }
 
-void tl_grammar_accept(tl_grammar_matcher *m, int32_t t) {
-    const tl_grammar *g = m->g;
-    if (t < 0 || t >= g->vocab) return;
-    for (uint32_t i = g->cp_start[t]; i < g->cp_start[t + 1]; i++) {
-        advance(m, &m->cur, g->cps[i], &m->next);
+/* Advance the state over byte b; 0 (and an empty set: nothing can follow) when the
+ * text cannot go on with it. */
+static int feed(tl_grammar_matcher *m, uint8_t b) {
+    uint32_t lo, hi;
+    int r = tl_utf8_feed(&m->pending, b, &lo, &hi);
+    if (r == TL_UTF8_DONE) {
+        advance(m, &m->cur, lo, &m->next);
         stack_set tmp = m->cur;
         m->cur = m->next;
         m->next = tmp;
+    } else if (r == TL_UTF8_INVALID || !set_meets(&m->g->rules, &m->cur, lo, hi)) {
+        set_clear(&m->cur);
+        m->pending = (tl_utf8_state){ 0, 0, 0 };
+        return 0;
     }
+    return m->cur.n > 0;
+}
+
+void tl_grammar_accept(tl_grammar_matcher *m, int32_t t) {
+    const tl_grammar *g = m->g;
+    if (t < 0 || t >= g->vocab) return;
+    for (uint32_t i = g->byte_start[t]; i < g->byte_start[t + 1]; i++)
+        if (!feed(m, g->bytes[i])) return;
 }
 
 int tl_grammar_complete(const tl_grammar_matcher *m) {
-    return m->cur.n == 1 && m->cur.stacks[0][1] == 0;
+    return m->pending.have == 0 && m->cur.n == 1 && m->cur.stacks[0][1] == 0;
 }
 
 /* ---- compiling against a vocabulary ---------------------------------------------- */
 
-static uint32_t trie_child(tl_grammar *g, uint32_t node, uint32_t cp) {
+static uint32_t trie_child(tl_grammar *g, uint32_t node, uint8_t b) {
     uint32_t *link = &g->nodes[node].first_child;
-    while (*link && g->nodes[*link].cp < cp) link = &g->nodes[*link].next_sibling;
-    if (*link && g->nodes[*link].cp == cp) return *link;
-    uint32_t c = (uint32_t)g->n_nodes++;   /* room was reserved: one node per code point */
-    g->nodes[c] = (trie_node){ cp, 0, *link, -1 };
+    while (*link && g->nodes[*link].byte < b) link = &g->nodes[*link].next_sibling;
+    if (*link && g->nodes[*link].byte == b) return *link;
+    uint32_t c = (uint32_t)g->n_nodes++;   /* room was reserved: one node per byte */
+    g->nodes[c] = (trie_node){ b, 0, *link, -1 };
     *link = c;
     return c;
+}
+
+/* Whether s[0..n) can be the bytes of some stretch of UTF-8 text: at most 3 continuation
+ * bytes (the end of a character begun before), then valid UTF-8 that may end inside a
+ * character. Where it actually fits is the mask's business. */
+static int may_be_utf8(const uint8_t *s, size_t n) {
+    size_t i = 0;
+    while (i < n && i < 3 && (s[i] & 0xC0) == 0x80) i++;
+    tl_utf8_state u = { 0, 0, 0 };
+    uint32_t lo, hi;
+    for (; i < n; i++)
+        if (tl_utf8_feed(&u, s[i], &lo, &hi) == TL_UTF8_INVALID) return 0;
+    return 1;
 }
 
 static tl_status build_vocabulary(tl_grammar *g, const uint8_t *const *bytes, const size_t *lengths) {
     size_t total = 0;
     for (int32_t t = 0; t < g->vocab; t++) total += bytes[t] ? lengths[t] : 0;
-    g->cps = malloc((total + 1) * sizeof *g->cps);
-    g->cp_start = malloc(((size_t)g->vocab + 1) * sizeof *g->cp_start);
+    if (total >= UINT32_MAX) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the vocabulary's bytes (%zu) exceed 4 GiB", total);
+    g->bytes = malloc(total + 1);
+    g->byte_start = malloc(((size_t)g->vocab + 1) * sizeof *g->byte_start);
     g->next_token = malloc((size_t)g->vocab * sizeof *g->next_token);
     g->nodes = malloc((total + 1) * sizeof *g->nodes);
-    if (!g->cps || !g->cp_start || !g->next_token || !g->nodes)
+    if (!g->bytes || !g->byte_start || !g->next_token || !g->nodes)
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate the grammar's vocabulary of %d tokens", g->vocab);
     g->nodes[0] = (trie_node){ 0, 0, 0, -1 };
     g->n_nodes = 1;
     size_t k = 0;
     for (int32_t t = 0; t < g->vocab; t++) {
-        g->cp_start[t] = (uint32_t)k;
+        g->byte_start[t] = (uint32_t)k;
         g->next_token[t] = -1;
-        size_t n = bytes[t] ? lengths[t] : 0, used = 0, at = k;
-        while (used < n) {
-            size_t len = tl_utf8_decode(bytes[t] + used, n - used, &g->cps[k]);
-            if (len == 0) break;
-            used += len;
-            k++;
-        }
-        if (used < n || n == 0) {   /* not whole UTF-8, or empty: never allowed */
-            k = at;
-            continue;
-        }
+        size_t n = bytes[t] ? lengths[t] : 0;
+        if (n == 0 || !may_be_utf8(bytes[t], n)) continue;   /* never allowed */
+        memcpy(g->bytes + k, bytes[t], n);
         uint32_t node = 0;
-        for (size_t i = at; i < k; i++) node = trie_child(g, node, g->cps[i]);
+        for (size_t i = 0; i < n; i++) node = trie_child(g, node, bytes[t][i]);
         g->next_token[t] = g->nodes[node].first_token;
         g->nodes[node].first_token = t;
-        if (k - at > g->max_cps) g->max_cps = (uint32_t)(k - at);
+        if (n > g->max_bytes) g->max_bytes = (uint32_t)n;
+        k += n;
     }
-    g->cp_start[g->vocab] = (uint32_t)k;
+    g->byte_start[g->vocab] = (uint32_t)k;
     return TL_OK;
 }
 
@@ -404,8 +506,8 @@ tl_status tl_grammar_free(tl_grammar *g) {
     tl_grammar_rules_free(&g->rules);
     free(g->nodes);
     free(g->next_token);
-    free(g->cps);
-    free(g->cp_start);
+    free(g->bytes);
+    free(g->byte_start);
     free(g);
     return TL_OK;
 }
@@ -419,22 +521,20 @@ tl_status tl_grammar_accepts(const tl_grammar *g, const char *text, size_t n, in
     tl_grammar_matcher *m;
     tl_status st = tl_grammar_matcher_new(g, &m);
     if (st != TL_OK) return st;
-    size_t used = 0;
-    while (used < n && m->cur.n > 0) {
-        uint32_t cp;
-        size_t len = tl_utf8_decode((const uint8_t *)text + used, n - used, &cp);
-        if (len == 0) {
-            tl_grammar_matcher_free(m);
-            return tl_fail(TL_ERR_INVALID_ARGUMENT, "text is not UTF-8 at byte %zu", used);
-        }
-        used += len;
-        advance(m, &m->cur, cp, &m->next);
-        stack_set tmp = m->cur;
-        m->cur = m->next;
-        m->next = tmp;
+    size_t used = 0, start = 0;   /* start: where the character being read begins */
+    tl_utf8_state u = { 0, 0, 0 };
+    uint32_t lo, hi;
+    for (; used < n; used++) {   /* UTF-8 first, whatever the grammar says */
+        if (u.have == 0) start = used;
+        if (tl_utf8_feed(&u, (uint8_t)text[used], &lo, &hi) == TL_UTF8_INVALID) break;
     }
+    if (used < n || u.have) {
+        tl_grammar_matcher_free(m);
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "text is not UTF-8 at byte %zu", start);
+    }
+    for (used = 0; used < n && feed(m, (uint8_t)text[used]); used++) {}
     int failed = m->failed;
-    *accepted = used == n && set_accepts_end(&m->cur);
+    *accepted = used == n && m->pending.have == 0 && set_accepts_end(&m->cur);
     tl_grammar_matcher_free(m);
     return failed ? tl_fail(TL_ERR_OUT_OF_MEMORY, "grammar matcher: out of memory") : TL_OK;
 }

@@ -8,7 +8,11 @@
  * set of parser stacks: each stack holds element positions still to match, its top a
  * character class (rule references are expanded eagerly); an empty stack means the
  * root rule is complete. Left recursion is refused at compile time, which keeps the
- * expansion finite. */
+ * expansion finite. Tokens are bytes and may end inside a character: the matcher's
+ * state is its stack set and the character pending (the bytes of it seen so far); a
+ * token fits when its bytes, after the pending ones, are complete characters the
+ * grammar takes and at most one incomplete one that some code point the grammar takes
+ * next can complete. */
 #ifndef TL_GRAMMAR_H
 #define TL_GRAMMAR_H
 
@@ -54,14 +58,33 @@ typedef struct tl_grammar_matcher tl_grammar_matcher;
 tl_status tl_grammar_matcher_new(const tl_grammar *g, tl_grammar_matcher **out);
 void tl_grammar_matcher_free(tl_grammar_matcher *m);
 /* Set logits[t] = -inf for every token the grammar cannot take next; eos (-1 = none)
- * stays only where the grammar may end. *n_allowed = the tokens left. */
+ * stays only where the grammar may end and no character is pending. *n_allowed = the
+ * tokens left. */
 tl_status tl_grammar_mask(tl_grammar_matcher *m, float *logits, int32_t eos, size_t *n_allowed);
 /* Advance over token t (one the mask left). */
 void tl_grammar_accept(tl_grammar_matcher *m, int32_t t);
-/* 1 when the root rule is complete and nothing more can follow. */
+/* 1 when the root rule is complete, no character is pending and nothing more can
+ * follow. */
 int tl_grammar_complete(const tl_grammar_matcher *m);
 /* The vocabulary the grammar was compiled against. */
 int32_t tl_grammar_vocab(const tl_grammar *g);
+
+/* UTF-8 a byte at a time: the character being read, `have` of its `len` bytes seen so
+ * far, their bits in `value` (have == 0: between characters). */
+typedef struct tl_utf8_state {
+    uint32_t value;
+    uint8_t have, len;
+} tl_utf8_state;
+
+enum { TL_UTF8_INVALID = 0, TL_UTF8_PENDING = 1, TL_UTF8_DONE = 2 };
+
+/* Feed byte b to *u. TL_UTF8_DONE: a character is complete, code point *lo (== *hi), and
+ * *u is between characters again; TL_UTF8_PENDING: more bytes are needed and [*lo, *hi]
+ * are the code points that can still complete the character (one interval, overlong
+ * forms, surrogates and code points past U+10FFFF left out); TL_UTF8_INVALID: no
+ * character begins so (a stray continuation byte, an overlong form, a surrogate, past
+ * U+10FFFF, a byte that is never UTF-8), *u unchanged. */
+int tl_utf8_feed(tl_utf8_state *u, uint8_t b, uint32_t *lo, uint32_t *hi);
 /* Decode one UTF-8 code point of s[0..n): its length in bytes (0 = invalid or cut). */
 size_t tl_utf8_decode(const uint8_t *s, size_t n, uint32_t *cp);
 

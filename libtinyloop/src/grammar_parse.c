@@ -55,7 +55,7 @@ static void position(const parser_t *P, const char *at, int *line, int *col) {
         if (*q == '\n') {
             (*line)++;
             *col = 1;
-        } else {
+        } else if ((*q & 0xC0) != 0x80) {   /* columns count characters, not bytes */
             (*col)++;
         }
     }
@@ -153,6 +153,9 @@ static int read_char(parser_t *P, uint32_t *cp) {
                 v = v * 16 + (uint32_t)h;
                 P->p++;
             }
+            if (v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF))
+                return error_at(P, at, "escape of a code point that is not a character (a surrogate, "
+                                       "D800-DFFF, or past 10FFFF)");
             *cp = v;
             return 1;
         }

@@ -1,6 +1,7 @@
 /* testing.c — entry points for the test suite (testing.h). */
 #include "testing.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,6 +9,7 @@
 #include "context.h"
 #include "cpu/kernels.h"
 #include "error.h"
+#include "grammar.h"
 #include "sampling.h"
 
 tl_status tl_testing_sample_rows(tl_context *ctx, const float *logits, int32_t n_rows,
@@ -98,5 +100,27 @@ tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const i
         tl_forward_out out = { .row_logits = logits + (size_t)cuts[c] * V, .n_row_logits = (size_t)n };
         st = tl_forward_tree(ctx, tokens + cuts[c], n, &tree, cuts[c], depth, &out);
     }
+    return st;
+}
+
+tl_status tl_testing_grammar_masks(const tl_grammar *grammar, const int32_t *tokens, size_t n_tokens,
+                                   int32_t eos, uint8_t *allowed, uint8_t *complete) {
+    if (!grammar || (n_tokens && !tokens) || !allowed || !complete)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_testing_grammar_masks: bad arguments");
+    size_t V = (size_t)tl_grammar_vocab(grammar);
+    float *logits = malloc(V * sizeof *logits);
+    tl_grammar_matcher *m = NULL;
+    tl_status st = logits ? tl_grammar_matcher_new(grammar, &m)
+                          : tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate %zu logits", V);
+    for (size_t k = 0; st == TL_OK && k <= n_tokens; k++) {
+        for (size_t t = 0; t < V; t++) logits[t] = 0.0f;
+        size_t n_allowed;
+        st = tl_grammar_mask(m, logits, eos, &n_allowed);
+        for (size_t t = 0; t < V; t++) allowed[k * V + t] = !isinf(logits[t]);
+        complete[k] = (uint8_t)tl_grammar_complete(m);
+        if (k < n_tokens) tl_grammar_accept(m, tokens[k]);
+    }
+    tl_grammar_matcher_free(m);
+    free(logits);
     return st;
 }

@@ -37,4 +37,11 @@ TL_API tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t
 TL_API tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,
                                         int32_t n_nodes, int32_t n_first, int32_t depth, float *logits);
 
+/* A grammar's masks along a path of tokens: for each step k = 0..n_tokens (before
+ * tokens[k], after the ones before it), allowed[k * vocab + t] = 1 where the mask leaves
+ * token t (eos too: -1 = none) and complete[k] = whether the grammar is complete. The
+ * tokens are accepted whether the mask left them or not. */
+TL_API tl_status tl_testing_grammar_masks(const tl_grammar *grammar, const int32_t *tokens, size_t n_tokens,
+                                          int32_t eos, uint8_t *allowed, uint8_t *complete);
+
 #endif

@@ -243,13 +243,15 @@ static void test_logit_adjustments(fixture *f) {
 
 /* Grammars: a parse error names its place, whole strings are matched, a generation
  * spells a sentence and ends when the grammar is complete (as at an EOS), a dead end
- * stops with TL_STOP_GRAMMAR, drafts are refused. Token t < 26 is the letter 'a' + t,
- * token 26 "ab", token 27 a cut UTF-8 character; the others have no bytes. */
+ * stops with TL_STOP_GRAMMAR, drafts are refused; a character cut over two tokens comes
+ * out whole, or ends in a dead end when no token finishes it; text that is not UTF-8 is
+ * refused. Token t < 26 is the letter 'a' + t, token 26 "ab", tokens 27 and 28 the two
+ * bytes of U+00E9; the others have no bytes. */
 static void test_grammar(fixture *f) {
     int V = f->info.vocab_size;
-    if (V < 28) return;
+    if (V < 29) return;
     enum { NEW = 12 };
-    uint8_t letters[28][2];
+    uint8_t letters[29][2];
     const uint8_t **bytes = calloc((size_t)V, sizeof *bytes);
     size_t *lengths = calloc((size_t)V, sizeof *lengths);
     for (int t = 0; t < 26; t++) {
@@ -260,10 +262,13 @@ static void test_grammar(fixture *f) {
     letters[26][0] = 'a';
     letters[26][1] = 'b';
     letters[27][0] = 0xC3;
+    letters[28][0] = 0xA9;
     bytes[26] = letters[26];
     bytes[27] = letters[27];
+    bytes[28] = letters[28];
     lengths[26] = 2;
     lengths[27] = 1;
+    lengths[28] = 1;
     tl_grammar *g = NULL;
     CHECK_STATUS(tl_grammar_create(f->model, "root ::= \"ab\" (", bytes, lengths, &g), TL_ERR_INVALID_ARGUMENT);
     CHECK(g == NULL && strstr(tl_last_error(), "line 1 column 16"), "parse error: %s", tl_last_error());
@@ -274,6 +279,12 @@ static void test_grammar(fixture *f) {
     CHECK(ok == 1, "abce not accepted");
     CHECK_OK(tl_grammar_accepts(g, "abc", 3, &ok));
     CHECK(ok == 0, "abc accepted");
+    static const char *not_utf8[] = { "ab\xC3", "ab\x80" "e", "ab\xED\xA0\x80" "e", "ab\xC0\xAF" "e",
+                                      "ab\xF4\x90\x80\x80" };
+    for (size_t i = 0; i < sizeof not_utf8 / sizeof *not_utf8; i++) {
+        CHECK_STATUS(tl_grammar_accepts(g, not_utf8[i], strlen(not_utf8[i]), &ok), TL_ERR_INVALID_ARGUMENT);
+        CHECK(strstr(tl_last_error(), "not UTF-8 at byte 2"), "text %zu: %s", i, tl_last_error());
+    }
     tl_generate_options o = greedy_options(NEW);
     o.grammar = g;
     o.eos_token = -2;
@@ -304,12 +315,22 @@ static void test_grammar(fixture *f) {
     CHECK(n_streamed == n_sentence, "stream after the grammar's free: %zu tokens, %u generated", n_streamed,
           n_sentence);
     tl_stream_free(s);
-    CHECK_OK(tl_grammar_create(f->model, "root ::= \"\u00e9\"", bytes, lengths, &g));   /* only a cut one */
-    o.grammar = g;
-    CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r));
-    CHECK(r.n_tokens == 0 && r.stop_reason == TL_STOP_GRAMMAR, "dead end: %u tokens, stop reason %d",
-          r.n_tokens, (int)r.stop_reason);
-    CHECK_OK(tl_grammar_free(g));
+    /* U+00E9 out of its two bytes, and U+00FC, whose second byte no token holds, and
+     * U+20AC, whose first none does: dead ends after one token and at once */
+    static const struct { const char *gbnf; uint32_t n_tokens; tl_stop_reason stop; } cut[] = {
+        { "root ::= \"\u00e9\"", 2, TL_STOP_EOS },
+        { "root ::= \"\u00fc\"", 1, TL_STOP_GRAMMAR },
+        { "root ::= \"\u20ac\"", 0, TL_STOP_GRAMMAR },
+    };
+    for (size_t i = 0; i < sizeof cut / sizeof *cut; i++) {
+        CHECK_OK(tl_grammar_create(f->model, cut[i].gbnf, bytes, lengths, &g));
+        o.grammar = g;
+        CHECK_OK(tl_generate(f->model, f->tokens, 8, &o, out, NEW, &r));
+        CHECK(r.n_tokens == cut[i].n_tokens && r.stop_reason == cut[i].stop && (r.n_tokens < 1 || out[0] == 27) &&
+              (r.n_tokens < 2 || out[1] == 28), "%s: %u tokens, stop reason %d", cut[i].gbnf, r.n_tokens,
+              (int)r.stop_reason);
+        CHECK_OK(tl_grammar_free(g));
+    }
     CHECK_OK(tl_grammar_free(NULL));
     free(bytes);
     free(lengths);

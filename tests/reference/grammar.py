@@ -3,6 +3,13 @@ of nodes and a memoized recursive matcher over a string's characters, which says
 a node's matches starting at position i can end, and whether the rest of the string is a
 proper prefix of some match (so the text could still go on).
 
+Text made of tokens is bytes and may end inside a character: the *_bytes methods split
+bytes with Python's own UTF-8 decoder into whole characters and, at the end, an
+incomplete one, which stands for the set of code points that can complete it (found by
+trying completions, an interval: tests/test_grammar.py checks that on every prefix); the
+text is then a prefix of a sentence when the characters are and the next character the
+grammar takes can be one of that set.
+
 It never calls libtinyloop and shares nothing with its pushdown matcher: the tests hold
 the library's whole-string answers and its per-step token masks to it.
 
@@ -10,6 +17,7 @@ Nodes: ("lit", text), ("cls", negated, [(lo, hi), ...]), ("ref", name),
 ("seq", [node, ...]), ("alt", [node, ...]), ("rep", node, least, most or None).
 """
 
+import codecs
 from functools import lru_cache
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "[": "[", "]": "]", "-": "-",
@@ -51,7 +59,10 @@ class _Parser:
         if e in HEX_DIGITS:
             digits = self.s[self.i:self.i + HEX_DIGITS[e]]
             self.i += HEX_DIGITS[e]
-            return chr(int(digits, 16))
+            value = int(digits, 16)
+            if value > 0x10FFFF or 0xD800 <= value <= 0xDFFF:
+                raise GrammarError(f"escape of {value:#x}, not a character")
+            return chr(value)
         if e not in ESCAPES:
             raise GrammarError(f"unknown escape \\{e}")
         return ESCAPES[e]
@@ -157,6 +168,71 @@ def parse(text: str) -> dict:
     return _Parser(text).grammar()
 
 
+def _decodes(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _starts_utf8(b: bytes) -> bool:
+    """Python's incremental decoder takes b without an error (it catches most bad
+    beginnings at once, not all: a surrogate's shows only once it is whole)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(b, final=False)
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+@lru_cache(maxsize=None)
+def completions(tail: bytes):
+    """(lo, hi): the least and greatest code points whose UTF-8 begins with the
+    incomplete character `tail` (found by trying continuation bytes in order); None when
+    none does."""
+    def first(b: bytes, order):
+        if _decodes(b):
+            return ord(b.decode("utf-8"))
+        if len(b) >= 4 or not _starts_utf8(b):
+            return None
+        for c in order:
+            found = first(b + bytes([c]), order)
+            if found is not None:
+                return found
+        return None
+    lo = first(tail, range(0x80, 0xC0))
+    return None if lo is None else (lo, first(tail, range(0xBF, 0x7F, -1)))
+
+
+def split_utf8(b: bytes):
+    """(text, pending) of bytes: the whole characters and, when b ends inside one, the
+    (lo, hi) of the code points that can complete it, else None; None for bytes that
+    cannot begin a UTF-8 text."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        text = decoder.decode(b, final=False)
+    except UnicodeDecodeError:
+        return None
+    tail = decoder.getstate()[0]
+    if not tail:
+        return text, None
+    span = completions(tail)
+    return None if span is None else (text, span)
+
+
+def class_meets(negated: bool, ranges, lo: int, hi: int) -> bool:
+    """Whether a class takes some code point of [lo, hi]."""
+    if not negated:
+        return any(a <= hi and b >= lo for a, b in ranges)
+    x = lo   # the least code point of [lo, hi] not yet known to be covered
+    for a, b in sorted(ranges):
+        if a > x:
+            break
+        x = max(x, b + 1)
+    return x <= hi
+
+
 class Matcher:
     """Matches strings against parsed rules (no left recursion: the parser of the library
     refuses it, and this matcher would not end on it)."""
@@ -164,9 +240,10 @@ class Matcher:
     def __init__(self, rules: dict):
         self.rules = rules
 
-    def analyse(self, s: str):
+    def analyse(self, s: str, pending=None):
         """(ends, prefix) of the root rule on s from position 0: the positions where a
-        match can end, and whether s is a proper prefix of a longer sentence."""
+        match can end, and whether s is a proper prefix of a longer sentence; with
+        pending = (lo, hi), a prefix whose next character can be one of lo..hi."""
         nodes = {}   # id -> node, so that the memo's keys are hashable
 
         @lru_cache(maxsize=None)
@@ -184,10 +261,13 @@ class Matcher:
                 if s.startswith(text, i):
                     return frozenset([i + len(text)]), False
                 rest = s[i:]
-                return frozenset(), len(rest) < len(text) and text.startswith(rest)
+                fits = len(rest) < len(text) and text.startswith(rest)
+                if fits and pending:
+                    fits = pending[0] <= ord(text[len(rest)]) <= pending[1]
+                return frozenset(), fits
             if kind == "cls":
                 if i == len(s):
-                    return frozenset(), True
+                    return frozenset(), pending is None or class_meets(node[1], node[2], *pending)
                 inside = any(lo <= ord(s[i]) <= hi for lo, hi in node[2])
                 return (frozenset([i + 1]) if inside != node[1] else frozenset()), False
             if kind == "ref":
@@ -244,3 +324,22 @@ class Matcher:
         """s is a sentence that nothing can extend."""
         ends, prefix = self.analyse(s)
         return len(s) in ends and not prefix
+
+    def viable_bytes(self, b: bytes) -> bool:
+        """b is UTF-8 that is a sentence or the beginning of one, also when it ends
+        inside a character."""
+        split = split_utf8(b)
+        if split is None:
+            return False
+        text, pending = split
+        if pending is None:
+            return self.viable(text)
+        return self.analyse(text, pending)[1]
+
+    def accepts_bytes(self, b: bytes) -> bool:
+        split = split_utf8(b)
+        return split is not None and split[1] is None and self.accepts(split[0])
+
+    def complete_bytes(self, b: bytes) -> bool:
+        split = split_utf8(b)
+        return split is not None and split[1] is None and self.complete(split[0])

@@ -439,7 +439,8 @@ TL_API tl_status tl_generate_tree_speculative(tl_model *model, const int32_t *pr
 /* ---- grammars (docs/api.md, "Grammars") ------------------------------------------
  * A GBNF grammar compiled against model's vocabulary: token_bytes[t] / token_lengths[t]
  * are the bytes of text token t stands for, one entry per vocabulary id (NULL or length
- * 0: never allowed, e.g. special tokens). Parse errors are TL_ERR_INVALID_ARGUMENT naming
+ * 0: never allowed, e.g. special tokens; a token may hold part of a character, as
+ * byte-level vocabularies' do). Parse errors are TL_ERR_INVALID_ARGUMENT naming
  * the line and column. Immutable: several generations may use one at once; a generation
  * holds a reference, so tl_grammar_free may come before the generations using it end. tl_grammar_accepts: whether text (UTF-8, n bytes) is a sentence of it. */
 TL_API tl_status tl_grammar_create(tl_model *model, const char *gbnf, const uint8_t *const *token_bytes,
