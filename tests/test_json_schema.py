@@ -222,6 +222,9 @@ def test_non_ascii_strings_validate(text_model):
     ({"type": "string", "pattern": "\\bword"}, "/pattern: the word boundary \\b"),
     ({"type": "string", "pattern": "(?<n>a)"}, "/pattern: a named group"),
     ({"type": "string", "pattern": "(?i)a"}, "/pattern: a group with flags"),
+    # nested counts multiply the matcher's work: refused past 1000 copies of one atom
+    ({"type": "string", "pattern": "^(a{0,1000}){0,1000}$"}, "nested repetitions that allow 1000000 copies"),
+    ({"type": "string", "pattern": "^x((ab){0,40}c){0,30}$"}, "allow 1200 copies"),
     ({"type": "string", "pattern": "\\p{L}"}, "/pattern: Unicode property escapes"),
     ({"type": "string", "pattern": "\\q"}, "/pattern: the escape \\q"),
     ({"type": "string", "pattern": "\\01"}, "/pattern: an octal escape"),

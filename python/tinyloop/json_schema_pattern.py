@@ -317,7 +317,25 @@ class _Parser:
 
 def parse(pattern: str):
     """The node tree of `pattern`; PatternError for what the subset leaves out."""
-    return _Parser(pattern).parse()
+    tree = _Parser(pattern).parse()
+    copies = _nested_copies(tree)
+    if copies > MAX_COUNT:
+        # nested counts multiply the places a match can be at: (a{0,1000}){0,1000} cost
+        # the matcher ~30 s a token; a product within MAX_COUNT stays in milliseconds
+        raise PatternError(f"nested repetitions that allow {copies} copies of one atom (at most "
+                           f"{MAX_COUNT}: write the repetition once)")
+    return tree
+
+
+def _nested_copies(node) -> int:
+    """The largest product of repetition counts along one nesting path (an unbounded
+    repetition counts its minimum, at least 1)."""
+    if node[0] == "rep":
+        _, atom, lo, hi = node
+        return max(lo, hi or 0, 1) * _nested_copies(atom)
+    if node[0] in ("cat", "alt"):
+        return max((_nested_copies(n) for n in node[1]), default=1)
+    return 1
 
 
 # ---- nodes -> GBNF ----------------------------------------------------------------------
