@@ -5,6 +5,7 @@
  * and each failure names the path, the field or tensor, and expected vs found. */
 #define _GNU_SOURCE
 #include "format.h"
+#include "utf8.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -111,27 +112,12 @@ static tl_status take_u64(cursor *c, const char *what, uint64_t *v)
 
 static int is_utf8(const uint8_t *s, uint64_t n)
 {
-    uint64_t i = 0;
-    while (i < n) {
-        uint8_t b = s[i];
-        int extra;
+    for (uint64_t i = 0; i < n;) {
         uint32_t cp;
-        if (b < 0x80) { i++; continue; }
-        if ((b & 0xE0) == 0xC0) { extra = 1; cp = b & 0x1F; }
-        else if ((b & 0xF0) == 0xE0) { extra = 2; cp = b & 0x0F; }
-        else if ((b & 0xF8) == 0xF0) { extra = 3; cp = b & 0x07; }
-        else return 0;
-        if ((uint64_t)extra > n - i - 1)
+        size_t len = tl_utf8_decode(s + i, (size_t)(n - i), &cp);
+        if (len == 0)
             return 0;
-        for (int k = 1; k <= extra; k++) {
-            if ((s[i + k] & 0xC0) != 0x80)
-                return 0;
-            cp = cp << 6 | (s[i + k] & 0x3F);
-        }
-        static const uint32_t min_cp[4] = {0, 0x80, 0x800, 0x10000};
-        if (cp < min_cp[extra] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-            return 0;
-        i += (uint64_t)extra + 1;
+        i += len;
     }
     return 1;
 }
