@@ -80,6 +80,14 @@ static tl_matmul_in normed(const fwd *F, const tl_norm_weights *w, tl_act x) {
     return in;
 }
 
+/* The head's input rows: Norm(final_norm, x), or x itself when the model has no final
+ * norm (arch.final_norm 0). */
+static tl_matmul_in head_in(const fwd *F, tl_act x) {
+    if (F->hp->final_norm) return normed(F, &F->m->final_norm, x);
+    tl_matmul_in in = { .kind = TL_MATMUL_IN_ROWS, .x = x, .ldx = (size_t)F->d };
+    return in;
+}
+
 /* q, k_new, v_new = Wq N1 x, Wk N1 x, Wv N1 x (+ biases) for n rows. */
 static void qkv_rows(const fwd *F, const tl_block_weights *w, const tl_matmul_in *in, int n, tl_act q,
                      tl_act k_new, tl_act v_new) {
@@ -260,13 +268,14 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
         break;
     case TL_INIT_NOISE:
         if (!F->batch && !F->tree) {
-            F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
+            F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma,
+                               F->hp->noise_truncation);
             break;
         }
         for (int r = 0; r < n; r++)   /* each row's noise is its own position's */
             F->ops->fill_noise(F->ex, tl_act_add(h, (size_t)r * F->d), 1, F->d, F->hp->noise_seed,
                                F->batch ? F->batch[r].pos : F->tree->pos[F->tree_first + r],
-                               F->hp->noise_sigma);
+                               F->hp->noise_sigma, F->hp->noise_truncation);
         break;
     }
 }
@@ -375,7 +384,7 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         const tl_draft_vocab *dv = out->draft && m->draft.n > 0 ? &m->draft : NULL;
         const tl_tensor *head = dv ? &dv->head : &m->output;
         int n_logits = dv ? dv->n : V;
-        tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)(n - 1) * F->d));
         size_t ld_logits = (size_t)n_logits;
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
         if (out->last_top_prob) {
@@ -401,7 +410,8 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     int n_rows = n_score > n_argmax ? n_score : n_argmax;
     if (n_logit_rows > n_rows) n_rows = n_logit_rows;
     if (n_rows <= 0) return;
-    F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_rows, F->d, xn);
+    if (F->hp->final_norm) F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_rows, F->d, xn);
+    else xn = h;   /* no final norm: the head reads the states themselves */
     /* logit_rows at a time, so scoring never holds n x V floats */
     for (int r0 = 0; r0 < n_rows; r0 += ctx->logit_rows) {
         int rows = n_rows - r0 < ctx->logit_rows ? n_rows - r0 : ctx->logit_rows;
@@ -435,9 +445,10 @@ static void embed_and_prelude(const fwd *F, const int32_t *tokens, int n, int po
     for (int b = 0; b < F->hp->n_pre; b++) block(F, &F->m->pre[b], (slot_id){ SLOT_PRE, b, 0 }, h, n, pos0);
 }
 
-/* The coda blocks on the final loop state in h. */
+/* The post-loop norm and the coda blocks on the final loop state in h. */
 static void coda(const fwd *F, int n, int pos0) {
     tl_act h = buf0(F->ctx->h);
+    if (F->hp->post_norm) F->ops->norm(F->ex, &F->m->post_loop_norm, &F->norm, h, n, F->d, h);
     for (int b = 0; b < F->hp->n_post; b++)
         block(F, &F->m->post[b], (slot_id){ SLOT_POST, b, 0 }, h, n, pos0);
 }
@@ -480,6 +491,25 @@ tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, 
         outputs(&F, n, 0, &out);
         F.ops->copy_rows(F.ex, h, F.d, saved, F.d, n, F.d);
     }
+    return F.ops->status(F.ex);
+}
+
+tl_status tl_forward_exit_gate(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                               int depth, float *gates) {
+    tl_status st = reserve(ctx, pos0, n);
+    if (st != TL_OK) return st;
+    fwd F = fwd_for(ctx);
+    tl_act h = buf0(ctx->h), e = buf0(ctx->e), g = buf0(ctx->tmp);   /* tmp is free between blocks */
+    embed_and_prelude(&F, tokens, n, pos0);
+    keep_injection_source(&F, n);
+    init_state(&F, h, n, pos0);
+    for (int it = 1; it <= depth; it++) {
+        core_iteration(&F, h, e, n, pos0, it);
+        F.ops->matmul(F.ex, &F.m->exit_gate_w, h, F.d, n, g, 1);
+        F.ops->add_bias(F.ex, g, n, 1, &F.m->exit_gate_b);
+        F.ops->download(F.ex, gates + (size_t)(it - 1) * n, g, (size_t)n);
+    }
+    coda(&F, n, pos0);   /* later chunks attend to the coda's K/V of these positions */
     return F.ops->status(F.ex);
 }
 
@@ -570,7 +600,7 @@ static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
     size_t ld_logits = (size_t)V;
     for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
         int rows = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
-        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)r0 * F->d));
         matmul_in(F, &head, 1, &in, rows, &logits, &ld_logits, 0);
         for (int r = r0; r < r0 + rows; r++) {
             const tl_forward_out *o = &outs[r];
@@ -610,7 +640,7 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
     tl_act h = buf0(ctx->h), logits = buf0(ctx->logits);
     for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
         int count = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
-        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)r0 * F->d));
         matmul_in(F, &head, 1, &in, count, &logits, &ld_logits, 0);
         for (int r = r0; r < r0 + count; r++) {
             float *row = rows + (size_t)r * V;

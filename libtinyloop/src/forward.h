@@ -89,6 +89,13 @@ tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, i
 tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
                           tl_act saved, float *logits_per_depth);
 
+/* The exit gate's logits (docs/model.md, "Exit gate") of tokens[0..n) at positions
+ * [pos0, pos0 + n), n <= the chunk rows, after each loop iteration it = 1..depth:
+ * gates[(it - 1) * n + r] (iteration-major). Writes those positions' K/V, the coda's too;
+ * no logits; changes no length. Not for a warm state init (positions then run one by one). */
+tl_status tl_forward_exit_gate(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
+                               int depth, float *gates);
+
 /* Nodes first..first+n-1 of a token tree (backend.h, tl_tree; n <= the chunk rows) at
  * loop depth `depth`, their K/V into the cache rows tree->n_prefix + first.., each node
  * attending to the prefix and its ancestors at its tree position. `out`: per-row fields
