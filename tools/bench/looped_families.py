@@ -126,16 +126,13 @@ def cmd_make(args):
 
 def cmd_bench(args):
     import tinyloop
-    from bench import _weight_bytes_per_token   # tools/gpu/bench.py
+    from bench import describe   # tools/gpu/bench.py
 
     out = {"model": args.path, "device": args.device}
     try:
         t0 = time.monotonic()
         with tinyloop.Model(args.path, device=args.device) as model:
-            out["load_s"] = time.monotonic() - t0
-            out["device_name"] = model.info.device_name
-            depth = out["depth"] = model.info.default_depth
-            out.update(_weight_bytes_per_token(args.path, depth))
+            out.update(describe(model, args.path, time.monotonic() - t0))
             rng = np.random.default_rng(0)
             vocab = model.info.vocab_size
             prefill = []

@@ -19,10 +19,9 @@ and nothing follows it; with true it runs once at the end. The mapping (docs/con
 
 from __future__ import annotations
 
-from ..format import TinyLoopWriter
 from .hf_checkpoint import (Checkpoint, ImportOptions, TensorEmitter, emit_head, llama_dims,
                             llama_layer_matrices, open_checkpoint, provenance, skip_rotary_buffers,
-                            tied_head, write_model)
+                            whole_stack_writer, write_model)
 
 CONVERTER = "tinyloop.convert.from_nanbeige 1"
 FAMILY = "nanbeige"
@@ -77,19 +76,9 @@ def convert_nanbeige(src, dst, options: ImportOptions | None = None) -> dict:
     d, layers = dims["d_model"], ckpt.require("num_hidden_layers")
     loops, depth_from = loop_count(ckpt)
     norm_each_loop = not ckpt.get("skip_loop_final_norm", False, bool)
-    default_depth, max_depth = options.depths(loops)
-    tied = tied_head(ckpt)
-    dims.update(n_pre=0, n_core=layers, n_post=0, default_depth=default_depth, max_depth=max_depth,
-                max_seq_len=options.seq_len(ckpt.require("max_position_embeddings")))
-    writer = TinyLoopWriter(dims)
-    for key, value in [
-        ("arch.norm_placement", "pre"), ("arch.norm_type", "rmsnorm"),
-        ("arch.norm_eps", ckpt.require("rms_norm_eps", float)), ("arch.rope_style", "half"),
-        ("arch.rope_theta", ckpt.require("rope_theta", float)), ("arch.activation", "silu"),
-        ("arch.tied_embeddings", int(tied)), ("arch.final_norm", int(not norm_each_loop)),
-        ("loop.injection", "none"), ("loop.state_init", "prelude"), ("loop.norm", int(norm_each_loop)),
-    ]:
-        writer.add_metadata(key, value)
+    writer, tied = whole_stack_writer(ckpt, dims, options, loops, "pre", [
+        ("arch.final_norm", int(not norm_each_loop)), ("loop.norm", int(norm_each_loop))])
+    default_depth, max_depth = dims["default_depth"], dims["max_depth"]
     provenance(writer, ckpt, FAMILY, CONVERTER, depth_from)
 
     emit = TensorEmitter(writer, options.dtype, options.group_size, options.method, options.embed_dtype)

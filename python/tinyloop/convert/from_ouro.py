@@ -20,9 +20,8 @@ other final norm). The early-exit gate reads each step's normed state. The mappi
 
 from __future__ import annotations
 
-from ..format import TinyLoopWriter
 from .hf_checkpoint import (ImportOptions, TensorEmitter, emit_head, llama_dims, llama_layer_matrices,
-                            open_checkpoint, provenance, skip_rotary_buffers, tied_head, write_model)
+                            open_checkpoint, provenance, skip_rotary_buffers, whole_stack_writer, write_model)
 from .progress import note
 
 CONVERTER = "tinyloop.convert.from_ouro 1"
@@ -62,20 +61,10 @@ def convert_ouro(src, dst, options: ImportOptions | None = None) -> dict:
     if steps < 1:
         ckpt.refuse("total_ut_steps", "the loop must run at least once")
     threshold = ckpt.get("early_exit_threshold", 1.0, float)
-    default_depth, max_depth = options.depths(steps)
-    tied = tied_head(ckpt)
-    dims.update(n_pre=0, n_core=layers, n_post=0, default_depth=default_depth, max_depth=max_depth,
-                max_seq_len=options.seq_len(ckpt.require("max_position_embeddings")))
-    writer = TinyLoopWriter(dims)
-    for key, value in [
-        ("arch.norm_placement", "sandwich_branch"), ("arch.norm_type", "rmsnorm"),
-        ("arch.norm_eps", ckpt.require("rms_norm_eps", float)), ("arch.rope_style", "half"),
-        ("arch.rope_theta", ckpt.require("rope_theta", float)), ("arch.activation", "silu"),
-        ("arch.tied_embeddings", int(tied)), ("arch.final_norm", 0),
-        ("loop.injection", "none"), ("loop.state_init", "prelude"), ("loop.norm", 1),
-        ("loop.exit_gate", 1), ("loop.exit_rule", "cdf_threshold"), ("loop.exit_threshold", threshold),
-    ]:
-        writer.add_metadata(key, value)
+    writer, tied = whole_stack_writer(ckpt, dims, options, steps, "sandwich_branch", [
+        ("arch.final_norm", 0), ("loop.norm", 1), ("loop.exit_gate", 1),
+        ("loop.exit_rule", "cdf_threshold"), ("loop.exit_threshold", threshold)])
+    default_depth, max_depth = dims["default_depth"], dims["max_depth"]
     provenance(writer, ckpt, FAMILY, CONVERTER, f"config.json total_ut_steps = {steps}")
     if threshold < 1.0:
         note(f"{ckpt.config_path}: early_exit_threshold {threshold} is recorded (loop.exit_threshold); "

@@ -489,6 +489,26 @@ def llama_dims(ckpt: Checkpoint) -> dict:
             "n_kv_head": kv_heads, "head_dim": head_dim, "ffn_dim": ckpt.require("intermediate_size")}
 
 
+def whole_stack_writer(ckpt: Checkpoint, dims: dict, options: ImportOptions, loops: int,
+                       placement: str, loop_meta: list) -> tuple:
+    """(writer, tied) of a model whose whole stack of num_hidden_layers Llama-named layers is
+    the loop body, run `loops` times from the embedding (Ouro, Nanbeige): no prelude, coda or
+    injection, half RoPE, SwiGLU, RMSNorm; loop_meta adds the family's loop norm options."""
+    default_depth, max_depth = options.depths(loops)
+    tied = tied_head(ckpt)
+    dims.update(n_pre=0, n_core=ckpt.require("num_hidden_layers"), n_post=0, default_depth=default_depth,
+                max_depth=max_depth, max_seq_len=options.seq_len(ckpt.require("max_position_embeddings")))
+    writer = TinyLoopWriter(dims)
+    for key, value in [
+        ("arch.norm_placement", placement), ("arch.norm_type", "rmsnorm"),
+        ("arch.norm_eps", ckpt.require("rms_norm_eps", float)), ("arch.rope_style", "half"),
+        ("arch.rope_theta", ckpt.require("rope_theta", float)), ("arch.activation", "silu"),
+        ("arch.tied_embeddings", int(tied)), ("loop.injection", "none"), ("loop.state_init", "prelude"),
+    ] + loop_meta:
+        writer.add_metadata(key, value)
+    return writer, tied
+
+
 def llama_layer_matrices(emit: TensorEmitter, ckpt: Checkpoint, theirs: str, ours: str,
                          dims: dict) -> None:
     """The q/k/v/o and gate/up/down projections of a Llama-named layer (no biases)."""
