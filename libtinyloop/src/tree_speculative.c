@@ -3,7 +3,7 @@
  * A round starts as a linear one (speculative.c): the context holds every generated
  * token but the last one, p, at position n. p is the tree's root (node 0). Level by
  * level, the nodes of the newest level are run at the draft depth in one tree-masked
- * pass (forward.c, tl_forward_tree), and each gets as children the top widths[level]
+ * pass (forward.c, a TL_ROWS_TREE pass), and each gets as children the top widths[level]
  * tokens of its draft logits (the draft vocabulary's when the model has one), until the
  * levels or the node budget run out; the last level is never drafted from. Nodes are
  * numbered breadth first, so a node's ancestors come before it; node i's K/V sit at cache
@@ -243,8 +243,9 @@ static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_
             out.keep_e = kept_row(g, 0, level0);
             out.keep_s = kept_row(g, 1, level0);
         }
-        tl_status st = tl_forward_tree(ctx, t->tokens + level0, level1 - level0, &t->tree, level0, g->draft_depth,
-                                       &out);
+        tl_forward_req req = { .rows = TL_ROWS_TREE, .tokens = t->tokens + level0, .n = level1 - level0,
+                               .tree = &t->tree, .tree_first = level0, .depth = g->draft_depth };
+        tl_status st = tl_forward(ctx, &req, &out);
         if (st != TL_OK) return st;
         for (int p = level0; p < level1 && count <= budget; p++) {
             int32_t ids[TL_TREE_MAX_WIDTH];
@@ -353,11 +354,17 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
     t->tree.n_nodes = n_nodes;
     tl_forward_out out = { .row_tokens = t->verified, .n_row_tokens = (size_t)n_nodes };
     if (!g->greedy) out = (tl_forward_out){ .row_logits = t->rows, .n_row_logits = (size_t)n_nodes };
-    if (g->spec_states && n_ran > 0 && n_ran < n_nodes)
-        st = tl_forward_tree_resumed(ctx, t->tokens, n_nodes, &t->tree, n_ran, g->draft_depth, g->depth,
-                                     kept_row(g, 0, 0), kept_row(g, 1, 0), &out);
-    else
-        st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
+    tl_forward_req req = { .rows = TL_ROWS_TREE, .tokens = t->tokens, .n = n_nodes, .tree = &t->tree,
+                           .depth = g->depth };
+    if (g->spec_states && n_ran > 0 && n_ran < n_nodes) {
+        /* the drafted nodes resume where their drafts left them */
+        req.start = TL_START_RESUMED;
+        req.from = g->draft_depth;
+        req.n_resumed = n_ran;
+        req.resume_e = kept_row(g, 0, 0);
+        req.resume_s = kept_row(g, 1, 0);
+    }
+    st = tl_forward(ctx, &req, &out);
     if (st != TL_OK) return st;
 
     int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0, child;
