@@ -63,7 +63,7 @@ def test_a_batched_step_gives_each_sequence_its_own_logits(files, name):  # noqa
 
 @pytest.mark.parametrize("name", ["base", "init-noise", "injection-concat", "huginn-q4"])
 def test_one_step_mixes_depths_lengths_and_context_sizes(files, name):  # noqa: F811
-    """Sequences at different depths (grouped into one pass per depth), contexts of other
+    """Sequences at different depths (one pass, each row leaving the loop at its depth), contexts of other
     max_seq_len and max_depth (the coda's KV slots move with max_depth), one that keeps its
     loop states, all in one call; then decoding goes on alone as after plain appends."""
     config = case_config(name)

@@ -859,20 +859,7 @@ tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *result) 
 tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int32_t *top_ids,
                              float *top_logprobs) {
     NEED(stream, "stream");
-    if (!stream->logprobs)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream was started without logprobs");
-    if (!stream->has_logprobs)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream has returned no token yet");
-    if (stream->top_logprobs > 0 && (!top_ids || !top_logprobs))
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_ids and top_logprobs must not be NULL "
-                                                "(the stream keeps %d alternatives)", stream->top_logprobs);
-    if (token_logprob) *token_logprob = stream->token_logprob;
-    size_t k = (size_t)stream->top_logprobs;
-    if (k > 0) {
-        memcpy(top_ids, stream->top_ids, k * sizeof *top_ids);
-        memcpy(top_logprobs, stream->top_lps, k * sizeof *top_logprobs);
-    }
-    return TL_OK;
+    return tl_stream_token_logprobs(stream, token_logprob, top_ids, top_logprobs);
 }
 
 tl_status tl_stream_free(tl_stream *stream) {

@@ -226,7 +226,9 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
         tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
-        st = tl_forward_chunk(ctx, tokens + c0, rows, (int)(start + c0), L, &chunk_out);
+        tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens + c0, .n = rows,
+                               .pos0 = (int)(start + c0), .depth = L };
+        st = tl_forward(ctx, &req, &chunk_out);
         if (st != TL_OK) {
             tl_context_set_length(ctx, start);
             tl_context_trim(ctx);
@@ -248,41 +250,50 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
     return st;
 }
 
-/* The batch's rows through batched forward passes, rows of one depth together in groups
- * of at most lead's chunk rows; then, when every pass succeeded, each context's token
- * appended. */
+/* The batch's rows through batched forward passes of at most lead's chunk rows each,
+ * deepest rows first, so that rows of different depths share the prelude and the
+ * iterations they have in common (a row leaves the loop at its depth); then, when every
+ * pass succeeded, each context's token appended. */
 static tl_status eval_in_groups(struct tl_context *lead, struct tl_context *const *ctxs,
                                 const int32_t *tokens, size_t n, const int *depths,
                                 const tl_forward_out *outs) {
     size_t cap = (size_t)lead->chunk_rows;
+    size_t *order = malloc(n * sizeof *order);
     tl_batch_row *rows = malloc(cap * sizeof *rows);
-    int32_t *row_tokens = malloc(cap * sizeof *row_tokens);
+    int32_t *row_tokens = malloc(cap * sizeof *row_tokens), *row_depths = malloc(cap * sizeof *row_depths);
     tl_forward_out *row_outs = malloc(cap * sizeof *row_outs);
-    unsigned char *done = calloc(n, 1);
     tl_status st = TL_OK;
-    if (!rows || !row_tokens || !row_outs || !done)
+    if (!order || !rows || !row_tokens || !row_depths || !row_outs)
         st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %zu", n);
-    /* rows of i's depth past the cap wait for the first of them in this loop */
+    /* by depth, deepest first, in batch order among equals (insertion sort: batches are
+       short) */
     for (size_t i = 0; i < n && st == TL_OK; i++) {
-        if (done[i]) continue;
-        int count = 0;
-        for (size_t j = i; j < n && (size_t)count < cap; j++) {
-            if (done[j] || depths[j] != depths[i]) continue;
-            done[j] = 1;
-            rows[count] = (tl_batch_row){ ctxs[j], (int)ctxs[j]->n_tokens };
-            row_tokens[count] = tokens[j];
-            row_outs[count++] = outs ? outs[j] : (tl_forward_out){ 0 };
+        size_t j = i;
+        for (; j > 0 && depths[order[j - 1]] < depths[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+    for (size_t g0 = 0; g0 < n && st == TL_OK; g0 += cap) {
+        int count = (int)(n - g0 < cap ? n - g0 : cap);
+        for (int r = 0; r < count; r++) {
+            size_t j = order[g0 + (size_t)r];
+            rows[r] = (tl_batch_row){ ctxs[j], (int)ctxs[j]->n_tokens };
+            row_tokens[r] = tokens[j];
+            row_depths[r] = depths[j];
+            row_outs[r] = outs ? outs[j] : (tl_forward_out){ 0 };
         }
-        st = tl_forward_batch(lead, rows, row_tokens, count, depths[i], row_outs);
+        tl_forward_req req = { .rows = TL_ROWS_BATCH, .tokens = row_tokens, .n = count, .batch = rows,
+                               .depth = row_depths[0], .row_depths = row_depths };
+        st = tl_forward(lead, &req, row_outs);
     }
     for (size_t i = 0; i < n && st == TL_OK; i++) {
         ctxs[i]->tokens[ctxs[i]->n_tokens++] = tokens[i];
         ctxs[i]->depth = depths[i];
     }
+    free(order);
     free(rows);
     free(row_tokens);
+    free(row_depths);
     free(row_outs);
-    free(done);
     return st;
 }
 
@@ -336,9 +347,11 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
         ctx->model->hp.state_init == TL_INIT_WARM || n > (size_t)ctx->max_seq - start)
         return tl_fail(TL_ERR_INTERNAL, "a resumed verification of %zu rows from iteration %d "
                        "(sequence of %zu at depth %d)", n, from, start, ctx->depth);
+    tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens, .n = (int)n, .pos0 = (int)start,
+                           .depth = ctx->depth, .start = TL_START_RESUMED, .from = from,
+                           .n_resumed = (int)n - 1, .resume_e = kept_e, .resume_s = kept_s };
     tl_status st = tl_context_check_tokens(ctx, tokens, n);
-    if (st == TL_OK)
-        st = tl_forward_resume(ctx, tokens, (int)n, (int)start, from, ctx->depth, kept_e, kept_s, out);
+    if (st == TL_OK) st = tl_forward(ctx, &req, out);
     if (st != TL_OK) return st;
     memcpy(ctx->tokens + start, tokens, n * sizeof *tokens);
     ctx->n_tokens = start + n;
@@ -399,7 +412,9 @@ tl_status tl_context_eval_deeper(struct tl_context *ctx, int depth, const tl_for
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
         tl_forward_out chunk_out = chunk_request(out, c0, rows, n, ctx->model->hp.vocab);
-        tl_status st = tl_forward_deepen(ctx, rows, (int)c0, from, depth, &chunk_out);
+        tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .n = rows, .pos0 = (int)c0, .depth = depth,
+                               .start = TL_START_KEPT, .from = from };
+        tl_status st = tl_forward(ctx, &req, &chunk_out);
         if (st != TL_OK) {
             tl_context_set_length(ctx, 0);
             return st;
@@ -427,8 +442,10 @@ tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, s
     if (n <= (size_t)ctx->chunk_rows && hp->state_init != TL_INIT_WARM) {
         tl_buf *saved = NULL;
         st = ctx->be->ops->buf_alloc(ctx->be, n * (size_t)hp->d, &saved);
-        if (st == TL_OK) st = tl_forward_lens(ctx, tokens, (int)n, max_depth, tl_act_at(saved, 0),
-                                              logits_per_depth);
+        tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens, .n = (int)n, .depth = max_depth,
+                               .lens = 1, .lens_saved = tl_act_at(saved, 0) };
+        tl_forward_out out = { .last_logits = logits_per_depth };
+        if (st == TL_OK) st = tl_forward(ctx, &req, &out);
         if (saved) ctx->be->ops->buf_free(saved);
         return st;
     }

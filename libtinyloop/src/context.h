@@ -76,8 +76,8 @@ tl_status tl_context_eval(struct tl_context *ctx, const int32_t *tokens, size_t 
 /* One decode step of several sequences at once: tokens[i] is appended to ctxs[i] (n
  * distinct contexts of one model, each with room for it) at its sequence's depth (the
  * model default for an empty one), producing outs[i] (last_logits / last_token with
- * `sample` only; outs may be NULL). Rows of one depth share one forward pass
- * (tl_forward_batch). On failure no sequence's length changes, except with a warm state
+ * `sample` only; outs may be NULL). The rows share batched forward passes (forward.h,
+ * TL_ROWS_BATCH), rows of different depths the iterations they have in common. On failure no sequence's length changes, except with a warm state
  * init, whose rows run one by one (each position starts from the previous one's state). */
 tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *tokens, size_t n,
                                 const tl_forward_out *outs);
@@ -88,7 +88,7 @@ tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *t
 tl_status tl_context_eval_draft(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                 int draft_depth, const tl_forward_out *out);
 /* Append tokens[0..n) at the sequence's depth as a speculative verification whose first
- * n - 1 rows resume from their drafts at depth `from` (tl_forward_resume: n <= the chunk
+ * n - 1 rows resume from their drafts at depth `from` (forward.h, TL_START_RESUMED: n <= the chunk
  * rows, no warm state init), and produce `out`. */
 tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens, size_t n,
                                  int from, const tl_forward_out *out, tl_act kept_e, tl_act kept_s);

@@ -24,11 +24,14 @@ typedef struct fwd {
     tl_rope_params rope;
     tl_attn_geom geom;
     const tl_batch_row *batch;   /* a batched decode step: row r is one position of its own
-                                    sequence (tl_forward_batch); NULL: rows are consecutive
+                                    sequence (TL_ROWS_BATCH); NULL: rows are consecutive
                                     positions of ctx's sequence */
-    const tl_tree *tree;         /* a token tree's nodes tree_first.. (tl_forward_tree): rows
+    const tl_tree *tree;         /* a token tree's nodes tree_first.. (TL_ROWS_TREE): rows
                                     at consecutive cache rows, at the tree's positions */
     int tree_first;
+    const int32_t *row_depths;   /* a batched step's rows' depths, non-increasing; NULL:
+                                    every row runs every iteration */
+    float *exit_gates;           /* tl_forward_req.exit_gates: host, depth x n; or NULL */
 } fwd;
 
 /* A KV slot by what it caches; its index depends on the context (its KV policy maps
@@ -251,9 +254,34 @@ static void core_iteration(const fwd *F, tl_act s, tl_act e, int n, int pos0, in
     if (F->hp->loop_norm) F->ops->norm(F->ex, &F->m->loop_norm, &F->norm, s, n, F->d, s);
 }
 
-/* The shared core, `depth` times. */
+/* Rows [0, n) still in the loop at iteration `it`: those whose depth reaches it. */
+static int rows_in_iteration(const fwd *F, int n, int it) {
+    if (!F->row_depths) return n;
+    while (n > 0 && F->row_depths[n - 1] < it) n--;
+    return n;
+}
+
+/* The exit gate's logits of state rows s[0..n) after iteration `it`, to the host
+ * (tmp is free between blocks). */
+static void exit_gate_logits(const fwd *F, tl_act s, int n, int it) {
+    tl_act g = buf0(F->ctx->tmp);
+    F->ops->matmul(F->ex, &F->m->exit_gate_w, s, F->d, n, g, 1);
+    F->ops->add_bias(F->ex, g, n, 1, &F->m->exit_gate_b);
+    F->ops->download(F->ex, F->exit_gates + (size_t)(it - 1) * n, g, (size_t)n);
+}
+
+/* The shared core, iterations from+1..depth; a row leaves when its depth is reached. */
+static void iterations(const fwd *F, tl_act s, tl_act e, int n, int pos0, int from, int depth) {
+    for (int it = from + 1; it <= depth; it++) {
+        int rows = rows_in_iteration(F, n, it);
+        if (rows == 0) break;
+        core_iteration(F, s, e, rows, pos0, it);
+        if (F->exit_gates) exit_gate_logits(F, s, rows, it);
+    }
+}
+
 static void core_loop(const fwd *F, tl_act s, tl_act e, int n, int pos0, int depth) {
-    for (int it = 1; it <= depth; it++) core_iteration(F, s, e, n, pos0, it);
+    iterations(F, s, e, n, pos0, 0, depth);
 }
 
 /* s = init(e) for rows whose init does not depend on other positions. h holds e. */
@@ -467,78 +495,16 @@ static fwd fwd_for(struct tl_context *ctx) {
     return F;
 }
 
-/* The pages rows [pos0, pos0 + n) of ctx's cache lack or share (kv_cache.h), before any
- * op of a pass runs, so that a full pool stops the pass with nothing written. */
-static tl_status reserve(struct tl_context *ctx, int pos0, int n) {
-    return tl_kv_cache_reserve(&ctx->kv, ctx->ex, pos0, n);
-}
-
-tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
-                          tl_act saved, float *logits_per_depth) {
-    tl_status st = reserve(ctx, 0, n);
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
-    embed_and_prelude(&F, tokens, n, 0);
-    keep_injection_source(&F, n);
-    init_state(&F, h, n, 0);
-    for (int it = 1; it <= max_depth; it++) {
-        core_iteration(&F, h, e, n, 0, it);
-        /* the coda works on a copy of the state, which the next iteration continues */
-        F.ops->copy_rows(F.ex, saved, F.d, h, F.d, n, F.d);
-        coda(&F, n, 0);
-        tl_forward_out out = { .last_logits = logits_per_depth + (size_t)(it - 1) * F.hp->vocab };
-        outputs(&F, n, 0, &out);
-        F.ops->copy_rows(F.ex, h, F.d, saved, F.d, n, F.d);
+/* The pages the pass's rows lack or share in their caches (kv_cache.h), before any op
+ * runs, so that a full pool stops the pass with nothing written. */
+static tl_status reserve(struct tl_context *ctx, const tl_forward_req *req, int pos0) {
+    if (req->rows != TL_ROWS_BATCH) return tl_kv_cache_reserve(&ctx->kv, ctx->ex, pos0, req->n);
+    for (int r = 0; r < req->n; r++) {
+        struct tl_context *row_ctx = req->batch[r].ctx;
+        tl_status st = tl_kv_cache_reserve(&row_ctx->kv, row_ctx->ex, req->batch[r].pos, 1);
+        if (st != TL_OK) return st;
     }
-    return F.ops->status(F.ex);
-}
-
-tl_status tl_forward_exit_gate(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                               int depth, float *gates) {
-    tl_status st = reserve(ctx, pos0, n);
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    tl_act h = buf0(ctx->h), e = buf0(ctx->e), g = buf0(ctx->tmp);   /* tmp is free between blocks */
-    embed_and_prelude(&F, tokens, n, pos0);
-    keep_injection_source(&F, n);
-    init_state(&F, h, n, pos0);
-    for (int it = 1; it <= depth; it++) {
-        core_iteration(&F, h, e, n, pos0, it);
-        F.ops->matmul(F.ex, &F.m->exit_gate_w, h, F.d, n, g, 1);
-        F.ops->add_bias(F.ex, g, n, 1, &F.m->exit_gate_b);
-        F.ops->download(F.ex, gates + (size_t)(it - 1) * n, g, (size_t)n);
-    }
-    coda(&F, n, pos0);   /* later chunks attend to the coda's K/V of these positions */
-    return F.ops->status(F.ex);
-}
-
-tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                           int depth, const tl_forward_out *out) {
-    tl_status st = reserve(ctx, pos0, n);
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    /* a decode step's layers may be recorded once and replayed (backend.h) */
-    int step = n == 1 && F.ops->step_begin && F.ops->step_end;
-
-    if (step) F.ops->step_begin(F.ex, pos0);
-    if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
-    embed_and_prelude(&F, tokens, n, pos0);
-    run_loop(&F, n, pos0, F.hp->n_core > 0 ? depth : 0);
-    store_loop_states(&F, n, pos0);
-    if (out && out->keep_s.buf && n == 1) {   /* this draft's e and s, before the coda */
-        if (F.hp->injection != TL_INJECT_NONE)
-            F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, 1, F.d);
-        F.ops->copy_rows(F.ex, out->keep_s, F.d, buf0(ctx->h), F.d, 1, F.d);
-    }
-    coda(&F, n, pos0);
-    /* A chained token is the step's last op: head and argmax are recorded with it. Other
-     * outputs come back to the host, which ends a recording, so they follow the step. */
-    int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
-    if (step && !outputs_in_step) F.ops->step_end(F.ex);
-    if (out) outputs(&F, n, pos0, out);
-    if (outputs_in_step) F.ops->step_end(F.ex);
-    return F.ops->status(F.ex);
+    return TL_OK;
 }
 
 /* `count` rows of h (and e) from rows kept elsewhere: loop states and injection sources. */
@@ -548,46 +514,42 @@ static void load_loop_states(const fwd *F, tl_act kept_e, tl_act kept_s, int cou
         F->ops->copy_rows(F->ex, buf0(F->ctx->e), F->d, kept_e, F->d, count, F->d);
 }
 
-/* Rows [pos0, pos0 + n) whose h and e hold their state and injection source after
- * iteration `from`: iterations from+1..depth, their kept states, the coda and `out`. */
-static tl_status continue_loop(const fwd *F, int n, int pos0, int from, int depth,
-                               const tl_forward_out *out) {
+/* Rows 0..n_resumed-1 from the states they were kept with, the others run from the
+ * embedding to iteration `from` in rows 0.. and then moved up behind the kept ones, one
+ * row at a time from the last (a row never lands on one still to move). */
+static void resume_rows(fwd *F, const tl_forward_req *req, int pos0) {
     tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
-    for (int it = from + 1; it <= depth; it++) core_iteration(F, h, e, n, pos0, it);
-    store_loop_states(F, n, pos0);
-    coda(F, n, pos0);
-    if (out) outputs(F, n, pos0, out);
+    int kept = req->n_resumed, fresh = req->n - kept;
+    F->tree_first = req->tree_first + kept;
+    embed_and_prelude(F, req->tokens + kept, fresh, pos0 + kept);
+    run_loop(F, fresh, pos0 + kept, req->from);
+    for (int r = fresh - 1; r >= 0; r--) {
+        size_t src = (size_t)r * F->d, dst = (size_t)(r + kept) * F->d;
+        F->ops->copy_rows(F->ex, tl_act_add(h, dst), F->d, tl_act_add(h, src), F->d, 1, F->d);
+        if (F->hp->injection != TL_INJECT_NONE)
+            F->ops->copy_rows(F->ex, tl_act_add(e, dst), F->d, tl_act_add(e, src), F->d, 1, F->d);
+    }
+    load_loop_states(F, req->resume_e, req->resume_s, kept);
+    F->tree_first = req->tree_first;
+}
+
+/* The logit lens: prelude once, then after each iteration the coda and head on a copy of
+ * the state, which the next iteration continues. */
+static tl_status lens_pass(fwd *F, const tl_forward_req *req, const tl_forward_out *out) {
+    tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
+    int n = req->n;
+    embed_and_prelude(F, req->tokens, n, 0);
+    keep_injection_source(F, n);
+    init_state(F, h, n, 0);
+    for (int it = 1; it <= req->depth; it++) {
+        core_iteration(F, h, e, n, 0, it);
+        F->ops->copy_rows(F->ex, req->lens_saved, F->d, h, F->d, n, F->d);
+        coda(F, n, 0);
+        tl_forward_out at_depth = { .last_logits = out->last_logits + (size_t)(it - 1) * F->hp->vocab };
+        outputs(F, n, 0, &at_depth);
+        F->ops->copy_rows(F->ex, h, F->d, req->lens_saved, F->d, n, F->d);
+    }
     return F->ops->status(F->ex);
-}
-
-tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                            int from, int depth, tl_act kept_e, tl_act kept_s,
-                            const tl_forward_out *out) {
-    tl_status st = reserve(ctx, pos0, n);
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    tl_act h = buf0(ctx->h), e = buf0(ctx->e);
-    int last = n - 1;
-    /* the last row, which no draft ran, up to iteration `from` in row 0, then moved to
-     * row `last` (rows do not overlap: last >= 1) */
-    embed_and_prelude(&F, tokens + last, 1, pos0 + last);
-    run_loop(&F, 1, pos0 + last, from);
-    F.ops->copy_rows(F.ex, tl_act_add(h, (size_t)last * F.d), F.d, h, F.d, 1, F.d);
-    if (F.hp->injection != TL_INJECT_NONE)
-        F.ops->copy_rows(F.ex, tl_act_add(e, (size_t)last * F.d), F.d, e, F.d, 1, F.d);
-    load_loop_states(&F, kept_e, kept_s, last);   /* the drafted rows where their drafts left them */
-    return continue_loop(&F, n, pos0, from, depth, out);
-}
-
-tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
-                            const tl_forward_out *out) {
-    tl_status st = reserve(ctx, pos0, n);   /* a deeper pass rewrites the rows' pages */
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    size_t at = (size_t)pos0 * F.d;
-    load_loop_states(&F, ctx->loop_e ? tl_act_add(buf0(ctx->loop_e), at) : (tl_act){ 0 },
-                     tl_act_add(buf0(ctx->loop_s), at), n);
-    return continue_loop(&F, n, pos0, from, depth, out);
 }
 
 /* A batched step's outputs: per row, its logits and/or its next token (argmax, or the
@@ -613,22 +575,6 @@ static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
     }
 }
 
-tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, const int32_t *tokens, int n,
-                           int depth, const tl_forward_out *outs) {
-    for (int r = 0; r < n; r++) {
-        tl_status st = reserve(rows[r].ctx, rows[r].pos, 1);
-        if (st != TL_OK) return st;
-    }
-    fwd F = fwd_for(lead);
-    F.batch = rows;
-    embed_and_prelude(&F, tokens, n, 0);
-    run_loop(&F, n, 0, F.hp->n_core > 0 ? depth : 0);
-    store_loop_states(&F, n, 0);
-    coda(&F, n, 0);
-    batch_outputs(&F, n, outs);
-    return F.ops->status(F.ex);
-}
-
 /* A draft's logits of each of n rows (at rows + r * vocab): the draft vocabulary's n
  * logits when the model has one (not scattered: its ids map them), else the whole head's. */
 static void draft_row_logits(const fwd *F, int n, float *rows) {
@@ -649,46 +595,66 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
     }
 }
 
-tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
-                          int first, int depth, const tl_forward_out *out) {
-    tl_status st = reserve(ctx, tree->n_prefix + first, n);
-    if (st != TL_OK) return st;
-    fwd F = fwd_for(ctx);
-    F.tree = tree;
-    F.tree_first = first;
-    int row0 = tree->n_prefix + first;   /* the cache row of node `first` */
-    embed_and_prelude(&F, tokens, n, row0);
-    run_loop(&F, n, row0, F.hp->n_core > 0 ? depth : 0);
-    store_loop_states(&F, n, row0);
-    if (out && out->keep_s.buf) {   /* the rows' e and s before the coda, for a resumed verification */
-        if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, out->keep_e, F.d, buf0(ctx->e), F.d, n, F.d);
-        F.ops->copy_rows(F.ex, out->keep_s, F.d, buf0(ctx->h), F.d, n, F.d);
-    }
-    coda(&F, n, row0);
-    if (out && out->draft && out->row_logits) draft_row_logits(&F, n, out->row_logits);
-    else if (out) outputs(&F, n, row0, out);
-    return F.ops->status(F.ex);
+/* The outputs of a pass whose coda output is in h. */
+static void pass_outputs(const fwd *F, const tl_forward_req *req, int pos0, const tl_forward_out *out) {
+    if (!out) return;
+    if (req->rows == TL_ROWS_BATCH) batch_outputs(F, req->n, out);
+    else if (req->rows == TL_ROWS_TREE && out->draft && out->row_logits) draft_row_logits(F, req->n, out->row_logits);
+    else outputs(F, req->n, pos0, out);
 }
 
-tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
-                                  int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out) {
-    tl_status st = reserve(ctx, tree->n_prefix, n);
+tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl_forward_out *out) {
+    /* the position of row 0, for ops that take one (a batch's rows carry their own) */
+    int pos0 = req->rows == TL_ROWS_SEQUENCE ? req->pos0
+             : req->rows == TL_ROWS_TREE     ? req->tree->n_prefix + req->tree_first : 0;
+    tl_status st = reserve(ctx, req, pos0);
     if (st != TL_OK) return st;
     fwd F = fwd_for(ctx);
-    F.tree = tree;
+    F.batch = req->rows == TL_ROWS_BATCH ? req->batch : NULL;
+    F.tree = req->rows == TL_ROWS_TREE ? req->tree : NULL;
+    F.tree_first = req->tree_first;
+    F.row_depths = req->rows == TL_ROWS_BATCH ? req->row_depths : NULL;
+    F.exit_gates = req->exit_gates;
+    if (req->lens) return lens_pass(&F, req, out);
+    int n = req->n, depth = F.hp->n_core > 0 ? req->depth : 0;
+    /* a decode step's layers may be recorded once and replayed (backend.h) */
+    int step = req->rows == TL_ROWS_SEQUENCE && req->start == TL_START_EMBED && n == 1 &&
+               F.ops->step_begin && F.ops->step_end;
+
+    if (step) F.ops->step_begin(F.ex, pos0);
+    if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);
-    int fresh = n - n_kept, inject = F.hp->injection != TL_INJECT_NONE;
-    /* the nodes no draft ran, up to iteration `from` in rows 0.., then moved up behind the
-     * kept ones, one row at a time from the last (a row never lands on one still to move) */
-    F.tree_first = n_kept;
-    embed_and_prelude(&F, tokens + n_kept, fresh, tree->n_prefix + n_kept);
-    run_loop(&F, fresh, tree->n_prefix + n_kept, from);
-    for (int r = fresh - 1; r >= 0; r--) {
-        size_t src = (size_t)r * F.d, dst = (size_t)(r + n_kept) * F.d;
-        F.ops->copy_rows(F.ex, tl_act_add(h, dst), F.d, tl_act_add(h, src), F.d, 1, F.d);
-        if (inject) F.ops->copy_rows(F.ex, tl_act_add(e, dst), F.d, tl_act_add(e, src), F.d, 1, F.d);
+    switch (req->start) {
+    case TL_START_EMBED:
+        embed_and_prelude(&F, req->tokens, n, pos0);
+        run_loop(&F, n, pos0, depth);
+        break;
+    case TL_START_RESUMED:
+        resume_rows(&F, req, pos0);
+        iterations(&F, h, e, n, pos0, req->from, depth);
+        break;
+    case TL_START_KEPT: {
+        size_t at = (size_t)pos0 * F.d;
+        load_loop_states(&F, ctx->loop_e ? tl_act_add(buf0(ctx->loop_e), at) : (tl_act){ 0 },
+                         tl_act_add(buf0(ctx->loop_s), at), n);
+        iterations(&F, h, e, n, pos0, req->from, depth);
+        break;
     }
-    load_loop_states(&F, kept_e, kept_s, n_kept);
-    F.tree_first = 0;
-    return continue_loop(&F, n, tree->n_prefix, from, depth, out);
+    }
+    store_loop_states(&F, n, pos0);
+    /* a draft's e and s before the coda, for a resumed verification */
+    int keep = out && out->keep_s.buf && req->start == TL_START_EMBED &&
+               (req->rows == TL_ROWS_TREE || (req->rows == TL_ROWS_SEQUENCE && n == 1));
+    if (keep) {
+        if (F.hp->injection != TL_INJECT_NONE) F.ops->copy_rows(F.ex, out->keep_e, F.d, e, F.d, n, F.d);
+        F.ops->copy_rows(F.ex, out->keep_s, F.d, h, F.d, n, F.d);
+    }
+    coda(&F, n, pos0);
+    /* A chained token is the step's last op: head and argmax are recorded with it. Other
+     * outputs come back to the host, which ends a recording, so they follow the step. */
+    int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
+    if (step && !outputs_in_step) F.ops->step_end(F.ex);
+    pass_outputs(&F, req, pos0, out);
+    if (outputs_in_step) F.ops->step_end(F.ex);
+    return F.ops->status(F.ex);
 }

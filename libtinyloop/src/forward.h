@@ -51,68 +51,11 @@ typedef struct tl_forward_out {
                                   logits pass through `top_prob_row` (vocab floats)   */
     float *top_prob_row;
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
-                                  state before the coda go (.buf NULL: not kept), for
-                                  tl_forward_resume; not on a backend that records steps
-                                  (the destinations move from draft to draft). Every row's,
-                                  in tl_forward_tree                                   */
+                                  state before the coda go (.buf NULL: not kept), for a
+                                  TL_START_RESUMED verification; not on a backend that
+                                  records steps (the destinations move from draft to
+                                  draft). Every row's, in a TL_ROWS_TREE pass          */
 } tl_forward_out;
-
-/* Run tokens[0..n) at positions [pos0, pos0 + n) at loop depth `depth` (already
- * validated; 0 when the model has no core). n is at most the context's chunk rows.
- * Writes K/V of those positions; does not change the context's length. */
-tl_status tl_forward_chunk(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                           int depth, const tl_forward_out *out);
-
-/* A speculative verification of tokens[0..n) at positions [pos0, pos0 + n), n <= the
- * chunk rows, that resumes rows 0..n-2 from their drafts: rows kept_e / kept_s hold each
- * one's injection source and loop state after iteration `from` (tl_forward_out.keep_e /
- * keep_s), and their K/V up to that iteration is in the cache already. The last row runs
- * from the embedding to iteration `from`; then all n run iterations from+1..depth, the
- * coda and `out`. Not for a warm state init (a draft's state then depends on the previous
- * draft's, not the full depth's). */
-tl_status tl_forward_resume(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                            int from, int depth, tl_act kept_e, tl_act kept_s,
-                            const tl_forward_out *out);
-
-/* Positions [pos0, pos0 + n), n <= the chunk rows, on from loop iteration `from` to
- * `depth`, starting from the context's kept loop states (context.h: loop_e, loop_s), whose
- * K/V up to iteration `from` is in the cache: the new iterations' K/V, the coda's K/V
- * (rewritten), `out`, and the rows' states after `depth` kept in their place. */
-tl_status tl_forward_deepen(struct tl_context *ctx, int n, int pos0, int from, int depth,
-                            const tl_forward_out *out);
-
-/* The logit lens of a fresh sequence in one chunk (n <= the context's chunk rows, a
- * state init other than warm): prelude once, then after each loop iteration 1..max_depth
- * the coda and head on a copy of the state (kept in `saved`, n x d floats), so that
- * logits_per_depth[(it-1) * vocab ..] are the last position's logits at depth it. Writes
- * K/V at positions [0, n); does not change the context's length. */
-tl_status tl_forward_lens(struct tl_context *ctx, const int32_t *tokens, int n, int max_depth,
-                          tl_act saved, float *logits_per_depth);
-
-/* The exit gate's logits (docs/model.md, "Exit gate") of tokens[0..n) at positions
- * [pos0, pos0 + n), n <= the chunk rows, after each loop iteration it = 1..depth:
- * gates[(it - 1) * n + r] (iteration-major). Writes those positions' K/V, the coda's too;
- * no logits; changes no length. Not for a warm state init (positions then run one by one). */
-tl_status tl_forward_exit_gate(struct tl_context *ctx, const int32_t *tokens, int n, int pos0,
-                               int depth, float *gates);
-
-/* Nodes first..first+n-1 of a token tree (backend.h, tl_tree; n <= the chunk rows) at
- * loop depth `depth`, their K/V into the cache rows tree->n_prefix + first.., each node
- * attending to the prefix and its ancestors at its tree position. `out`: per-row fields
- * (row_tokens, row_logits); with `draft` set, row_logits of the draft head: the draft
- * vocabulary's logits when the model has one (in the order of its ids, at a stride of
- * vocab floats), else the whole vocabulary's. Not for a warm state init. Changes no
- * length. */
-tl_status tl_forward_tree(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree,
-                          int first, int depth, const tl_forward_out *out);
-
-/* tl_forward_tree over nodes 0..n-1 at `depth` as a verification whose first n_kept
- * nodes (1 <= n_kept < n) resume where their drafts left them: rows kept_e / kept_s hold
- * each one's injection source and loop state after iteration `from` (tl_forward_out.keep_e
- * / keep_s of tl_forward_tree), their K/V up to it is in the cache. The other nodes run
- * from the embedding to iteration `from`; then all n run from+1..depth, the coda, `out`. */
-tl_status tl_forward_tree_resumed(struct tl_context *ctx, const int32_t *tokens, int n, const tl_tree *tree, int n_kept,
-                                  int from, int depth, tl_act kept_e, tl_act kept_s, const tl_forward_out *out);
 
 /* One row of a batched decode step: a position of its own sequence. */
 typedef struct tl_batch_row {
@@ -120,13 +63,70 @@ typedef struct tl_batch_row {
     int pos;                  /* the row's position in that sequence */
 } tl_batch_row;
 
-/* One decode step of n sequences at once, n <= lead's chunk rows: tokens[r] at position
- * rows[r].pos of rows[r].ctx, all at loop depth `depth`, in lead's buffers and threads
- * (lead holds the largest max_seq of them, its attention scratch bounds every row's).
- * The matmuls run on all rows together, attention row by row in each sequence's cache.
- * outs[r] may ask for last_logits and last_token (with `sample`) only. Not for a warm
- * state init. Writes K/V; changes no sequence's length. */
-tl_status tl_forward_batch(struct tl_context *lead, const tl_batch_row *rows, const int32_t *tokens, int n,
-                           int depth, const tl_forward_out *outs);
+/* Whose positions a pass's rows are. */
+typedef enum tl_forward_rows {
+    TL_ROWS_SEQUENCE = 0,  /* rows 0..n-1 at positions pos0.. of the context's sequence */
+    TL_ROWS_BATCH = 1,     /* row r at position batch[r].pos of batch[r].ctx's sequence: one
+                              decode step of several sequences, run in the context's buffers
+                              and threads (it holds the largest max_seq of them: its attention
+                              scratch bounds every row's). Not for a warm state init */
+    TL_ROWS_TREE = 2,      /* nodes tree_first.. of a token tree after the sequence (backend.h,
+                              tl_tree), K/V into the cache rows tree->n_prefix + node, each
+                              node attending to the prefix and its ancestors. Not for a warm
+                              state init */
+} tl_forward_rows;
+
+/* Where the rows' loop starts. */
+typedef enum tl_forward_start {
+    TL_START_EMBED = 0,    /* every row from its token's embedding: prelude, state init,
+                              iterations 1..depth */
+    TL_START_RESUMED = 1,  /* rows 0..n_resumed-1 continue after iteration `from` from the
+                              injection sources and states in resume_e / resume_s (a draft's
+                              tl_forward_out.keep_e / keep_s), their K/V up to `from` already
+                              in the cache; the other rows run from the embedding to `from`
+                              first. Then all rows run iterations from+1..depth. A speculative
+                              verification; not for a warm state init */
+    TL_START_KEPT = 2,     /* every row continues after iteration `from` from the context's
+                              kept loop states (context.h: loop_e, loop_s) at its position,
+                              whose K/V up to `from` is in the cache (deepening); no tokens.
+                              The rows' states after `depth` are kept in their place */
+} tl_forward_start;
+
+/* What one forward pass runs. Every pass writes the K/V of its rows and changes no
+ * sequence's length; n is at most the context's chunk rows. */
+typedef struct tl_forward_req {
+    tl_forward_rows rows;
+    const int32_t *tokens;        /* n tokens (validated); NULL with TL_START_KEPT */
+    int n;
+    int pos0;                     /* SEQUENCE: the first row's position */
+    const tl_batch_row *batch;    /* BATCH: n rows */
+    const tl_tree *tree;          /* TREE: the tree, rows are nodes tree_first.. */
+    int tree_first;
+    int depth;                    /* loop iterations the rows run to (ignored without a core) */
+    const int32_t *row_depths;    /* BATCH: row r's depth (non-increasing in r, <= depth: the
+                                     rows of one iteration are a prefix, and a row leaves the
+                                     loop when its depth is reached); NULL = every row at depth */
+    tl_forward_start start;
+    int from;                     /* RESUMED / KEPT: the iteration the kept states are after */
+    int n_resumed;                /* RESUMED: rows that continue from resume_e / resume_s */
+    tl_act resume_e, resume_s;
+    int lens;                     /* the logit lens (SEQUENCE, EMBED, position 0, a state init
+                                     other than warm): after each iteration 1..depth the coda
+                                     and head run on a copy of the state (kept in lens_saved,
+                                     n x d floats), out->last_logits[(it-1) * vocab ..] being
+                                     the last row's logits at depth it */
+    tl_act lens_saved;
+    float *exit_gates;            /* SEQUENCE, EMBED, a state init other than warm, a model with
+                                     an exit gate (loop.exit_gate): after each iteration it =
+                                     1..depth the gate's logits of the n rows to the host, at
+                                     exit_gates[(it - 1) * n + r]; NULL = none */
+} tl_forward_req;
+
+/* The one forward entry point: the pass `req` describes, producing `out` (NULL =
+ * nothing; BATCH: an array of n, row r's asking for last_logits / last_token with
+ * `sample` only; TREE: per-row fields, with `draft` set row_logits of the draft head in
+ * the order of its ids at a stride of vocab floats). Arguments are validated by the
+ * caller (context.c, tree_speculative.c). */
+tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl_forward_out *out);
 
 #endif

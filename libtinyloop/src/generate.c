@@ -101,10 +101,10 @@ static tl_status logprobs_begin(struct tl_stream *g, const tl_generate_options *
     if (o->draft_depth != 0)
         return tl_fail(TL_ERR_UNSUPPORTED, "logprobs with speculative decoding (draft_depth %d) "
                                            "is not supported", o->draft_depth);
-    g->logprob_row = malloc((size_t)V * sizeof *g->logprob_row);
-    if (!g->logprob_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
-    g->logprobs = 1;
-    g->top_logprobs = o->top_logprobs;
+    g->lp.row = malloc((size_t)V * sizeof *g->lp.row);
+    if (!g->lp.row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);
+    g->lp.on = 1;
+    g->lp.top = o->top_logprobs;
     return TL_OK;
 }
 
@@ -112,10 +112,10 @@ static tl_status logprobs_begin(struct tl_stream *g, const tl_generate_options *
  * log-sum-exp in log_norm). */
 static void keep_logprobs(struct tl_stream *g, int32_t t) {
     int V = g->ctx->model->hp.vocab;
-    double lse = g->log_norm;
-    g->token_logprob = (float)((double)g->logprob_row[t] - lse);
-    tl_top_logprobs(g->logprob_row, V, lse, g->top_logprobs, g->top_ids, g->top_lps);
-    g->has_logprobs = 1;
+    double lse = g->lp.log_norm;
+    g->lp.token = (float)((double)g->lp.row[t] - lse);
+    tl_top_logprobs(g->lp.row, V, lse, g->lp.top, g->lp.top_ids, g->lp.top_lps);
+    g->lp.has = 1;
 }
 
 /* A grammar's matcher for this generation (opts->grammar). */
@@ -127,7 +127,7 @@ static tl_status grammar_begin(struct tl_stream *g, const tl_generate_options *o
     if (tl_grammar_vocab(o->grammar) != g->ctx->model->hp.vocab)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the grammar was compiled for a vocabulary of %d tokens, "
                        "the model has %d", tl_grammar_vocab(o->grammar), g->ctx->model->hp.vocab);
-    return tl_grammar_matcher_new(o->grammar, &g->grammar);
+    return tl_grammar_matcher_new(o->grammar, &g->pick.grammar);
 }
 
 static int chain_available(const struct tl_context *ctx) {
@@ -164,15 +164,15 @@ static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens,
     tl_forward_out out = { 0 };
     if (g->chained) {
         out.chain_token = 1;
-    } else if (g->greedy) {
-        out.last_token = &g->next;
-    } else if (g->backend_samples) {
-        tl_sampler_begin_step(&g->sampler, g->ctx->tokens, g->ctx->n_tokens, tokens, n, &g->step);
-        out.last_token = &g->next;
-        out.sample = &g->step;
+    } else if (g->pick.greedy) {
+        out.last_token = &g->pick.next;
+    } else if (g->pick.backend_samples) {
+        tl_sampler_begin_step(&g->pick.sampler, g->ctx->tokens, g->ctx->n_tokens, tokens, n, &g->pick.step);
+        out.last_token = &g->pick.next;
+        out.sample = &g->pick.step;
     } else {
-        out.last_logits = g->logits;
-        if (g->logprobs) out.last_log_norm = &g->log_norm;
+        out.last_logits = g->pick.logits;
+        if (g->lp.on) out.last_log_norm = &g->lp.log_norm;
     }
     return out;
 }
@@ -191,10 +191,10 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         st = tl_fail(TL_ERR_INVALID_ARGUMENT, "max_tokens %d is negative", o->max_tokens);
     if (st == TL_OK) st = resolve_eos(ctx, o->eos_token, &g->eos);
     if (st == TL_OK) st = copy_stop_sequences(g, o);
-    if (st == TL_OK) st = tl_sampler_init(&g->sampler, o, ctx->model->hp.vocab);
+    if (st == TL_OK) st = tl_sampler_init(&g->pick.sampler, o, ctx->model->hp.vocab);
     if (st == TL_OK) st = logprobs_begin(g, o);
-    if (st == TL_OK) st = tl_logit_adjust_init(&g->adjust, o, ctx->model->hp.vocab);
-    if (st == TL_OK && g->adjust.active && o->draft_depth != 0)
+    if (st == TL_OK) st = tl_logit_adjust_init(&g->pick.adjust, o, ctx->model->hp.vocab);
+    if (st == TL_OK && g->pick.adjust.active && o->draft_depth != 0)
         st = tl_fail(TL_ERR_UNSUPPORTED, "logit_bias and presence / frequency penalties with speculative "
                                          "decoding (draft_depth %d) are not supported", o->draft_depth);
     if (st == TL_OK) st = grammar_begin(g, o);
@@ -206,24 +206,24 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     /* logprobs and logit adjustments need every step's logits on the host, where the
      * token is then picked (the sampler's argmax and draws are the backend's, token for
      * token) */
-    g->host_picks = g->logprobs || g->adjust.active || g->grammar;
-    g->greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->host_picks;
-    g->backend_samples = !g->greedy && !g->host_picks && ctx->be->ops->sample != NULL;
+    g->pick.host_picks = g->lp.on || g->pick.adjust.active || g->pick.grammar;
+    g->pick.greedy = o->temperature <= 0.0f && o->repetition_penalty == 1.0f && !g->pick.host_picks;
+    g->pick.backend_samples = !g->pick.greedy && !g->pick.host_picks && ctx->be->ops->sample != NULL;
     st = tl_speculative_begin(g, o);
     if (st != TL_OK) {
         tl_stream_end(g);
         return st;
     }
     /* a speculative round reads its drafts' tokens on the host */
-    g->chained = may_chain && g->greedy && !g->draft_depth && chain_available(ctx);
+    g->chained = may_chain && g->pick.greedy && !g->spec.draft_depth && chain_available(ctx);
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
     if (g->max_tokens > max_tokens_cap) g->max_tokens = max_tokens_cap;
     size_t keep = g->max_tokens < room ? g->max_tokens : room;
-    g->logits = malloc((size_t)ctx->model->hp.vocab * sizeof *g->logits);
+    g->pick.logits = malloc((size_t)ctx->model->hp.vocab * sizeof *g->pick.logits);
     g->generated = malloc((keep ? keep : 1) * sizeof *g->generated);
-    if (!g->logits || !g->generated) {
+    if (!g->pick.logits || !g->generated) {
         tl_stream_end(g);
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate generation buffers");
     }
@@ -278,7 +278,7 @@ static int step_stopped(struct tl_stream *g, tl_stop_reason *reason) {
 static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, double t0, int32_t *token,
                              tl_stop_reason *reason) {
     g->has_pending = 0;
-    int32_t t = g->next;
+    int32_t t = g->pick.next;
     int host_sampled = 0;
     if (st == TL_OK && g->chained) {
         /* feed the queued token on the device now, unless it is certain to be the last */
@@ -303,19 +303,19 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
             g->prefill_seconds += now - t0;
             t0 = now;
         }
-    } else if (st == TL_OK && !g->greedy && !g->backend_samples && !verified) {
+    } else if (st == TL_OK && !g->pick.greedy && !g->pick.backend_samples && !verified) {
         int V = g->ctx->model->hp.vocab;
-        if (g->logprobs) memcpy(g->logprob_row, g->logits, (size_t)V * sizeof *g->logits);
+        if (g->lp.on) memcpy(g->lp.row, g->pick.logits, (size_t)V * sizeof *g->pick.logits);
         size_t n_allowed = 1;
-        if (g->grammar) st = tl_grammar_mask(g->grammar, g->logits, g->eos, &n_allowed);
+        if (g->pick.grammar) st = tl_grammar_mask(g->pick.grammar, g->pick.logits, g->eos, &n_allowed);
         if (st == TL_OK && n_allowed == 0) {
             g->decode_seconds += now_seconds() - t0;
             finish(g, TL_STOP_GRAMMAR);   /* no token can go on: a dead end */
             *reason = TL_STOP_GRAMMAR;
             return TL_OK;
         }
-        tl_logit_adjust_apply(&g->adjust, g->logits);
-        t = tl_sampler_sample(&g->sampler, g->logits, g->ctx->tokens, g->ctx->n_tokens);
+        tl_logit_adjust_apply(&g->pick.adjust, g->pick.logits);
+        t = tl_sampler_sample(&g->pick.sampler, g->pick.logits, g->ctx->tokens, g->ctx->n_tokens);
         host_sampled = 1;
     }
     g->decode_seconds += now_seconds() - t0;
@@ -330,13 +330,13 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
         return TL_OK;
     }
     /* after the EOS check: EOS is never returned, so its step's are not kept */
-    if (host_sampled && g->logprobs) keep_logprobs(g, t);
+    if (host_sampled && g->lp.on) keep_logprobs(g, t);
     g->generated[g->n_generated++] = t;
-    tl_logit_adjust_count(&g->adjust, t);
-    g->has_pending = g->draft_depth ? tl_speculative_pending(g) : !g->ahead;
-    if (g->grammar) tl_grammar_accept(g->grammar, t);
+    tl_logit_adjust_count(&g->pick.adjust, t);
+    g->has_pending = g->spec.draft_depth ? tl_speculative_pending(g) : !g->ahead;
+    if (g->pick.grammar) tl_grammar_accept(g->pick.grammar, t);
     if (stop_sequence_matched(g)) finish(g, TL_STOP_SEQUENCE);
-    else if (g->grammar && tl_grammar_complete(g->grammar)) finish(g, TL_STOP_EOS);   /* as at an EOS */
+    else if (g->pick.grammar && tl_grammar_complete(g->pick.grammar)) finish(g, TL_STOP_EOS);   /* as at an EOS */
     *token = t;
     *reason = TL_STOP_NONE;
     return TL_OK;
@@ -349,8 +349,8 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
     g->ahead = 0;   /* the stream goes on: a token fed ahead would have been fed now */
     tl_status st = TL_OK;
     int verified = 0;   /* a speculative round's token: already drawn, never sampled again */
-    if (g->draft_depth && (g->has_pending || g->ready_at < g->n_ready)) {
-        st = tl_speculative_next(g, &g->next);
+    if (g->spec.draft_depth && (g->has_pending || g->spec.ready_at < g->spec.n_ready)) {
+        st = tl_speculative_next(g, &g->pick.next);
         verified = 1;
     } else if (g->has_pending && !(g->chained && g->queued)) {
         const int32_t *pending = &g->generated[g->n_generated - 1];
@@ -364,7 +364,7 @@ tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *re
 /* A stream whose next step is one plain forward pass of its pending token (no drafts,
  * nothing chained on the device), which a batched step can share. */
 static int plain_step(const struct tl_stream *g) {
-    return !g->finished && g->has_pending && !g->draft_depth && !g->chained;
+    return !g->finished && g->has_pending && !g->spec.draft_depth && !g->chained;
 }
 
 void tl_streams_step(struct tl_stream *const *gs, size_t n, int32_t *tokens, tl_stop_reason *reasons,
@@ -424,9 +424,25 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
     r->n_prompt_tokens = g->n_prompt;
     r->prefill_seconds = g->prefill_seconds;
     r->decode_seconds = g->decode_seconds;
-    r->n_drafted = g->n_drafted;
-    r->n_accepted = g->n_accepted;
+    r->n_drafted = g->spec.n_drafted;
+    r->n_accepted = g->spec.n_accepted;
     r->n_cached_tokens = g->n_cached;
+}
+
+tl_status tl_stream_token_logprobs(const struct tl_stream *g, float *token_logprob, int32_t *top_ids,
+                                   float *top_logprobs) {
+    if (!g->lp.on) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream was started without logprobs");
+    if (!g->lp.has) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream has returned no token yet");
+    if (g->lp.top > 0 && (!top_ids || !top_logprobs))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_ids and top_logprobs must not be NULL "
+                                                "(the stream keeps %d alternatives)", g->lp.top);
+    if (token_logprob) *token_logprob = g->lp.token;
+    size_t k = (size_t)g->lp.top;
+    if (k > 0) {
+        memcpy(top_ids, g->lp.top_ids, k * sizeof *top_ids);
+        memcpy(top_logprobs, g->lp.top_lps, k * sizeof *top_logprobs);
+    }
+    return TL_OK;
 }
 
 void tl_stream_end(struct tl_stream *g) {
@@ -435,18 +451,18 @@ void tl_stream_end(struct tl_stream *g) {
      * stream that started owns the context; a failed begin must not trim the sequence) */
     if (g->ctx && g->ctx->stream == g && !g->finished) tl_speculative_settle(g, TL_STOP_ABORTED);
     if (g->ctx && g->ctx->stream == g) g->ctx->stream = NULL;
-    tl_sampler_free(&g->sampler);
-    tl_logit_adjust_free(&g->adjust);
-    tl_grammar_matcher_free(g->grammar);
-    g->grammar = NULL;
+    tl_sampler_free(&g->pick.sampler);
+    tl_logit_adjust_free(&g->pick.adjust);
+    tl_grammar_matcher_free(g->pick.grammar);
+    g->pick.grammar = NULL;
     tl_speculative_free(g);
-    free(g->logits);
-    free(g->logprob_row);
+    free(g->pick.logits);
+    free(g->lp.row);
     free(g->generated);
     free(g->stop_tokens);
     free(g->stop_lengths);
-    g->logits = NULL;
-    g->logprob_row = NULL;
+    g->pick.logits = NULL;
+    g->lp.row = NULL;
     g->generated = NULL;
     g->stop_tokens = NULL;
     g->stop_lengths = NULL;

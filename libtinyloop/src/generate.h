@@ -12,10 +12,10 @@
 #include "grammar.h"
 #include "logit_adjust.h"
 #include "sampling.h"
+#include "speculative.h"
 
-struct tl_stream {
-    struct tl_context *ctx;
-    struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
+/* How each step's token is chosen (generate.c). */
+typedef struct tl_token_pick {
     tl_sampler sampler;
     tl_logit_adjust adjust;        /* logit_bias and presence / frequency penalties     */
     tl_grammar_matcher *grammar;   /* opts->grammar's state; NULL without               */
@@ -24,6 +24,28 @@ struct tl_stream {
     int backend_samples;           /* the backend's sample op picks the token, no logits */
     tl_sample_step step;           /* backend_samples: the step being evaluated */
     int32_t next;                  /* greedy / backend_samples: the token of the next position */
+    int host_picks;                /* logprobs, adjust or grammar: every step's token is picked
+                                      from its logits on the host                       */
+} tl_token_pick;
+
+/* Log-probabilities of the returned tokens (tl_generate_options.logprobs; generate.c). */
+typedef struct tl_stream_lp {
+    int on;                        /* kept for every step                               */
+    int32_t top;                   /* alternatives kept per step                        */
+    float *row;                    /* [vocab]: a step's logits before sampling edits them */
+    float log_norm;                /* the step's log(sum(exp(logits)))                  */
+    int has;                       /* the fields below are the last returned token's    */
+    float token;
+    int32_t top_ids[TL_MAX_TOP_LOGPROBS];
+    float top_lps[TL_MAX_TOP_LOGPROBS];
+} tl_stream_lp;
+
+struct tl_stream {
+    struct tl_context *ctx;
+    struct tl_context *owned_ctx;  /* freed with the stream (pull iterator without ctx) */
+    tl_token_pick pick;
+    tl_speculation spec;           /* self-speculative decoding (speculative.h)         */
+    tl_stream_lp lp;
     int32_t depth;                 /* the sequence's resolved depth */
     int32_t eos;                   /* -1 = none */
     int32_t *stop_tokens;          /* copies of the stop sequences */
@@ -35,37 +57,7 @@ struct tl_stream {
     int chained;                   /* greedy steps chained on the device, one step ahead */
     int queued;                    /* chained: argmax results not yet read (0-2) */
     int ahead;                     /* chained: generated[n_generated-1] was fed ahead of need */
-    /* self-speculative decoding (draft_depth > 0; docs/api.md) */
-    int32_t draft_depth;           /* loop depth of the drafts                          */
-    int32_t n_draft;               /* tokens drafted per verification at most           */
-    double draft_p_min;            /* drafting stops below this top probability         */
-    int32_t *spec_fed;             /* [n_draft + 1]: the pending token, then the drafts */
-    int32_t *spec_ready;           /* [n_draft + 1]: verified tokens, returned in order */
-    double *spec_q;                /* sampling: [n_draft][vocab] the drafts' distributions, */
-    int32_t *spec_q_ids;           /* as supports: probabilities and their ids in order,   */
-    int *spec_q_n;                 /* [n_draft] entries each (tl_sample_distribution)      */
-    double *spec_p;                /* sampling: [vocab] a verification row's distribution */
-    int32_t *spec_p_ids;           /* and its ids                                         */
-    float *spec_rows;              /* sampling: [n_draft + 1][vocab] verification logits   */
-    struct tl_buf *spec_states;    /* backend rows: the drafts' injection sources [n_draft],
-                                      then their loop states [n_draft]; NULL when the
-                                      verification does not resume (speculative.c)       */
-    struct tl_tree_spec *tree;     /* tree speculation's round state (tree_speculative.c); NULL
-                                      for linear drafts                                  */
-    size_t n_ready, ready_at;      /* spec_ready[ready_at..n_ready) not yet returned    */
-    /* log-probabilities of the returned tokens (tl_generate_options.logprobs) */
-    int logprobs;                  /* kept for every step                               */
-    int host_picks;                /* logprobs, adjust or grammar: every step's token is picked
-                                      from its logits on the host                       */
-    int32_t top_logprobs;          /* alternatives kept per step                        */
-    float *logprob_row;            /* [vocab]: a step's logits before sampling edits them */
-    float log_norm;                /* logprobs: the step's log(sum(exp(logits)))        */
-    int has_logprobs;              /* the fields below are the last returned token's    */
-    float token_logprob;
-    int32_t top_ids[TL_MAX_TOP_LOGPROBS];
-    float top_lps[TL_MAX_TOP_LOGPROBS];
     size_t base;                   /* the sequence's length after the prompt            */
-    uint32_t n_drafted, n_accepted;
     int finished;
     tl_stop_reason stop_reason;
     uint32_t n_prompt;
@@ -94,6 +86,9 @@ void tl_stream_abort(struct tl_stream *g);
  * never touches the context again. */
 void tl_stream_detach(struct tl_stream *g);
 void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *result);
+/* The last returned token's log-probability and alternatives (tl_stream_logprobs). */
+tl_status tl_stream_token_logprobs(const struct tl_stream *g, float *token_logprob, int32_t *top_ids,
+                                   float *top_logprobs);
 /* Free what begin allocated (not ctx, unless owned_ctx). */
 void tl_stream_end(struct tl_stream *g);
 

@@ -34,6 +34,7 @@
 
 #include "backend.h"
 #include "error.h"
+#include "generate.h"
 #include "tree_speculative.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
@@ -74,32 +75,32 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
     if (!(o->draft_p_min >= 0.0 && o->draft_p_min <= 1.0))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_p_min %g is outside [0, 1] (0 = draft "
                                                 "n_draft tokens every round)", o->draft_p_min);
-    g->draft_depth = depth;
-    g->n_draft = o->n_draft ? o->n_draft : hp->n_draft ? hp->n_draft : TL_DEFAULT_DRAFT;
-    g->draft_p_min = o->draft_p_min;
-    g->spec_fed = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_fed);
-    g->spec_ready = malloc((size_t)(g->n_draft + 1) * sizeof *g->spec_ready);
-    if (!g->greedy) {   /* the distributions of a round: drafts, verification rows */
-        size_t V = (size_t)ctx->model->hp.vocab, k = (size_t)g->n_draft;
-        g->spec_q = malloc(k * V * sizeof *g->spec_q);
-        g->spec_q_ids = malloc(k * V * sizeof *g->spec_q_ids);
-        g->spec_q_n = malloc(k * sizeof *g->spec_q_n);
-        g->spec_p = malloc(V * sizeof *g->spec_p);
-        g->spec_p_ids = malloc(V * sizeof *g->spec_p_ids);
-        g->spec_rows = malloc((k + 1) * V * sizeof *g->spec_rows);
-        if (!g->spec_q || !g->spec_q_ids || !g->spec_q_n || !g->spec_p || !g->spec_p_ids || !g->spec_rows)
+    g->spec.draft_depth = depth;
+    g->spec.n_draft = o->n_draft ? o->n_draft : hp->n_draft ? hp->n_draft : TL_DEFAULT_DRAFT;
+    g->spec.draft_p_min = o->draft_p_min;
+    g->spec.fed = malloc((size_t)(g->spec.n_draft + 1) * sizeof *g->spec.fed);
+    g->spec.ready = malloc((size_t)(g->spec.n_draft + 1) * sizeof *g->spec.ready);
+    if (!g->pick.greedy) {   /* the distributions of a round: drafts, verification rows */
+        size_t V = (size_t)ctx->model->hp.vocab, k = (size_t)g->spec.n_draft;
+        g->spec.q = malloc(k * V * sizeof *g->spec.q);
+        g->spec.q_ids = malloc(k * V * sizeof *g->spec.q_ids);
+        g->spec.q_n = malloc(k * sizeof *g->spec.q_n);
+        g->spec.p = malloc(V * sizeof *g->spec.p);
+        g->spec.p_ids = malloc(V * sizeof *g->spec.p_ids);
+        g->spec.rows = malloc((k + 1) * V * sizeof *g->spec.rows);
+        if (!g->spec.q || !g->spec.q_ids || !g->spec.q_n || !g->spec.p || !g->spec.p_ids || !g->spec.rows)
             return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative sampling buffers "
                                                  "(%zu drafts x %zu tokens)", k, V);
     }
-    if (!g->spec_fed || !g->spec_ready)
+    if (!g->spec.fed || !g->spec.ready)
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate speculative decoding buffers");
     /* Resuming trades the drafted rows' first iterations in the verification for a
      * one-row pass of the last draft. That pays where rows cost compute (the CPU), not
      * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
      * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
     if (hp->state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
-    size_t floats = 2 * (size_t)g->n_draft * (size_t)hp->d;
-    tl_status st = ctx->be->ops->buf_alloc(ctx->be, floats, &g->spec_states);
+    size_t floats = 2 * (size_t)g->spec.n_draft * (size_t)hp->d;
+    tl_status st = ctx->be->ops->buf_alloc(ctx->be, floats, &g->spec.states);
     if (st == TL_OK) tl_context_count_buffer(g->ctx, (int64_t)(floats * sizeof(float)));
     return st;
 }
@@ -107,10 +108,10 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
 /* Draft i's outputs: `out` and, when verification resumes, where its states go. */
 static tl_forward_out draft_out(const struct tl_stream *g, size_t i, tl_forward_out out) {
     out.draft = 1;
-    if (g->spec_states) {
-        size_t d = (size_t)g->ctx->model->hp.d, k = (size_t)g->n_draft;
-        out.keep_e = tl_act_at(g->spec_states, i * d);
-        out.keep_s = tl_act_at(g->spec_states, (k + i) * d);
+    if (g->spec.states) {
+        size_t d = (size_t)g->ctx->model->hp.d, k = (size_t)g->spec.n_draft;
+        out.keep_e = tl_act_at(g->spec.states, i * d);
+        out.keep_s = tl_act_at(g->spec.states, (k + i) * d);
     }
     return out;
 }
@@ -119,18 +120,18 @@ static tl_forward_out draft_out(const struct tl_stream *g, size_t i, tl_forward_
 static tl_status verify(struct tl_stream *g, const int32_t *fed, size_t k, const tl_forward_out *out) {
     struct tl_context *ctx = g->ctx;
     /* resuming is one pass: more rows than a chunk holds go through the chunked path */
-    if (!g->spec_states || k == 0 || k + 1 > (size_t)ctx->chunk_rows)
+    if (!g->spec.states || k == 0 || k + 1 > (size_t)ctx->chunk_rows)
         return tl_context_eval(ctx, fed, k + 1, g->depth, out);
     size_t d = (size_t)ctx->model->hp.d;
-    return tl_context_eval_resumed(ctx, fed, k + 1, g->draft_depth, out,
-                                   tl_act_at(g->spec_states, 0),
-                                   tl_act_at(g->spec_states, (size_t)g->n_draft * d));
+    return tl_context_eval_resumed(ctx, fed, k + 1, g->spec.draft_depth, out,
+                                   tl_act_at(g->spec.states, 0),
+                                   tl_act_at(g->spec.states, (size_t)g->spec.n_draft * d));
 }
 
 /* Drafts this round: at most as many as tokens may still follow the one the round
  * returns anyway, and as positions are left after the pending token (at position n). */
 static size_t drafts_this_round(const struct tl_stream *g, size_t n) {
-    size_t k = (size_t)g->n_draft;
+    size_t k = (size_t)g->spec.n_draft;
     size_t still = g->max_tokens - g->n_generated;   /* >= 1: else the stream has stopped */
     if (k > still - 1) k = still - 1;
     if (k > (size_t)g->ctx->max_seq - n - 1) k = (size_t)g->ctx->max_seq - n - 1;
@@ -140,27 +141,27 @@ static size_t drafts_this_round(const struct tl_stream *g, size_t n) {
 /* The round's outcome: p and the j kept drafts stay in the context; n_ready tokens wait. */
 static void end_round(struct tl_stream *g, size_t n, size_t k, size_t j) {
     tl_context_set_length(g->ctx, n + 1 + j);
-    g->n_ready = j + 1;
-    g->ready_at = 0;
-    g->n_drafted += (uint32_t)k;
-    g->n_accepted += (uint32_t)j;
+    g->spec.n_ready = j + 1;
+    g->spec.ready_at = 0;
+    g->spec.n_drafted += (uint32_t)k;
+    g->spec.n_accepted += (uint32_t)j;
 }
 
 static tl_status round_of_drafts(struct tl_stream *g) {
     struct tl_context *ctx = g->ctx;
     size_t n = ctx->n_tokens, k = drafts_this_round(g, n);
-    int32_t *fed = g->spec_fed, *verified = g->spec_ready;
+    int32_t *fed = g->spec.fed, *verified = g->spec.ready;
     fed[0] = g->generated[g->n_generated - 1];
     tl_status st = TL_OK;
     for (size_t i = 0; i < k && st == TL_OK; i++) {
         float top = 1.0f;
         tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_token = &fed[i + 1] });
-        if (g->draft_p_min > 0.0) {
+        if (g->spec.draft_p_min > 0.0) {
             out.last_top_prob = &top;
-            out.top_prob_row = g->logits;
+            out.top_prob_row = g->pick.logits;
         }
-        st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
-        if (st == TL_OK && top < g->draft_p_min) k = i;   /* an unsure draft is not proposed */
+        st = tl_context_eval_draft(ctx, &fed[i], 1, g->spec.draft_depth, &out);
+        if (st == TL_OK && top < g->spec.draft_p_min) k = i;   /* an unsure draft is not proposed */
     }
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
@@ -195,28 +196,28 @@ double tl_speculative_residual(double *p, const int32_t *p_ids, int n_p, const d
 }
 
 double tl_speculative_uniform(struct tl_stream *g) {
-    return (double)(tl_sampler_random(&g->sampler) >> 11) * 0x1p-53;
+    return (double)(tl_sampler_random(&g->pick.sampler) >> 11) * 0x1p-53;
 }
 
 static tl_status round_of_samples(struct tl_stream *g) {
     struct tl_context *ctx = g->ctx;
     const size_t V = (size_t)ctx->model->hp.vocab;
     size_t n = ctx->n_tokens, k = drafts_this_round(g, n);
-    int32_t *fed = g->spec_fed, *ready = g->spec_ready;
+    int32_t *fed = g->spec.fed, *ready = g->spec.ready;
     fed[0] = g->generated[g->n_generated - 1];
     tl_sample_step step;
     tl_status st = TL_OK;
     /* the penalty's history of the position after fed[i]: the sequence, then fed[0..i] */
     for (size_t i = 0; i < k && st == TL_OK; i++) {
-        tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_logits = g->logits });
-        st = tl_context_eval_draft(ctx, &fed[i], 1, g->draft_depth, &out);
+        tl_forward_out out = draft_out(g, i, (tl_forward_out){ .last_logits = g->pick.logits });
+        st = tl_context_eval_draft(ctx, &fed[i], 1, g->spec.draft_depth, &out);
         if (st != TL_OK) break;
-        double *q = g->spec_q + i * V;
-        int32_t *q_ids = g->spec_q_ids + i * V;
-        tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, i + 1, &step);
-        int n_q = g->spec_q_n[i] = tl_sample_distribution(g->logits, (int)V, &step, q_ids, q);
+        double *q = g->spec.q + i * V;
+        int32_t *q_ids = g->spec.q_ids + i * V;
+        tl_sampler_begin_step(&g->pick.sampler, ctx->tokens, n, fed, i + 1, &step);
+        int n_q = g->spec.q_n[i] = tl_sample_distribution(g->pick.logits, (int)V, &step, q_ids, q);
         /* unsure: stop before drawing; a rule on q alone keeps the draws exact */
-        if (g->draft_p_min > 0.0 && top_weight(q, n_q) < g->draft_p_min) {
+        if (g->spec.draft_p_min > 0.0 && top_weight(q, n_q) < g->spec.draft_p_min) {
             k = i;
             break;
         }
@@ -224,22 +225,22 @@ static tl_status round_of_samples(struct tl_stream *g) {
     }
     tl_context_set_length(ctx, n);
     if (st != TL_OK) return st;
-    tl_forward_out out = { .row_logits = g->spec_rows, .n_row_logits = k + 1 };
+    tl_forward_out out = { .row_logits = g->spec.rows, .n_row_logits = k + 1 };
     st = verify(g, fed, k, &out);
     if (st != TL_OK) return st;
-    double *p = g->spec_p;
-    int32_t *p_ids = g->spec_p_ids;
+    double *p = g->spec.p;
+    int32_t *p_ids = g->spec.p_ids;
     size_t j = 0;
     for (;; j++) {
-        tl_sampler_begin_step(&g->sampler, ctx->tokens, n, fed, j + 1, &step);
-        int n_p = tl_sample_distribution(g->spec_rows + j * V, (int)V, &step, p_ids, p);
+        tl_sampler_begin_step(&g->pick.sampler, ctx->tokens, n, fed, j + 1, &step);
+        int n_p = tl_sample_distribution(g->spec.rows + j * V, (int)V, &step, p_ids, p);
         if (j == k) {   /* every draft kept: one more token from the full depth */
             ready[j] = tl_sample_from(p_ids, p, n_p, 1.0, step.random);
             break;
         }
-        const double *q = g->spec_q + j * V;
-        const int32_t *q_ids = g->spec_q_ids + j * V;
-        int n_q = g->spec_q_n[j];
+        const double *q = g->spec.q + j * V;
+        const int32_t *q_ids = g->spec.q_ids + j * V;
+        int n_q = g->spec.q_n[j];
         int32_t x = fed[j + 1];
         /* kept with probability min(1, p(x) / q(x)) */
         if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
@@ -257,18 +258,18 @@ static tl_status round_of_samples(struct tl_stream *g) {
 }
 
 tl_status tl_speculative_next(struct tl_stream *g, int32_t *token) {
-    if (g->ready_at == g->n_ready) {
-        tl_status st = g->tree ? tl_tree_speculative_round(g) : g->greedy ? round_of_drafts(g) : round_of_samples(g);
+    if (g->spec.ready_at == g->spec.n_ready) {
+        tl_status st = g->spec.tree ? tl_tree_speculative_round(g) : g->pick.greedy ? round_of_drafts(g) : round_of_samples(g);
         if (st != TL_OK) return st;
     }
-    *token = g->spec_ready[g->ready_at++];
+    *token = g->spec.ready[g->spec.ready_at++];
     return TL_OK;
 }
 
-int tl_speculative_pending(const struct tl_stream *g) { return g->ready_at == g->n_ready; }
+int tl_speculative_pending(const struct tl_stream *g) { return g->spec.ready_at == g->spec.n_ready; }
 
 void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
-    if (!g->draft_depth || !g->ctx) return;
+    if (!g->spec.draft_depth || !g->ctx) return;
     /* after EOS the last generated token was fed (the EOS came from it); after any
      * other stop the last one never is */
     size_t keep = g->base + g->n_generated;
@@ -277,33 +278,33 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason) {
     /* rounds truncate without giving pages back (the next round writes them again);
      * at the stream's end the pages past the kept tokens go back to the pool */
     tl_context_trim(g->ctx);
-    g->n_ready = g->ready_at = 0;
+    g->spec.n_ready = g->spec.ready_at = 0;
 }
 
 void tl_speculative_release_states(struct tl_stream *g) {
-    if (g->spec_states && g->ctx) {
-        g->ctx->be->ops->buf_free(g->spec_states);
-        size_t floats = 2 * (size_t)g->n_draft * (size_t)g->ctx->model->hp.d;
+    if (g->spec.states && g->ctx) {
+        g->ctx->be->ops->buf_free(g->spec.states);
+        size_t floats = 2 * (size_t)g->spec.n_draft * (size_t)g->ctx->model->hp.d;
         tl_context_count_buffer(g->ctx, -(int64_t)(floats * sizeof(float)));
     }
-    g->spec_states = NULL;
+    g->spec.states = NULL;
 }
 
 void tl_speculative_free(struct tl_stream *g) {
     tl_speculative_release_states(g);
     tl_tree_speculative_free(g);
-    free(g->spec_fed);
-    free(g->spec_ready);
-    free(g->spec_q);
-    free(g->spec_q_ids);
-    free(g->spec_q_n);
-    free(g->spec_p);
-    free(g->spec_p_ids);
-    free(g->spec_rows);
-    g->spec_fed = NULL;
-    g->spec_ready = NULL;
-    g->spec_q = g->spec_p = NULL;
-    g->spec_q_ids = g->spec_p_ids = NULL;
-    g->spec_q_n = NULL;
-    g->spec_rows = NULL;
+    free(g->spec.fed);
+    free(g->spec.ready);
+    free(g->spec.q);
+    free(g->spec.q_ids);
+    free(g->spec.q_n);
+    free(g->spec.p);
+    free(g->spec.p_ids);
+    free(g->spec.rows);
+    g->spec.fed = NULL;
+    g->spec.ready = NULL;
+    g->spec.q = g->spec.p = NULL;
+    g->spec.q_ids = g->spec.p_ids = NULL;
+    g->spec.q_n = NULL;
+    g->spec.rows = NULL;
 }

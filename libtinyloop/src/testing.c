@@ -98,7 +98,9 @@ tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const i
         int n = cuts[c + 1] - cuts[c];
         if (n == 0) continue;
         tl_forward_out out = { .row_logits = logits + (size_t)cuts[c] * V, .n_row_logits = (size_t)n };
-        st = tl_forward_tree(ctx, tokens + cuts[c], n, &tree, cuts[c], depth, &out);
+        tl_forward_req req = { .rows = TL_ROWS_TREE, .tokens = tokens + cuts[c], .n = n, .tree = &tree,
+                               .tree_first = cuts[c], .depth = depth };
+        st = tl_forward(ctx, &req, &out);
     }
     return st;
 }

@@ -31,7 +31,7 @@ TL_API tl_status tl_testing_draft_logits(tl_context *ctx, int32_t token, int32_t
                                          float *logits, int32_t *argmax);
 
 /* Nodes of a token tree after ctx's sequence (node i's parent parents[i] < i, -1 = the
- * sequence's last token), run by tl_forward_tree at `depth`: nodes [0, n_first) in one
+ * sequence's last token), run as tree passes (forward.h) at `depth`: nodes [0, n_first) in one
  * pass, then the rest in a second (n_first 0: all in one); logits[i * vocab ..] = node
  * i's. The sequence's length stays; its rows past it are overwritten. */
 TL_API tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const int32_t *parents,

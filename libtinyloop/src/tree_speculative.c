@@ -3,7 +3,7 @@
  * A round starts as a linear one (speculative.c): the context holds every generated
  * token but the last one, p, at position n. p is the tree's root (node 0). Level by
  * level, the nodes of the newest level are run at the draft depth in one tree-masked
- * pass (forward.c, tl_forward_tree), and each gets as children the top widths[level]
+ * pass (forward.c, a TL_ROWS_TREE pass), and each gets as children the top widths[level]
  * tokens of its draft logits (the draft vocabulary's when the model has one), until the
  * levels or the node budget run out; the last level is never drafted from. Nodes are
  * numbered breadth first, so a node's ancestors come before it; node i's K/V sit at cache
@@ -109,33 +109,33 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "tree speculation verifies a tree in one pass, and the "
                        "context's prefill chunk is %d row", ctx->chunk_rows);
     struct tl_tree_spec *t = calloc(1, sizeof *t);
-    g->spec_ready = malloc((TL_TREE_MAX_LEVELS + 1) * sizeof *g->spec_ready);
+    g->spec.ready = malloc((TL_TREE_MAX_LEVELS + 1) * sizeof *g->spec.ready);
     int budget = o->tree_budget ? o->tree_budget : shape_nodes(o->tree_widths, n_levels);
     size_t V = (size_t)hp->vocab, nodes = (size_t)budget + 1;   /* a round holds at most these */
     if (t) t->rows = malloc(nodes * V * sizeof *t->rows);
-    if (t && !g->greedy) {
+    if (t && !g->pick.greedy) {
         t->q = malloc(nodes * V * sizeof *t->q);
         t->q_ids = malloc(nodes * V * sizeof *t->q_ids);
         t->p = malloc(V * sizeof *t->p);
         t->p_ids = malloc(V * sizeof *t->p_ids);
     }
-    g->tree = t;
-    if (!t || !t->rows || !g->spec_ready || (!g->greedy && (!t->q || !t->q_ids || !t->p || !t->p_ids)))
+    g->spec.tree = t;
+    if (!t || !t->rows || !g->spec.ready || (!g->pick.greedy && (!t->q || !t->q_ids || !t->p || !t->p_ids)))
         return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate tree speculation buffers (%zu nodes x %zu "
                        "tokens)", nodes, V);
     t->n_levels = n_levels;
     for (int l = 0; l < n_levels; l++) t->widths[l] = o->tree_widths[l];
     t->budget = budget;
     t->p_min = o->draft_p_min;
-    g->draft_depth = draft_depth;
+    g->spec.draft_depth = draft_depth;
     /* The verification resumes the drafted nodes from their drafts' states (e and s after
      * the draft depth; speculative.c says why not where steps are recorded). They live in
-     * g->spec_states as a linear round's, one row per node: n_draft is the node count,
+     * g->spec.states as a linear round's, one row per node: n_draft is the node count,
      * which tl_speculative_release_states sizes them by. */
     if (ops->step_begin) return TL_OK;
-    g->n_draft = TL_TREE_MAX_NODES;
+    g->spec.n_draft = TL_TREE_MAX_NODES;
     size_t floats = 2 * (size_t)TL_TREE_MAX_NODES * (size_t)hp->d;
-    st = ops->buf_alloc(ctx->be, floats, &g->spec_states);
+    st = ops->buf_alloc(ctx->be, floats, &g->spec.states);
     if (st == TL_OK) tl_context_count_buffer(g->ctx, (int64_t)(floats * sizeof(float)));
     return st;
 }
@@ -179,10 +179,10 @@ static void add_node(struct tl_tree_spec *t, int child, int parent, int32_t toke
     tr->visible[child] = tr->visible[parent] | (uint64_t)1 << child;
 }
 
-/* Node i's kept injection source (which 0) or loop state (1) in g->spec_states. */
+/* Node i's kept injection source (which 0) or loop state (1) in g->spec.states. */
 static tl_act kept_row(const struct tl_stream *g, int which, int i) {
     size_t d = (size_t)g->ctx->model->hp.d;
-    return tl_act_at(g->spec_states, ((size_t)which * TL_TREE_MAX_NODES + (size_t)i) * d);
+    return tl_act_at(g->spec.states, ((size_t)which * TL_TREE_MAX_NODES + (size_t)i) * d);
 }
 
 /* The tokens of the path from the root to `node` into out; returns how many. */
@@ -198,8 +198,8 @@ static int path_tokens(const struct tl_tree_spec *t, int node, int32_t *out) {
  * sequence, then the path to it). */
 static void begin_step_after(struct tl_stream *g, int node, tl_sample_step *step) {
     int32_t path[TL_TREE_MAX_LEVELS + 1];
-    int len = path_tokens(g->tree, node, path);
-    tl_sampler_begin_step(&g->sampler, g->ctx->tokens, g->ctx->n_tokens, path, (size_t)len, step);
+    int len = path_tokens(g->spec.tree, node, path);
+    tl_sampler_begin_step(&g->pick.sampler, g->ctx->tokens, g->ctx->n_tokens, path, (size_t)len, step);
 }
 
 /* Sampled drafting: node p's draft distribution q (its logits in `row`, the draft
@@ -209,7 +209,7 @@ static void begin_step_after(struct tl_stream *g, int node, tl_sample_step *step
  * draft_p_min, no more draws than q has tokens at least that likely (none: the branch
  * ends); the count depends on q alone, so the draws stay independent draws of q. */
 static int sample_children(struct tl_stream *g, int p, float *row, int w, int32_t *ids) {
-    struct tl_tree_spec *t = g->tree;
+    struct tl_tree_spec *t = g->spec.tree;
     const tl_draft_vocab *dv = g->ctx->model->draft.n > 0 ? &g->ctx->model->draft : NULL;
     int V = g->ctx->model->hp.vocab;
     if (dv) tl_draft_vocab_scatter(dv, row, V);
@@ -224,14 +224,14 @@ static int sample_children(struct tl_stream *g, int p, float *row, int w, int32_
         if (w > sure) w = sure;
     }
     for (int c = 0; c < w; c++)
-        ids[c] = tl_sample_from(q_ids, q, n_q, 1.0, c == 0 ? step.random : tl_sampler_random(&g->sampler));
+        ids[c] = tl_sample_from(q_ids, q, n_q, 1.0, c == 0 ? step.random : tl_sampler_random(&g->pick.sampler));
     return w;
 }
 
 /* Drafts the tree below the root, level by level; returns the nodes (root included) and
  * how many of them, the first ones, a draft pass ran. */
 static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_nodes, int *n_ran) {
-    struct tl_tree_spec *t = g->tree;
+    struct tl_tree_spec *t = g->spec.tree;
     struct tl_context *ctx = g->ctx;
     const tl_draft_vocab *dv = ctx->model->draft.n > 0 ? &ctx->model->draft : NULL;
     int V = ctx->model->hp.vocab, n_logits = dv ? dv->n : V, count = 1, level0 = 0;
@@ -239,17 +239,18 @@ static tl_status draft_tree(struct tl_stream *g, int levels, int budget, int *n_
         int level1 = count;   /* the newest level: nodes [level0, level1) */
         t->tree.n_nodes = count;
         tl_forward_out out = { .draft = 1, .row_logits = t->rows, .n_row_logits = (size_t)(level1 - level0) };
-        if (g->spec_states) {
+        if (g->spec.states) {
             out.keep_e = kept_row(g, 0, level0);
             out.keep_s = kept_row(g, 1, level0);
         }
-        tl_status st = tl_forward_tree(ctx, t->tokens + level0, level1 - level0, &t->tree, level0, g->draft_depth,
-                                       &out);
+        tl_forward_req req = { .rows = TL_ROWS_TREE, .tokens = t->tokens + level0, .n = level1 - level0,
+                               .tree = &t->tree, .tree_first = level0, .depth = g->spec.draft_depth };
+        tl_status st = tl_forward(ctx, &req, &out);
         if (st != TL_OK) return st;
         for (int p = level0; p < level1 && count <= budget; p++) {
             int32_t ids[TL_TREE_MAX_WIDTH];
             float *row = t->rows + (size_t)(p - level0) * V;
-            if (!g->greedy) {
+            if (!g->pick.greedy) {
                 int k = sample_children(g, p, row, t->widths[l], ids);
                 for (int c = 0; c < k && count <= budget; c++) add_node(t, count++, p, ids[c]);
                 continue;
@@ -282,18 +283,18 @@ static void compact_path(struct tl_context *ctx, size_t n, const int *path, int 
 }
 
 /* The child of `node` whose token is the verification's argmax after it (that argmax into
- * g->spec_ready at the node's depth), or 0 when none is. */
+ * g->spec.ready at the node's depth), or 0 when none is. */
 static int greedy_child(struct tl_stream *g, int node, int n_nodes) {
-    const struct tl_tree_spec *t = g->tree;
+    const struct tl_tree_spec *t = g->spec.tree;
     int32_t next = t->verified[node];
-    g->spec_ready[t->tree.pos[node] - t->tree.n_prefix] = next;
+    g->spec.ready[t->tree.pos[node] - t->tree.n_prefix] = next;
     for (int c = node + 1; c < n_nodes; c++)
         if (t->parent[c] == node && t->tokens[c] == next) return c;
     return 0;
 }
 
 /* The child of `node` that multi-candidate speculative sampling keeps (its token into
- * g->spec_ready at the node's depth), or 0 with the token drawn there instead. With p the
+ * g->spec.ready at the node's depth), or 0 with the token drawn there instead. With p the
  * full depth's distribution after `node` and q the draft's, the children (drawn
  * independently from q) are judged in order: x is kept with probability
  * min(1, p(x) / q(x)); a refusal replaces p by its residual max(p - q, 0), normalised,
@@ -301,7 +302,7 @@ static int greedy_child(struct tl_stream *g, int node, int n_nodes) {
  * last p. Each stage is speculative sampling of its p from q, so the token is distributed
  * as the first p: plain sampling's (SpecInfer's multi-step speculative sampling). */
 static int sampled_child(struct tl_stream *g, int node, int n_nodes) {
-    struct tl_tree_spec *t = g->tree;
+    struct tl_tree_spec *t = g->spec.tree;
     int V = g->ctx->model->hp.vocab, depth = t->tree.pos[node] - t->tree.n_prefix;
     tl_sample_step step;
     begin_step_after(g, node, &step);
@@ -316,22 +317,22 @@ static int sampled_child(struct tl_stream *g, int node, int n_nodes) {
         int n_q = t->q_n[node];
         if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) <
             tl_sample_probability(p_ids, p, n_p, x)) {
-            g->spec_ready[depth] = x;
+            g->spec.ready[depth] = x;
             return c;
         }
         double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
         if (!(total > 0.0)) {   /* p <= q everywhere means p == q: x is never refused */
-            g->spec_ready[depth] = x;
+            g->spec.ready[depth] = x;
             return c;
         }
         for (int i = 0; i < n_p; i++) p[i] /= total;
     }
-    g->spec_ready[depth] = tl_sample_from(p_ids, p, n_p, 1.0, step.random);
+    g->spec.ready[depth] = tl_sample_from(p_ids, p, n_p, 1.0, step.random);
     return 0;
 }
 
 tl_status tl_tree_speculative_round(struct tl_stream *g) {
-    struct tl_tree_spec *t = g->tree;
+    struct tl_tree_spec *t = g->spec.tree;
     struct tl_context *ctx = g->ctx;
     size_t n = ctx->n_tokens;
     /* at most still - 1 kept drafts (the round adds one token), and rows that fit the
@@ -352,35 +353,41 @@ tl_status tl_tree_speculative_round(struct tl_stream *g) {
     if (st != TL_OK) return st;
     t->tree.n_nodes = n_nodes;
     tl_forward_out out = { .row_tokens = t->verified, .n_row_tokens = (size_t)n_nodes };
-    if (!g->greedy) out = (tl_forward_out){ .row_logits = t->rows, .n_row_logits = (size_t)n_nodes };
-    if (g->spec_states && n_ran > 0 && n_ran < n_nodes)
-        st = tl_forward_tree_resumed(ctx, t->tokens, n_nodes, &t->tree, n_ran, g->draft_depth, g->depth,
-                                     kept_row(g, 0, 0), kept_row(g, 1, 0), &out);
-    else
-        st = tl_forward_tree(ctx, t->tokens, n_nodes, &t->tree, 0, g->depth, &out);
+    if (!g->pick.greedy) out = (tl_forward_out){ .row_logits = t->rows, .n_row_logits = (size_t)n_nodes };
+    tl_forward_req req = { .rows = TL_ROWS_TREE, .tokens = t->tokens, .n = n_nodes, .tree = &t->tree,
+                           .depth = g->depth };
+    if (g->spec.states && n_ran > 0 && n_ran < n_nodes) {
+        /* the drafted nodes resume where their drafts left them */
+        req.start = TL_START_RESUMED;
+        req.from = g->spec.draft_depth;
+        req.n_resumed = n_ran;
+        req.resume_e = kept_row(g, 0, 0);
+        req.resume_s = kept_row(g, 1, 0);
+    }
+    st = tl_forward(ctx, &req, &out);
     if (st != TL_OK) return st;
 
     int path[TL_TREE_MAX_LEVELS + 1] = { 0 }, j = 0, node = 0, child;
-    while ((child = g->greedy ? greedy_child(g, node, n_nodes) : sampled_child(g, node, n_nodes)) != 0)
+    while ((child = g->pick.greedy ? greedy_child(g, node, n_nodes) : sampled_child(g, node, n_nodes)) != 0)
         path[++j] = node = child;
     compact_path(ctx, n, path, j);
     for (int m = 0; m <= j; m++) ctx->tokens[n + (size_t)m] = t->tokens[path[m]];
     tl_context_set_length(ctx, n + 1 + (size_t)j);
-    g->n_ready = (size_t)j + 1;
-    g->ready_at = 0;
-    g->n_drafted += (uint32_t)(n_nodes - 1);
-    g->n_accepted += (uint32_t)j;
+    g->spec.n_ready = (size_t)j + 1;
+    g->spec.ready_at = 0;
+    g->spec.n_drafted += (uint32_t)(n_nodes - 1);
+    g->spec.n_accepted += (uint32_t)j;
     return TL_OK;
 }
 
 void tl_tree_speculative_free(struct tl_stream *g) {
-    if (g->tree) {
-        free(g->tree->rows);
-        free(g->tree->q);
-        free(g->tree->q_ids);
-        free(g->tree->p);
-        free(g->tree->p_ids);
+    if (g->spec.tree) {
+        free(g->spec.tree->rows);
+        free(g->spec.tree->q);
+        free(g->spec.tree->q_ids);
+        free(g->spec.tree->p);
+        free(g->spec.tree->p_ids);
     }
-    free(g->tree);
-    g->tree = NULL;
+    free(g->spec.tree);
+    g->spec.tree = NULL;
 }

@@ -1,6 +1,6 @@
-/* exit_gate.c — tl_score_exit_gate: the exit gate of a looped model (docs/model.md, "Exit
+/* api_exit_gate.c — tl_score_exit_gate: the exit gate of a looped model (docs/model.md, "Exit
  * gate"; Ouro's early-exit gate) at every position and loop iteration, through forward
- * chunks that read the gate after each iteration (tl_forward_exit_gate). The runtime does
+ * chunks that read the gate after each iteration (tl_forward_req.exit_gates). The runtime does
  * not exit early; these values let a caller see, or apply, the checkpoint's exit rule. */
 #include <math.h>
 #include <stdlib.h>
@@ -29,7 +29,9 @@ static tl_status gates_of_sequence(tl_context *ctx, const int32_t *tokens, size_
     tl_status st = TL_OK;
     for (size_t c0 = 0; c0 < n && st == TL_OK; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
-        st = tl_forward_exit_gate(ctx, tokens + c0, rows, (int)c0, depth, gates);
+        tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens + c0, .n = rows, .pos0 = (int)c0,
+                               .depth = depth, .start = TL_START_EMBED, .exit_gates = gates };
+        st = tl_forward(ctx, &req, NULL);   /* no logits: the coda's K/V for later chunks */
         for (int r = 0; r < rows && st == TL_OK; r++)
             for (int it = 0; it < depth; it++) {
                 double g = gates[(size_t)it * rows + r];
