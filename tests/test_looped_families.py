@@ -70,13 +70,14 @@ class Files:
             self._made[key] = MAKERS[family](self.directory / f"{family}-{len(self._made)}", **overrides)
         return self._made[key]
 
-    def converted(self, family, dtype, **overrides) -> Path:
-        key = (family, dtype, json.dumps(overrides, sort_keys=True))
+    def converted(self, family, target, **overrides) -> Path:
+        """The checkpoint (made with `overrides`) converted with --dtype target."""
+        key = (family, target, json.dumps(overrides, sort_keys=True))
         if key not in self._made:
-            args = ["--dtype", dtype, "--max-depth", "6"]
-            if dtype in ("q8", "q4", "q2"):
+            args = ["--dtype", target, "--max-depth", "6"]
+            if target in ("q8", "q4", "q2"):
                 args += ["--group-size", "32", "--embed-dtype", "keep"]
-            out = self.directory / f"{family}-{dtype}-{len(self._made)}.tinyloop"
+            out = self.directory / f"{family}-{target}-{len(self._made)}.tinyloop"
             self._made[key] = convert(self.checkpoint(family, **overrides), out, *args)
         return self._made[key]
 
@@ -122,6 +123,17 @@ def test_variants_of_the_configs_map_exactly(files, variant):
         assert depth == 3          # len(loop_loss_weights) + 1 wins over num_loops
     if variant == "ouro-tied":
         assert "output.weight" not in read_file(path).tensors
+
+
+def test_f16_checkpoints_keep_their_dtype(files):
+    path = files.converted("ouro", "keep", dtype="F16")
+    with read_file(path) as f:
+        assert f.tensors["core.1.mlp.down.weight"].dtype == "f16" and f.metadata["general.source_dtype"] == "f16"
+    reference = ReferenceModel.from_file(path)
+    src = files.checkpoint("ouro", dtype="F16")
+    assert max_error(reference.logits(TOKENS, 3), oracle_logits("ouro", src, TOKENS, 3)) <= 1e-6
+    with tinyloop.Model(path) as model:
+        assert max_error(model.score(TOKENS, 3), reference.logprobs(TOKENS, 3)) <= FLOAT_TOLERANCE
 
 
 def test_checkpoint_layouts_are_the_real_ones(files):
@@ -292,7 +304,7 @@ def test_truncated_noise_values_equal_the_reference(tmp_path):
 
 # ---------------------------------------------------------------- KV cost and policies
 
-@pytest.mark.parametrize("family", ["huginn", "nanbeige"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kv_policies_apply(files, family):
     path = files.converted(family, "f32")
     reference = ReferenceModel.from_file(path)
