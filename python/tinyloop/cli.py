@@ -118,8 +118,7 @@ def _sampling(args, config) -> tuple:
 
 def _read_grammar(args, model):
     """The Grammar of --grammar (a GBNF file) or --json-schema (a JSON Schema file), or None."""
-    from .grammar import Grammar
-    from .json_schema import SchemaError, json_schema_to_gbnf
+    from .grammar import Grammar, SchemaError, json_schema_to_gbnf
     path = args.grammar or args.json_schema
     if path is None:
         return None
@@ -271,7 +270,7 @@ _DIM_KEYS = ("vocab_size", "d_model", "n_head", "n_kv_head", "head_dim", "ffn_di
 
 
 def _tensor_summary(path: str) -> tuple[dict, int]:
-    from .format import read_file
+    from .fileformat.tinyloop_file import read_file
     dtypes: dict = {}
     parameters = 0
     with read_file(path) as f:

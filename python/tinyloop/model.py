@@ -616,7 +616,7 @@ class Model(_Scoring, _OwnsHandle):
     def _file_metadata(self) -> dict:
         # the ABI reads string metadata by key only, so the full (typed) table comes
         # from the Python reader of the same file
-        from .format import read_file
+        from .fileformat.tinyloop_file import read_file
         with read_file(self.path) as f:
             return {k: v for k, v in f.metadata.items() if k != "tokenizer.json"}
 

@@ -10,10 +10,10 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from .prefix import _ModelChild
+from ..prefix import _ModelChild
 
 if TYPE_CHECKING:
-    from .model import Model
+    from ..model import Model
 
 # JSON values (RFC 8259) with whitespace limited to a few characters between tokens, so
 # that a model cannot loop on spaces forever; the root is an object or an array of
@@ -69,7 +69,7 @@ class Grammar(_ModelChild):
     @classmethod
     def from_json_schema(cls, model: "Model", schema, token_bytes=None) -> "Grammar":
         """The grammar of the JSON documents `schema` (a dict or JSON text) accepts
-        (tinyloop.json_schema: its subset and limits); SchemaError for keywords it cannot
+        (tinyloop.grammar.json_schema: its subset and limits); SchemaError for keywords it cannot
         honour."""
         from .json_schema import json_schema_to_gbnf
         return cls(model, json_schema_to_gbnf(schema), token_bytes=token_bytes)
