@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _args, _native
 from . import prefix as _prefix
+from ._handle import ModelChild, NativeHandle
 from .errors import InvalidArgumentError, TinyLoopError, error_for_status
 from .kv_policy import kv_policy_values
 from .tokenizer import Tokenizer
@@ -228,27 +229,7 @@ class _GenerateOptions:
         return [tokens, lengths, tokens_c, lengths_c]
 
 
-class _OwnsHandle:
-    """A native handle, freed by close(), by the with-statement or when collected."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _collectable(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None and self._collectable():
-            self.close()
-
-
-class TokenStream(_OwnsHandle):
+class TokenStream(ModelChild):
     """Iterator over generated token ids (the C pull iterator, no callbacks).
 
     After the last token, `.result` holds the GenerateResult. Breaking out early is
@@ -273,10 +254,9 @@ class TokenStream(_OwnsHandle):
                 model._require_open(), _prefix.pool_handle(model, pool), *args))
         else:
             native.check(native.lib.tl_stream_start(model._require_open(), ctx_handle, *args))
-        self._handle = out[0]
+        self._adopt(out[0])
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
-        model._children.add(self)
 
     def __iter__(self) -> "TokenStream":
         return self
@@ -318,10 +298,8 @@ class TokenStream(_OwnsHandle):
                                      None if self.logprobs is None else list(self.logprobs))
         self.close()
 
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._native.lib.tl_stream_free(handle)
+    def _free(self, handle) -> None:
+        self._native.lib.tl_stream_free(handle)
 
 
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
@@ -487,7 +465,7 @@ def _default_model_path() -> str:
     return os.fspath(default_model_path())
 
 
-class Model(_Scoring, _OwnsHandle):
+class Model(_Scoring, NativeHandle):
     """A loaded .tinyloop model. Weights are mmapped and shared by all contexts.
 
     draft_vocab: speculative drafts score only the N most frequent tokens of the file's
@@ -516,7 +494,6 @@ class Model(_Scoring, _OwnsHandle):
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
                  body_dtype: str = "as_stored"):
-        self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         self.path = os.fspath(path)
@@ -537,10 +514,10 @@ class Model(_Scoring, _OwnsHandle):
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
         opts.body_dtype = _body_dtype_value(body_dtype)
         out = ffi.new("tl_model **")
-        native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
-        self._handle = out[0]
         self._lock = threading.Lock()
         self._children: weakref.WeakSet = weakref.WeakSet()
+        native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
+        self._handle = out[0]
         self._tokenizer: Tokenizer | None = None
         self.info = self._read_info()
 
@@ -575,21 +552,17 @@ class Model(_Scoring, _OwnsHandle):
             raise TinyLoopError(f"model {self.path} is closed")
         return handle
 
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
     def close(self) -> None:
         """Free the model, and first every context and stream still open on it.
 
         Idempotent. Other threads must be done with the model before it is closed."""
         with self._lock:
-            handle, self._handle = self._handle, None
-            if handle is None:
-                return
-            for child in list(self._children):
-                child.close()
-            self._native.lib.tl_free_model(handle)
+            super().close()
+
+    def _free(self, handle) -> None:
+        for child in list(self._children):
+            child.close()
+        self._native.lib.tl_free_model(handle)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.info.device_name
@@ -848,15 +821,16 @@ class Model(_Scoring, _OwnsHandle):
         return _prefix.PrefixCache.compute(self, tokens, depth)
 
 
-class Context(_Scoring, _OwnsHandle):
+class Context(_Scoring, ModelChild):
     """Mutable state of one sequence on a model: its KV cache and buffers.
 
     Not safe to share between threads; give each thread its own."""
 
+    _kind = "context"
+
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
                  kv_ring_slots: int = 0, body_dtype: str = "as_stored"):
-        self._handle = None
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)
         native, ffi = model._native, model._native.ffi
@@ -868,29 +842,13 @@ class Context(_Scoring, _OwnsHandle):
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
-        self._handle = out[0]
-        model._children.add(self)
+        self._adopt(out[0])
 
     def _ctx_handle(self):
         return self._require_open()
 
-    def _require_open(self):
-        self._model._require_open()
-        if self._handle is None:
-            raise TinyLoopError("context is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._model._native.lib.tl_context_free(handle)
-
-    def _collectable(self) -> bool:
-        return not self._model.closed   # the model's close() already freed this context
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_context_free(handle)
 
     def __len__(self) -> int:
         out = self._model._native.ffi.new("size_t *")
@@ -970,6 +928,6 @@ class Context(_Scoring, _OwnsHandle):
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_fork(self._require_open(), out))
         ctx = Context.__new__(Context)
-        ctx._handle, ctx._model = out[0], model
-        model._children.add(ctx)
+        ctx._model = model
+        ctx._adopt(out[0])
         return ctx
