@@ -1,7 +1,10 @@
 """The plugin registry: registration rules, entry points, mode resolution."""
 
+import importlib.metadata
 import re
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +12,11 @@ import tinyloop.plugins as plugins_module
 from tinyloop.errors import ConfigError, PluginError
 from tinyloop.plugins import (REQUIRED, ActiveMode, Option, Plugin, PluginRegistry,
                               apply_load_hooks, strategy_mode)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 def fake_strategy(model, prompt, options, config):
@@ -59,6 +67,47 @@ def test_builtin_package_is_registered_like_third_parties():
     registry = PluginRegistry()
     registry.load_builtins()
     assert registry.names() == sorted(p.name for p in builtins)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pyproject_plugins() -> dict:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["entry-points"]["tinyloop.plugins"]
+
+
+def test_builtins_are_the_distributions_entry_points():
+    """Every module of tinyloop_plugins is an entry point of tinyloop's pyproject.toml, and
+    those are what the registry loads as built-ins (from the installed metadata, or from
+    pyproject.toml when the source tree runs without an install)."""
+    table = pyproject_plugins()
+    modules = sorted(m.stem for m in (REPO / "plugins" / "tinyloop_plugins").glob("*.py")
+                     if m.stem != "__init__")
+    assert sorted(table) == modules
+    assert all(value == f"tinyloop_plugins.{name}:PLUGIN" for name, value in table.items())
+    assert {ep.name: ep.value for ep in plugins_module.builtin_entry_points()} == table
+    from_tree = plugins_module._source_tree_entry_points(REPO / "pyproject.toml")
+    assert {ep.name: ep.value for ep in from_tree} == table
+    registry = PluginRegistry()
+    registry.load_builtins()
+    assert "of distribution 'tinyloop'" in registry.origin("speculative")
+    # third-party loading leaves tinyloop's own entry points to load_builtins
+    others = PluginRegistry()
+    others.load_entry_points()
+    assert not set(table) & set(others.names())
+
+
+def test_missing_builtins_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(plugins_module, "builtin_entry_points", lambda: [])
+    with pytest.raises(PluginError, match="built-in plugins are missing.*reinstall tinyloop"):
+        PluginRegistry().load_builtins()
+    gone = importlib.metadata.EntryPoint("speculative", "no_such_plugin_module:PLUGIN",
+                                         "tinyloop.plugins")
+    monkeypatch.setattr(plugins_module, "builtin_entry_points", lambda: [gone])
+    with pytest.raises(PluginError, match=r"built-in entry point 'speculative'.*"
+                                          r"No module named 'no_such_plugin_module'; reinstall"):
+        PluginRegistry().load_builtins()
 
 
 # -- entry points ------------------------------------------------------------------------

@@ -4,23 +4,28 @@ A plugin is a `Plugin` value: a name, a typed option schema, the modes it confli
 with or requires, and two optional hooks: `configure_load` adjusts the keyword
 arguments `Model` is loaded with, `strategy` replaces the default generation loop.
 Modes are switched on in tinyloop.toml (`[modes.<name>]`, its keys are the plugin's
-options). Built-in plugins come from the `tinyloop_plugins` package; third parties
-register through the `tinyloop.plugins` entry-point group. The contract is described
-in docs/plugins.md.
+options). Every plugin is registered through the `tinyloop.plugins` entry-point group:
+the built-in ones (the `tinyloop_plugins` package) as entry points of the tinyloop
+distribution itself, declared in its pyproject.toml. The contract is described in
+docs/plugins.md.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "tinyloop.plugins"
+#: the distribution whose entry points are the built-in plugins
+DISTRIBUTION = "tinyloop"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _TYPES = (bool, int, float, str)
@@ -184,32 +189,37 @@ class PluginRegistry:
         return len(self._plugins)
 
     def load_builtins(self) -> None:
-        """Register the plugins shipped in the `tinyloop_plugins` package."""
-        try:
-            import tinyloop_plugins
-        except ImportError as e:
-            raise PluginError(f"the built-in plugin package tinyloop_plugins is missing ({e}); "
-                              "reinstall tinyloop") from None
-        for plugin in tinyloop_plugins.builtin_plugins():
-            self.register(plugin, origin="built-in package tinyloop_plugins")
+        """Register the built-in plugins: the tinyloop distribution's own entry points."""
+        points = builtin_entry_points()
+        if not points:
+            raise PluginError(f"the built-in plugins are missing: distribution {DISTRIBUTION!r} "
+                              f"declares no {ENTRY_POINT_GROUP!r} entry points; reinstall tinyloop")
+        for ep in points:
+            self._load_entry_point(ep, f"built-in entry point {ep.name!r} ({ep.value}) of "
+                                       f"distribution {DISTRIBUTION!r}", "; reinstall tinyloop")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Register third-party plugins: each entry point names a Plugin, or a callable
-        returning one, and its name must be the plugin's name."""
+        returning one, and its name must be the plugin's name. The tinyloop
+        distribution's own are load_builtins'."""
         for ep in importlib.metadata.entry_points(group=group):
             dist = getattr(ep, "dist", None)
-            origin = (f"entry point {ep.name!r} ({ep.value})"
-                      + (f" of distribution {dist.name!r}" if dist is not None else ""))
-            try:
-                obj = ep.load()
-                plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
-            except Exception as e:
-                raise PluginError(f"{origin} failed to load: {type(e).__name__}: {e}") from e
-            validate_plugin(plugin, origin)
-            if plugin.name != ep.name:
-                raise PluginError(f"{origin} provides plugin {plugin.name!r}; the entry point "
-                                  "must carry the plugin's name")
-            self.register(plugin, origin)
+            if dist is not None and dist.name == DISTRIBUTION:
+                continue
+            self._load_entry_point(ep, f"entry point {ep.name!r} ({ep.value})"
+                                   + (f" of distribution {dist.name!r}" if dist is not None else ""))
+
+    def _load_entry_point(self, ep, origin: str, hint: str = "") -> None:
+        try:
+            obj = ep.load()
+            plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
+        except Exception as e:
+            raise PluginError(f"{origin} failed to load: {type(e).__name__}: {e}{hint}") from e
+        validate_plugin(plugin, origin)
+        if plugin.name != ep.name:
+            raise PluginError(f"{origin} provides plugin {plugin.name!r}; the entry point "
+                              "must carry the plugin's name")
+        self.register(plugin, origin)
 
     def resolve(self, modes: Mapping[str, Any],
                 error: ErrorFactory = plain_error) -> tuple[ActiveMode, ...]:
@@ -265,6 +275,34 @@ class PluginRegistry:
             raise error(f"modes.{with_strategy[1]}",
                         "modes " + " and ".join(repr(n) for n in with_strategy) +
                         " each replace the generation strategy; enable only one of them")
+
+
+def builtin_entry_points() -> list:
+    """The entry points of the built-in plugins: those of the installed tinyloop
+    distribution (pyproject.toml's [project.entry-points."tinyloop.plugins"]), or, for a
+    source tree on sys.path without an install (PYTHONPATH=python:plugins), that table
+    read from the tree's pyproject.toml."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return _source_tree_entry_points(Path(__file__).resolve().parents[2] / "pyproject.toml")
+    return [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+
+
+def _source_tree_entry_points(pyproject: Path) -> list:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on Python 3.10 only
+        import tomli as tomllib
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    if project.get("name") != DISTRIBUTION:
+        return []
+    table = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    return [importlib.metadata.EntryPoint(name, value, ENTRY_POINT_GROUP)
+            for name, value in table.items()]
 
 
 def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
