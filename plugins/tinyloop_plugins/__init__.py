@@ -16,3 +16,18 @@ def builtin_plugins() -> list:
     """The Plugin values this package provides, in the order of their entry points."""
     from tinyloop.plugins import builtin_entry_points
     return [ep.load() for ep in builtin_entry_points()]
+
+
+#: generation options the library does not combine with drafts (tinyloop.h: "not with
+#: draft_depth")
+UNDRAFTABLE = ("logprobs", "grammar", "logit_bias", "presence_penalty", "frequency_penalty")
+
+
+def add_drafts(generate_options: dict, **drafting) -> None:
+    """A speculative mode's configure_generate: set its drafting options on a generation,
+    unless the generation drafts on its own (draft_depth set) or uses what drafts cannot
+    (UNDRAFTABLE); such a generation runs as asked. Drafts change the speed only: greedy,
+    the tokens are plain decoding's, sampled, they follow its distribution."""
+    if generate_options.get("draft_depth") or any(generate_options.get(k) for k in UNDRAFTABLE):
+        return
+    generate_options.update(drafting)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Mapping, Sequence
 
@@ -19,8 +20,9 @@ import numpy as np
 from . import _args, _native
 from . import prefix as _prefix
 from ._handle import ModelChild, NativeHandle
-from .errors import InvalidArgumentError, TinyLoopError, error_for_status
+from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
 from .kv_policy import kv_policy_values
+from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
@@ -302,6 +304,91 @@ class TokenStream(ModelChild):
         self._native.lib.tl_stream_free(handle)
 
 
+class _StrategyThread(threading.local):
+    running = False
+
+
+_strategy_thread = _StrategyThread()
+
+
+@contextmanager
+def _inside_strategy():
+    """While a mode's strategy runs on this thread, the generations it starts are the
+    library's own: no mode applies to them (the strategy has had the options)."""
+    outer, _strategy_thread.running = _strategy_thread.running, True
+    try:
+        yield
+    finally:
+        _strategy_thread.running = outer
+
+
+class StrategyStream:
+    """The tokens a mode's strategy generates (Plugin.strategy), as a stream: iterate it,
+    close() it (or the with-statement); Model.next_batch steps it on its own. `result` stays
+    None: a strategy reports no GenerateResult."""
+
+    logprobs = None
+    result = None
+
+    def __init__(self, model: "Model", tokens):
+        self._model = model
+        self.tokens: list[int] = []
+        with _inside_strategy():
+            self._tokens = iter(tokens)
+
+    def __iter__(self) -> "StrategyStream":
+        return self
+
+    def __next__(self) -> int:
+        if self._tokens is None:
+            raise StopIteration
+        with _inside_strategy():
+            try:
+                token = int(next(self._tokens))
+            except StopIteration:
+                self.close()
+                raise
+        self.tokens.append(token)
+        return token
+
+    def _step(self):
+        """next(): the token, None at the end, or the TinyLoopError it failed with."""
+        try:
+            return next(self)
+        except StopIteration:
+            return None
+        except TinyLoopError as e:
+            self.close()
+            return e
+
+    def close(self) -> None:
+        tokens, self._tokens = self._tokens, None
+        if tokens is not None and hasattr(tokens, "close"):
+            with _inside_strategy():
+                tokens.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drained(stream, prompt, ids: np.ndarray, model: "Model") -> GenerateResult:
+    """generate()'s result from a stream run to its end (its text when the prompt was a
+    str); a strategy's stream, which has no result of its own, gets stop reason "none"."""
+    with stream:
+        for _ in stream:
+            pass
+    result = stream.result
+    if result is None:
+        result = GenerateResult(tokens=list(stream.tokens), text=None, stop_reason="none",
+                                prompt_tokens=len(ids), prefill_seconds=0.0, decode_seconds=0.0)
+    if isinstance(prompt, str):
+        result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
+    return result
+
+
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
     decoder = tokenizer.incremental_decoder(stream._prompt.tolist())
     with stream:
@@ -400,19 +487,22 @@ class _Scoring:
         prompt; Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not
         with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
         step), presence_penalty, frequency_penalty and logit_bias (OpenAI's,
-        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str."""
+        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str.
+        The model's modes (Model.modes) adjust the options first."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
+        return self._generate(prompt, ids, model._generation_options(options), pool)
+
+    def _generate(self, prompt, ids: np.ndarray, options: dict, pool) -> GenerateResult:
+        model = self._model
+        mode = model._strategy_now()
+        if mode is not None:
+            return _drained(self._strategy_stream(mode, ids, options, pool), prompt, ids, model)
         opts = _GenerateOptions(model, **options)
         if opts.logprobs:   # kept per step by the pull iterator
-            with TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool) as stream:
-                for _ in stream:
-                    pass
-            result = stream.result
-            if isinstance(prompt, str):
-                result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
-            return result
+            stream = TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
+            return _drained(stream, prompt, ids, model)
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
         c_result = ffi.new("tl_generate_result *")
@@ -431,13 +521,27 @@ class _Scoring:
         text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
         return _result_from_c(c_result, tokens, text)
 
-    def stream(self, prompt, **options) -> TokenStream:
-        """Like generate(), yielding token ids as they are produced."""
+    def stream(self, prompt, **options) -> "TokenStream | StrategyStream":
+        """Like generate(), yielding token ids as they are produced (a StrategyStream when a
+        mode of the model replaces the generation loop)."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
+        options = model._generation_options(options)
+        mode = model._strategy_now()
+        if mode is not None:
+            return self._strategy_stream(mode, ids, options, pool)
         opts = _GenerateOptions(model, **options)
         return TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
+
+    def _strategy_stream(self, mode, ids: np.ndarray, options: dict, pool):
+        """The generation of a mode's strategy: its own TokenStream when it returns one."""
+        if pool is not None:
+            raise UnsupportedError(f"mode {mode.name!r} replaces the generation loop: pool= is "
+                                   "not supported with it")
+        with _inside_strategy():
+            tokens = mode.plugin.strategy(self, ids, options, mode.config)
+        return tokens if isinstance(tokens, TokenStream) else StrategyStream(self._model, tokens)
 
     def _pool_option(self, options: dict):
         pool = options.pop("pool", None)
@@ -519,21 +623,30 @@ class Model(_Scoring, NativeHandle):
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]
         self._tokenizer: Tokenizer | None = None
+        #: the active modes of the config the model was loaded from (Model.from_config):
+        #: their configure_generate hooks and strategy apply to every generation
+        self.modes: tuple = ()
+        self._strategy = None
         self.info = self._read_info()
 
     @classmethod
     def from_config(cls, config, **overrides) -> "Model":
         """Load the model a tinyloop.toml (path or tinyloop.config.Config) describes.
 
-        Active modes adjust the load options; keyword overrides win over both. Without
-        [model] path it loads the default model, as the CLI does."""
+        Active modes adjust the load options; keyword overrides win over both. The model
+        keeps the modes (`modes`): they adjust every generation's options and may replace
+        its loop, on the model and on its contexts. Without [model] path it loads the
+        default model, as the CLI does."""
         from .config import Config, load_config
         if not isinstance(config, Config):
             config = load_config(config)
         kwargs = config.load_options()
         kwargs.update(overrides)
         path = kwargs.pop("path") or _default_model_path()
-        return cls(path, **kwargs)
+        model = cls(path, **kwargs)
+        model.modes = tuple(config.modes)
+        model._strategy = strategy_mode(model.modes)
+        return model
 
     @classmethod
     def default(cls, **options) -> "Model":
@@ -648,6 +761,17 @@ class Model(_Scoring, NativeHandle):
         opts.depth = self._check_depth(depth)
         return opts
 
+    def _generation_options(self, options: dict) -> dict:
+        """One generation's keyword arguments after the modes' configure_generate hooks
+        (inside a strategy none apply)."""
+        if not self.modes or _strategy_thread.running:
+            return options
+        return apply_generate_hooks(self.modes, dict(options))
+
+    def _strategy_now(self):
+        """The mode whose strategy runs a generation started now, if any."""
+        return None if _strategy_thread.running else self._strategy
+
     def _prompt_ids(self, prompt) -> np.ndarray:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
@@ -726,6 +850,9 @@ class Model(_Scoring, NativeHandle):
         if len(prompts) == 0:
             return []
         ids = [self._prompt_ids(p) for p in prompts]
+        options = self._generation_options(options)
+        if self._strategy_now() is not None:   # a mode's own loop: one prompt after another
+            return [self._generate(p, i, options, None) for p, i in zip(prompts, ids)]
         opts = _GenerateOptions(self, **options)
         native, ffi = self._native, self._native.ffi
         n = len(ids)
@@ -772,15 +899,20 @@ class Model(_Scoring, NativeHandle):
         distinct contexts): the streams whose next token takes one plain decode step share
         one forward pass (docs/api.md, "Batched decoding"). Returns, per stream, its next
         token, None when it has ended (its .result is then set), or the TinyLoopError it
-        failed with (the stream is then closed); the other streams go on either way."""
+        failed with (the stream is then closed); the other streams go on either way. A
+        mode's StrategyStream is stepped on its own."""
         streams = list(streams)
         for i, stream in enumerate(streams):
-            if not isinstance(stream, TokenStream) or stream._model is not self:
+            if not isinstance(stream, (TokenStream, StrategyStream)) or stream._model is not self:
                 raise InvalidArgumentError(f"streams[{i}] is not a stream of this model")
         if len({id(stream) for stream in streams}) != len(streams):
             raise InvalidArgumentError("a stream appears twice in the batch")
         out: list = [None] * len(streams)
-        live = [i for i, stream in enumerate(streams) if stream._handle is not None]
+        for i, stream in enumerate(streams):
+            if isinstance(stream, StrategyStream):
+                out[i] = stream._step()
+        live = [i for i, stream in enumerate(streams)
+                if isinstance(stream, TokenStream) and stream._handle is not None]
         if not live:
             return out
         native, ffi = self._native, self._native.ffi

@@ -1,8 +1,10 @@
 """The registry of runtime modes (plugins).
 
 A plugin is a `Plugin` value: a name, a typed option schema, the modes it conflicts
-with or requires, and two optional hooks: `configure_load` adjusts the keyword
-arguments `Model` is loaded with, `strategy` replaces the default generation loop.
+with or requires, and optional hooks: `configure_load` adjusts the keyword arguments
+`Model` is loaded with, `configure_generate` those of each generation, `strategy`
+replaces the default generation loop. A model loaded from a config (Model.from_config,
+and so every CLI command) applies them itself, so every front end honours a mode.
 Modes are switched on in tinyloop.toml (`[modes.<name>]`, its keys are the plugin's
 options). Every plugin is registered through the `tinyloop.plugins` entry-point group:
 the built-in ones (the `tinyloop_plugins` package) as entry points of the tinyloop
@@ -97,9 +99,13 @@ class Plugin:
     configure_load(mode_config, load_options): edit `load_options` (the keyword
         arguments of tinyloop.Model: device, threads, max_seq_len, default_depth,
         prefill_chunk, ...) in place.
+    configure_generate(mode_config, generate_options): edit the keyword arguments of one
+        generation (max_tokens, depth, temperature, draft_depth, ...: those the caller
+        gave) in place, for every generation of a model loaded with the mode.
     strategy(model, prompt_ids, generate_options, mode_config): produce the generated
         token ids (an iterable, consumed lazily so that streaming works) instead of the
-        library's default loop. At most one active mode may have a strategy.
+        library's default loop; `model` is the Model or the Context generating. At most
+        one active mode may have a strategy.
     """
 
     name: str
@@ -109,6 +115,7 @@ class Plugin:
     requires: frozenset = frozenset()
     configure_load: Callable[[Mapping, dict], None] | None = None
     strategy: Callable[[Any, Any, dict, Mapping], Iterable[int]] | None = None
+    configure_generate: Callable[[Mapping, dict], None] | None = None
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -153,7 +160,7 @@ def validate_plugin(plugin: Any, origin: str) -> Plugin:
                               "of mode names")
         if plugin.name in names:
             raise PluginError(f"{origin}: plugin {plugin.name!r} lists itself in {relation}")
-    for hook in ("configure_load", "strategy"):
+    for hook in ("configure_load", "configure_generate", "strategy"):
         value = getattr(plugin, hook)
         if value is not None and not callable(value):
             raise PluginError(f"{origin}: plugin {plugin.name!r}: {hook} must be callable")
@@ -313,9 +320,25 @@ def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
     return load_options
 
 
+def apply_generate_hooks(modes: Iterable[ActiveMode], generate_options: dict) -> dict:
+    """Let every active mode adjust one generation's keyword arguments; returns them."""
+    for mode in modes:
+        if mode.plugin.configure_generate is not None:
+            mode.plugin.configure_generate(mode.config, generate_options)
+    return generate_options
+
+
 def strategy_mode(modes: Iterable[ActiveMode]) -> ActiveMode | None:
     """The one active mode that replaces the generation loop, if any."""
     return next((m for m in modes if m.plugin.strategy is not None), None)
+
+
+def generation_mode(modes: Iterable[ActiveMode]) -> ActiveMode | None:
+    """The active mode that changes how tokens are generated, if any: the one with a
+    strategy, else the first with a configure_generate hook."""
+    modes = tuple(modes)
+    return strategy_mode(modes) or next(
+        (m for m in modes if m.plugin.configure_generate is not None), None)
 
 
 _default: PluginRegistry | None = None
