@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.decode_batcher import DecodeBatcher
+from tinyloop.server.decode_batcher import DecodeBatcher
 from test_parity import CASES, DEVICE, ON_CPU, SAME, TOLERANCES, DEVICE_TOLERANCE, arithmetic, \
     assert_close, case_config, case_tokens, files  # noqa: F401  (files: the session's model files)
 from tinyloop.errors import ContextFullError, InvalidArgumentError

@@ -404,7 +404,7 @@ def test_model_from_config(tmp_path, model_path):
 
 
 def test_model_without_tokenizer(tmp_path):
-    from tinyloop.random_model import make_random_model
+    from tinyloop.fileformat.random_model import make_random_model
     path = tmp_path / "plain.tinyloop"
     make_random_model(path, seed=1, **textmodel.DIMS)
     with tinyloop.Model(path, threads=1) as m:

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyloop.format import copy_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import copy_file
 from build_tools import find_tool
 
 ROOT = Path(__file__).resolve().parent.parent

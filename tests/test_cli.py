@@ -12,7 +12,7 @@ import textmodel
 import tinyloop
 from tinyloop.chat_template import load_chat_template
 from tinyloop.config import load_config
-from tinyloop.format import copy_file, read_file
+from tinyloop.fileformat.tinyloop_file import copy_file, read_file
 
 
 @pytest.fixture(scope="module")

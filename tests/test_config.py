@@ -4,8 +4,10 @@ import textwrap
 
 import pytest
 
+import textmodel
+import tinyloop
 from tinyloop.config import Config, load_config, parse_config
-from tinyloop.errors import ConfigError
+from tinyloop.errors import ConfigError, UnsupportedError
 from tinyloop.plugins import Option, Plugin, PluginRegistry
 
 
@@ -160,3 +162,106 @@ def test_default_config_object():
     config = Config()
     assert config.model_path() is None
     assert config.load_options()["default_depth"] == 0
+
+
+# -- modes applied by the model itself (Model.from_config) -------------------------------
+def cap_tokens(config, options):
+    options["max_tokens"] = config["max_tokens"]
+
+
+def fixed_tokens(model, prompt_ids, options, config):
+    yield from (int(t) for t in config["tokens"].split(","))
+
+
+def half_of_the_tokens(model, prompt_ids, options, config):
+    """A strategy over the model's own stream: it runs without the modes applied again."""
+    return model.stream(prompt_ids, **dict(options, max_tokens=max(1, options["max_tokens"] // 2)))
+
+
+def generation_registry():
+    registry = PluginRegistry()
+    registry.register(Plugin(name="cap_tokens", options=(Option("max_tokens", int, 2, minimum=1),),
+                             configure_generate=cap_tokens))
+    registry.register(Plugin(name="fixed_tokens", options=(Option("tokens", str, "5,6,7"),),
+                             strategy=fixed_tokens))
+    registry.register(Plugin(name="half", strategy=half_of_the_tokens))
+    return registry
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("modes") / "text.tinyloop"
+    textmodel.make_text_model(path)
+    return path
+
+
+def model_with(tmp_path, model_path, modes: str):
+    config = write(tmp_path, f'[model]\npath = "{model_path}"\nthreads = 1\n{modes}')
+    return tinyloop.Model.from_config(load_config(config, registry=generation_registry()))
+
+
+def test_from_config_applies_generation_hooks(tmp_path, text_model):
+    """A mode's configure_generate reaches every generation of the model: generate, stream,
+    stream_text, generate_batch, and a context's."""
+    greedy = dict(max_tokens=8, temperature=0)
+    with tinyloop.Model(text_model, threads=1) as plain:
+        expected = plain.generate("Hi", **greedy).tokens[:2]
+        assert plain.modes == ()
+    with model_with(tmp_path, text_model, "[modes.cap_tokens]\n") as model:
+        assert [m.name for m in model.modes] == ["cap_tokens"]
+        assert model.generate("Hi", **greedy).tokens == expected
+        with model.stream("Hi", **greedy) as stream:
+            assert list(stream) == expected
+        assert "".join(model.stream_text("Hi", **greedy)) == model.tokenizer.decode(expected)
+        assert [r.tokens for r in model.generate_batch(["Hi", "Hi"], **greedy)] == [expected] * 2
+        with model.context() as ctx:
+            assert ctx.generate("Hi", **greedy).tokens == expected
+
+
+def test_from_config_applies_a_strategy(tmp_path, text_model):
+    """A mode's strategy replaces the loop of every generation of the model, on the model
+    and on its contexts, streamed (also through next_batch) or not."""
+    with model_with(tmp_path, text_model, "[modes.fixed_tokens]\ntokens = \"5,6,7\"\n") as model:
+        result = model.generate("Hi", max_tokens=8)
+        assert result.tokens == [5, 6, 7] and result.stop_reason == "none"
+        assert result.text == model.tokenizer.decode_continuation(model.tokenizer.encode("Hi"),
+                                                                  [5, 6, 7])
+        assert [r.tokens for r in model.generate_batch([[1, 2], [3]])] == [[5, 6, 7]] * 2
+        with model.context() as ctx, ctx.stream([1, 2, 3]) as stream:
+            assert stream.result is None
+            assert [model.next_batch([stream])[0] for _ in range(4)] == [5, 6, 7, None]
+            assert stream.tokens == [5, 6, 7]
+        with pytest.raises(UnsupportedError, match="pool="):
+            model.generate("Hi", pool=object())
+
+
+def test_a_strategy_over_the_library_stream(tmp_path, text_model):
+    """A strategy that returns the model's own stream gets the library's loop (no mode
+    applied to it again) and its result."""
+    with tinyloop.Model(text_model, threads=1) as plain:
+        expected = plain.generate("Hi", max_tokens=3, temperature=0).tokens
+    with model_with(tmp_path, text_model, "[modes.half]\n") as model:
+        result = model.generate("Hi", max_tokens=6, temperature=0)
+        assert result.tokens == expected and result.stop_reason == "max_tokens"
+        assert isinstance(model.stream("Hi", max_tokens=6), tinyloop.TokenStream)
+
+
+def test_from_config_speculative_mode(tmp_path, text_model):
+    """The built-in speculative mode drafts in every generation of the model that can
+    draft, with plain greedy decoding's tokens; one that asks for logprobs, or its own
+    drafts, runs as asked."""
+    greedy = dict(max_tokens=12, temperature=0)
+    with tinyloop.Model(text_model, threads=1) as plain:
+        expected = plain.generate("Hello", **greedy).tokens
+    config = write(tmp_path, f'[model]\npath = "{text_model}"\nthreads = 1\n'
+                             "[modes.speculative]\ndraft_depth = 1\nn_draft = 3\n")
+    with tinyloop.Model.from_config(config) as model:
+        result = model.generate("Hello", **greedy)
+        assert result.tokens == expected and result.drafted_tokens > 0
+        with model.context() as ctx, ctx.stream("Hello", **greedy) as stream:
+            assert list(stream) == expected and stream.result.drafted_tokens > 0
+        scored = model.generate("Hello", logprobs=True, **greedy)
+        assert scored.tokens == expected and scored.drafted_tokens == 0
+        assert len(scored.logprobs) == len(expected)
+        own = model.generate("Hello", draft_depth=1, n_draft=1, **greedy)
+        assert own.tokens == expected and own.drafted_tokens > 0

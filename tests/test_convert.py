@@ -18,7 +18,7 @@ from tinyloop.convert.gguf_reader import GGUFFile
 from tinyloop.convert.gguf_tokenizer import tokenizer_json_from_gguf
 from tinyloop.convert.quantize_model import quantize_model
 from tinyloop.errors import FormatError
-from tinyloop.format import read_file
+from tinyloop.fileformat.tinyloop_file import read_file
 
 from reference import ReferenceModel
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 from sampling_hook import GENERATION_SETTINGS, SETTINGS, logit_rows, sample_rows
 from test_parity import DEVICE_TOLERANCE, TOLERANCES
 

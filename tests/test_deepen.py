@@ -16,7 +16,7 @@ import tinyloop
 from test_parity import CASES, DEVICE, ON_CPU, SAME, assert_close, case_config, case_tokens, \
     check_against_references, files  # noqa: F401  (files: the session's model files)
 from tinyloop.errors import InvalidArgumentError, UnsupportedError
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 LOOP_CASES = [name for name in CASES
               if case_config(name)["n_core"] > 0 and case_config(name).get("state_init") != "warm"]

@@ -221,7 +221,7 @@ def test_package_carries_the_default_models_card():
 @pytest.mark.skipif(not (default_model.MODELS_DIR / f"{DEFAULT_MODEL_NAME}.tinyloop").exists(),
                     reason="the trained default model is not in this installation")
 def test_shipped_default_model_is_usable():
-    from tinyloop.format import read_file
+    from tinyloop.fileformat.tinyloop_file import read_file
     path = default_model.packaged_model_path()
     assert path.stat().st_size <= MAX_MODEL_BYTES
     with read_file(path) as f:

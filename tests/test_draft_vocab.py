@@ -15,8 +15,8 @@ from reference import ReferenceModel
 from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, assert_close, case_config
 from testing_hooks import hooks_of
 from tinyloop.errors import FormatError, InvalidArgumentError
-from tinyloop.format import copy_file, read_file, tensor_nbytes
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import copy_file, read_file, tensor_nbytes
 
 PROMPT = [5, 17, 3, 88, 41, 9]
 CASES = ["base", "q4-g32", "q2-g64", "huginn-q4", "warm-window-q8", "core2-no-coda", "untied"]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tinyloop.errors import FormatError
-from tinyloop.format import (ALIGN, HEADER_SIZE, TinyLoopWriter, read_file,
+from tinyloop.fileformat.tinyloop_file import (ALIGN, HEADER_SIZE, TinyLoopWriter, read_file,
                              tensor_nbytes)
 
-HAVE_QUANTIZE = importlib.util.find_spec("tinyloop.quantize") is not None
+HAVE_QUANTIZE = importlib.util.find_spec("tinyloop.fileformat.quantize") is not None
 needs_quantize = pytest.mark.skipif(not HAVE_QUANTIZE,
                                     reason="tinyloop.quantize (QTensor) is not available")
 
@@ -33,7 +33,7 @@ def build_tiny_model(path, matrix_dtype="f32", seed=0):
     def matrix(name, rows, cols):
         m = rng.standard_normal((rows, cols)) * 0.1
         if matrix_dtype in ("q8", "q4", "q2"):
-            from tinyloop.quantize import quantize
+            from tinyloop.fileformat.quantize import quantize
             w.add_tensor(name, quantize(m, matrix_dtype, group_size=32))
         else:
             w.add_tensor(name, m, matrix_dtype)
@@ -112,7 +112,7 @@ def test_raw_quantized_round_trip(tmp_path, dtype, group):
 @pytest.mark.parametrize("dtype", ["q8", "q4", "q2"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_qtensor_round_trip(tmp_path, dtype, group):
-    from tinyloop.quantize import quantize
+    from tinyloop.fileformat.quantize import quantize
     m = np.random.default_rng(3).standard_normal((5, 256))
     q = quantize(m, dtype, group_size=group)
     w = TinyLoopWriter(DIMS)

@@ -23,8 +23,8 @@ from test_parity import CASES, DEVICE, DEVICE_TOLERANCE, ON_CPU, SAME, TOLERANCE
     assert_close, case_config, case_depths, case_tokens, files  # noqa: F401  (files: the session's model files)
 from tinyloop.config import parse_config
 from tinyloop.errors import ConfigError, InvalidArgumentError
-from tinyloop.format import read_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import read_file
 
 LOOP_CASES = [name for name in CASES if case_config(name)["n_core"] > 0]
 BODY_SUFFIXES = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight",

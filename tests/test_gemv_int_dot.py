@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyloop.quantize import pack_codes
+from tinyloop.fileformat.quantize import pack_codes
 
 SOURCE = Path(__file__).resolve().parents[1] / "libtinyloop" / "cuda" / "cuda_matmul.cu"
 

@@ -18,7 +18,7 @@ from sampling_hook import reference_tokens
 from test_server import paths  # noqa: F401 (the fixture: a plain and a chat text model)
 from tinyloop.errors import InvalidArgumentError, TinyLoopError, UnsupportedError
 from tinyloop.grammar import JSON_GBNF, JSON_OBJECT_GBNF, Grammar
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 
 @pytest.fixture(scope="module")

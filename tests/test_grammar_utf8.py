@@ -18,7 +18,7 @@ from reference import grammar as ref_grammar
 from testing_hooks import hooks_of
 from test_grammar import shipped, text_model  # noqa: F401 (fixtures: the shipped model, a byte-level one)
 from tinyloop.grammar import Grammar
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 V = 256
 EOS = V - 1

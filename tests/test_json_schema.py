@@ -17,7 +17,7 @@ import tinyloop
 from test_grammar import shipped, text_model  # noqa: F401 (fixtures: the shipped model, a byte-level one)
 from test_server import paths, server  # noqa: F401 (fixtures: text models, a server of the plain one)
 from tinyloop.grammar import Grammar
-from tinyloop.json_schema import SchemaError, json_schema_to_gbnf
+from tinyloop.grammar.json_schema import SchemaError, json_schema_to_gbnf
 
 fastjsonschema = pytest.importorskip("fastjsonschema", reason="the independent validator")
 

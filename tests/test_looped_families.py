@@ -31,8 +31,8 @@ from tinyloop.convert.cli_entry import main_convert
 from tinyloop.convert.from_nanbeige import convert_nanbeige
 from tinyloop.convert.looped import convert_looped
 from tinyloop.errors import FormatError, UnsupportedError
-from tinyloop.format import TinyLoopWriter, read_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file
+from tinyloop.fileformat.random_model import make_random_model
 
 TOKENS = np.array([5, 9, 17, 30, 2, 44, 60, 7, 11, 80, 23, 64], dtype=np.int32)
 # two depths each: 1 and the checkpoint's default

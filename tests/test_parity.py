@@ -28,7 +28,7 @@ import pytest
 import tinyloop
 from reference import ReferenceModel
 from reference.ops import log_softmax, next_token_logprobs
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 BASE = dict(seed=11, vocab_size=96, d_model=64, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=128,
             n_pre=1, n_core=1, n_post=1, default_depth=3, max_depth=5, max_seq_len=48)

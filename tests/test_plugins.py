@@ -1,7 +1,15 @@
 """The plugin registry: registration rules, entry points, mode resolution."""
 
+import http.client
+import importlib.metadata
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +17,11 @@ import tinyloop.plugins as plugins_module
 from tinyloop.errors import ConfigError, PluginError
 from tinyloop.plugins import (REQUIRED, ActiveMode, Option, Plugin, PluginRegistry,
                               apply_load_hooks, strategy_mode)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 def fake_strategy(model, prompt, options, config):
@@ -59,6 +72,47 @@ def test_builtin_package_is_registered_like_third_parties():
     registry = PluginRegistry()
     registry.load_builtins()
     assert registry.names() == sorted(p.name for p in builtins)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pyproject_plugins() -> dict:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["entry-points"]["tinyloop.plugins"]
+
+
+def test_builtins_are_the_distributions_entry_points():
+    """Every module of tinyloop_plugins is an entry point of tinyloop's pyproject.toml, and
+    those are what the registry loads as built-ins (from the installed metadata, or from
+    pyproject.toml when the source tree runs without an install)."""
+    table = pyproject_plugins()
+    modules = sorted(m.stem for m in (REPO / "plugins" / "tinyloop_plugins").glob("*.py")
+                     if m.stem != "__init__")
+    assert sorted(table) == modules
+    assert all(value == f"tinyloop_plugins.{name}:PLUGIN" for name, value in table.items())
+    assert {ep.name: ep.value for ep in plugins_module.builtin_entry_points()} == table
+    from_tree = plugins_module._source_tree_entry_points(REPO / "pyproject.toml")
+    assert {ep.name: ep.value for ep in from_tree} == table
+    registry = PluginRegistry()
+    registry.load_builtins()
+    assert "of distribution 'tinyloop'" in registry.origin("speculative")
+    # third-party loading leaves tinyloop's own entry points to load_builtins
+    others = PluginRegistry()
+    others.load_entry_points()
+    assert not set(table) & set(others.names())
+
+
+def test_missing_builtins_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(plugins_module, "builtin_entry_points", lambda: [])
+    with pytest.raises(PluginError, match="built-in plugins are missing.*reinstall tinyloop"):
+        PluginRegistry().load_builtins()
+    gone = importlib.metadata.EntryPoint("speculative", "no_such_plugin_module:PLUGIN",
+                                         "tinyloop.plugins")
+    monkeypatch.setattr(plugins_module, "builtin_entry_points", lambda: [gone])
+    with pytest.raises(PluginError, match=r"built-in entry point 'speculative'.*"
+                                          r"No module named 'no_such_plugin_module'; reinstall"):
+        PluginRegistry().load_builtins()
 
 
 # -- entry points ------------------------------------------------------------------------
@@ -211,3 +265,115 @@ def test_mode_table_must_be_a_table():
     registry = registry_of(Plugin(name="spec"))
     with pytest.raises(ConfigError, match="modes.spec: must be a table"):
         registry.resolve({"spec": 3})
+
+
+# -- every front end honours a mode --------------------------------------------------------
+MODES_MODULE = """
+    from tinyloop.plugins import Option, Plugin
+
+    def _cap(config, options):
+        options["max_tokens"] = config["max_tokens"]
+
+    def _fixed(model, prompt_ids, options, config):
+        yield from (int(t) for t in config["tokens"].split(","))
+
+    CAP = Plugin(name="cap_tokens", options=(Option("max_tokens", int, 3, minimum=1),),
+                 configure_generate=_cap)
+    FIXED = Plugin(name="fixed_tokens", options=(Option("tokens", str, "72,105"),),
+                   strategy=_fixed)
+    """
+# the text model's tokens are bytes: 72, 105 is "Hi"
+FIXED_TEXT = "Hi"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def front_end(tmp_path_factory):
+    """A chat model, the configs switching each test mode on, and the environment of a
+    `tinyloop` process that has the modes' distribution installed."""
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    import textmodel
+    root = tmp_path_factory.mktemp("front_end")
+    make_distribution(root, "[tinyloop.plugins]\ncap_tokens = fake_mode_pkg:CAP\n"
+                            "fixed_tokens = fake_mode_pkg:FIXED\n", MODES_MODULE)
+    model = root / "chat.tinyloop"
+    textmodel.make_text_model(model, chat_template=CHAT_TEMPLATE)
+    configs = {}
+    for mode in ("cap_tokens", "fixed_tokens"):
+        configs[mode] = root / f"{mode}.toml"
+        configs[mode].write_text(f"[modes.{mode}]\n")
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(root)] + [p for p in sys.path if p]))
+    return model, configs, env
+
+
+def tinyloop_cli(env, *args, stdin=""):
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", *map(str, args), "--threads", "1",
+                           "--json"], input=stdin, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_generate_honours_modes(front_end):
+    model, configs, env = front_end
+    capped = tinyloop_cli(env, "generate", model, "Hello", "--max-tokens", 8, "--temperature", 0,
+                          "--config", configs["cap_tokens"])
+    assert capped["mode"] == "cap_tokens" and capped["n_tokens"] == 3
+    prompt = tinyloop_cli(env, "generate", model, "Hello", "--max-tokens", 1)["prompt_tokens"]
+    fixed = tinyloop_cli(env, "generate", model, "Hello", "--config", configs["fixed_tokens"])
+    assert fixed["mode"] == "fixed_tokens" and fixed["tokens"] == [72, 105]
+    assert fixed["text"] == FIXED_TEXT and fixed["prompt_tokens"] == prompt
+
+
+def test_chat_honours_modes(front_end):
+    """Both turns of a chat (the second continues the first's kept sequence) use the mode."""
+    model, configs, env = front_end
+    fixed = tinyloop_cli(env, "chat", model, "--config", configs["fixed_tokens"], stdin="Hi\nYo\n")
+    assert [m["content"] for m in fixed["messages"] if m["role"] == "assistant"] == [FIXED_TEXT] * 2
+    capped = tinyloop_cli(env, "chat", model, "--max-tokens", 8, "--temperature", 0,
+                          "--config", configs["cap_tokens"], stdin="Hi\nYo\n")
+    import tinyloop
+    from tinyloop.chat_template import load_chat_template
+    with tinyloop.Model(model, threads=1) as m:
+        render = load_chat_template(m)
+        for turn in (1, 3):
+            ids = m.tokenizer.encode(render(capped["messages"][:turn]), add_bos=False)
+            reply = m.generate(ids, max_tokens=8, temperature=0).tokens[:3]
+            assert capped["messages"][turn]["content"] == m.tokenizer.decode(reply)
+
+
+@pytest.mark.parametrize("mode", ["cap_tokens", "fixed_tokens"])
+def test_serve_honours_modes(front_end, mode):
+    """Through batched decode steps (--parallel 2), and for a request of two choices."""
+    model, configs, env = front_end
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", str(model), "--port", "0",
+                             "--threads", "1", "--name", "tiny", "--parallel", "2",
+                             "--config", str(configs[mode])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "tinyloop serve: tiny at http://127.0.0.1:" in line, line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        answers = []
+        for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                           ("/v1/completions", {"prompt": "Hello", "n": 2})):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", path, body=json.dumps(dict(body, max_tokens=8, temperature=0)),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            answers.append(json.loads(response.read()))
+            conn.close()
+            assert response.status == 200, answers[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    completion, chat, choices = answers
+    if mode == "cap_tokens":
+        assert completion["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 3
+        assert choices["usage"]["completion_tokens"] == 6
+    else:
+        assert completion["choices"][0]["text"] == FIXED_TEXT
+        assert chat["choices"][0]["message"]["content"] == FIXED_TEXT
+        assert [c["text"] for c in choices["choices"]] == [FIXED_TEXT] * 2

@@ -14,7 +14,7 @@ import textmodel
 import tinyloop
 from test_parity import DEVICE
 from tinyloop.prompt_cache import PromptCache, shared_start
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tinyloop.errors import FormatError
-from tinyloop.format import TinyLoopWriter, read_file
-from tinyloop.quantize import (QTensor, concat_rows, dequantize_raw, pack_codes, quantize,
-                               quantized_nbytes, unpack_codes)
+from tinyloop.fileformat.quantize import (QTensor, concat_rows, dequantize_raw, pack_codes,
+                                          quantize, quantized_nbytes, unpack_codes)
+from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file
 
 QMAX = {"q8": 127, "q4": 15, "q2": 3}
 

@@ -9,7 +9,7 @@ import pytest
 
 from reference import ReferenceModel, ops
 from reference.noise import seeded_normal
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
 
 BASE = dict(seed=7, vocab_size=64, d_model=32, n_head=4, n_kv_head=2, head_dim=8, ffn_dim=64,
             n_pre=1, n_core=1, n_post=1, default_depth=2, max_depth=4, max_seq_len=32)

@@ -10,7 +10,7 @@ import pytest
 
 import tinyloop
 from test_server import Running, paths  # noqa: F401 (fixture)
-from tinyloop import choice_batch
+from tinyloop.server import choice_batch
 
 SAMPLED = {"temperature": 1.5, "top_k": 30, "seed": 17}
 REQUESTS = {

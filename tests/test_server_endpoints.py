@@ -200,7 +200,7 @@ def test_metrics_text_is_prometheus_exposition(server):
 
 
 def test_the_histogram_buckets_are_cumulative_with_an_inf_bucket():
-    from tinyloop.server_metrics import Histogram
+    from tinyloop.server.metrics import Histogram
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 2.0, 3.0):
         h.observe(v)

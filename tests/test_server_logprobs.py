@@ -133,7 +133,7 @@ def test_chat_logprobs(chat_server):
 
 
 def test_partial_character_tokens_are_named_by_their_bytes(server):
-    from tinyloop import server_api
+    from tinyloop.server import api as server_api
     tokenizer = server.model.tokenizer
     for token in range(tokenizer.vocab_size):
         raw = tokenizer.token_bytes(token)
@@ -152,7 +152,7 @@ def test_sentencepiece_tokens_keep_their_leading_space(decoder):
     names it and as the text it is part of shows, not for "world" (what decoding it alone
     gives, the start of a text losing its space)."""
     tokenizers = pytest.importorskip("tokenizers")
-    from tinyloop import server_api
+    from tinyloop.server import api as server_api
     from tinyloop.tokenizer import Tokenizer
     vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "ly": 3, "<0x41>": 4}
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
@@ -169,7 +169,7 @@ def test_byte_level_pieces_of_a_character():
     """The default model's byte-level tokenizer splits '☃' (e2 98 83) into pieces that
     are no text alone: each is named by its bytes, and the bytes join to the character."""
     import tinyloop
-    from tinyloop import server_api
+    from tinyloop.server import api as server_api
     with tinyloop.Model.default(threads=1) as model:
         tokenizer = model.tokenizer
         ids = tokenizer.encode(" ☃")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import textmodel
-from tinyloop.format import read_file
+from tinyloop.fileformat.tinyloop_file import read_file
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "train" / "set_default_depth.py"
 

@@ -35,7 +35,7 @@ def model(smollm2_path):
 
 
 def test_converted_file_is_the_gguf_model(smollm2_path):
-    from tinyloop.format import read_file
+    from tinyloop.fileformat.tinyloop_file import read_file
 
     with read_file(smollm2_path, verify_checksums=True) as f:
         assert f.dims["n_pre"] == 30 and f.dims["d_model"] == 576 and f.dims["vocab_size"] == 49152

@@ -21,8 +21,8 @@ from test_draft_vocab import with_frequencies
 from test_parity import DEVICE, ON_CPU, case_config
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
-from tinyloop.format import copy_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import copy_file
 
 # loop options that change what a draft shares with the full pass: warm and noise state
 # init, concat injection, loop norm, no coda, two codas, a sliding window, quantized weights

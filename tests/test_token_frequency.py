@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tinyloop.errors import FormatError
-from tinyloop.format import copy_file, read_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import copy_file, read_file
 from tool_module import load_tool
 
 VOCAB = 64

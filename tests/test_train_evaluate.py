@@ -64,7 +64,7 @@ def test_agreement_of_drafts_among_a_draft_vocabulary(evaluate, tmp_path):
     """With a draft vocabulary of one token, a draft always picks that token, so its
     agreement is the share of default-depth greedy tokens that are that token."""
     from tinyloop import Model
-    from tinyloop.format import copy_file, read_file
+    from tinyloop.fileformat.tinyloop_file import copy_file, read_file
 
     plain = tmp_path / "plain.tinyloop"
     make_text_model(plain, add_bos=False)

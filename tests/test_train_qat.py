@@ -47,7 +47,7 @@ class Linear(torch.nn.Module):
 
 @pytest.mark.parametrize("group", [32, 64])
 def test_rtn_fake_quantization_is_tinyloop_quantize(group):
-    from tinyloop.quantize import quantize
+    from tinyloop.fileformat.quantize import quantize
     w = weights(10, cols=128).half().float()  # export.py reads the fp16 shards
     expected = quantize(w.numpy(), "q4", group, "rtn").dequantize().astype(np.float32)
     assert np.array_equal(fake_quant_q4_values(w, group).numpy(), expected)
@@ -210,7 +210,7 @@ def test_export_refuses_a_broken_grid(bad):
 def test_a_files_grids_restart_qat_on_the_files_weights(tmp_path):
     """import_model.py hands a file's q4 grids to train.py (set_grid): QAT's first forward
     is the file's weights, also where the grid does not span its group's extremes."""
-    from tinyloop.format import TinyLoopWriter, read_file
+    from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file
     w = weights(11)
     log_scale, vmin = perturbed_grid(w, 11)
     writer = TinyLoopWriter(dict(vocab_size=32, d_model=96, n_head=4, n_kv_head=2, head_dim=24,
@@ -313,7 +313,7 @@ def test_learned_embedding_grid_starts_at_its_export_and_exports_as_trained():
     assert qat.grid["embed.weight"][0].shape == (40, 2) and qat.grid["proj.weight"][0].shape == (4 * GROUP, 4)
     w = model.embed.weight
     start = qat.embed_tensor(w).detach()
-    from tinyloop.quantize import quantize
+    from tinyloop.fileformat.quantize import quantize
     search = torch.from_numpy(quantize(w.half().float().numpy(), "q4", 2 * GROUP, "search").dequantize()).float()
     assert torch.equal(start, search)
     with torch.no_grad():  # a grid the training has moved

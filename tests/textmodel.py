@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from tinyloop.format import TinyLoopWriter, read_file
-from tinyloop.random_model import make_random_model
+from tinyloop.fileformat.random_model import make_random_model
+from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file
 
 BOS, EOS = 256, 257
 VOCAB = 258

@@ -5,7 +5,9 @@ Drafts of `n_draft` tokens come from the model itself at the shallow loop depth
 verifies them all: greedy, the tokens are those of plain greedy decoding; sampling
 (temperature > 0 or a penalty), they follow plain sampling's distribution (speculative
 sampling). The library does the work (tl_generate_options.draft_depth / n_draft); this
-mode only switches it on from TOML:
+mode only switches it on from TOML, for every generation of the model (add_drafts: not
+for one that sets its own draft_depth, or uses logprobs, a grammar, logit_bias or
+presence / frequency penalties, which drafts do not support):
 
     [modes.speculative]
     draft_depth = -1    # the model file's draft.depth (2 for the shipped model), else 1
@@ -18,11 +20,12 @@ output head are copied once when the model loads.
 """
 
 from tinyloop.plugins import Option, Plugin
+from tinyloop_plugins import add_drafts
 
 
-def _strategy(model, prompt_ids, generate_options, config):
-    return model.stream(prompt_ids, **generate_options, draft_depth=config["draft_depth"],
-                        n_draft=config["n_draft"], draft_p_min=config["draft_p_min"])
+def _configure_generate(config, generate_options):
+    add_drafts(generate_options, draft_depth=config["draft_depth"], n_draft=config["n_draft"],
+               draft_p_min=config["draft_p_min"])
 
 
 def _configure_load(config, load_options):
@@ -45,5 +48,5 @@ PLUGIN = Plugin(
     ),
     configure_load=_configure_load,
     conflicts=frozenset({"tree_speculative"}),
-    strategy=_strategy,
+    configure_generate=_configure_generate,
 )

@@ -7,7 +7,8 @@ generation's depth; the longest path the verification agrees with is kept, plus 
 verification's own next token. Greedy, the tokens are plain greedy decoding's; sampling,
 the candidates are drawn from the draft's distribution and judged by multi-candidate
 speculative sampling, so the tokens follow plain sampling's distribution. The library
-does the work (tl_generate_options.tree_widths / tree_budget); this mode switches it on:
+does the work (tl_generate_options.tree_widths / tree_budget); this mode switches it on
+for every generation of the model that can draft (add_drafts, as `speculative`):
 
     [modes.tree_speculative]
     draft_depth = -1       # the model file's draft.depth (2 for the shipped model), else 1
@@ -20,6 +21,7 @@ does the work (tl_generate_options.tree_widths / tree_budget); this mode switche
 from dataclasses import dataclass
 
 from tinyloop.plugins import ErrorFactory, Option, Plugin, plain_error
+from tinyloop_plugins import add_drafts
 
 MAX_LEVELS = 8
 MAX_WIDTH = 8
@@ -42,9 +44,9 @@ class _Widths(Option):
         return tuple(int(part) for part in parts)
 
 
-def _strategy(model, prompt_ids, generate_options, config):
-    return model.stream(prompt_ids, **generate_options, draft_depth=config["draft_depth"],
-                        tree=config["widths"], tree_budget=config["budget"], draft_p_min=config["draft_p_min"])
+def _configure_generate(config, generate_options):
+    add_drafts(generate_options, draft_depth=config["draft_depth"], tree=config["widths"],
+               tree_budget=config["budget"], draft_p_min=config["draft_p_min"])
 
 
 def _configure_load(config, load_options):
@@ -69,5 +71,5 @@ PLUGIN = Plugin(
     ),
     configure_load=_configure_load,
     conflicts=frozenset({"speculative"}),
-    strategy=_strategy,
+    configure_generate=_configure_generate,
 )

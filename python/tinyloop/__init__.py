@@ -13,8 +13,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
-from .grammar import Grammar
-from .json_schema import SchemaError, json_schema_to_gbnf
+from .grammar import Grammar, SchemaError, json_schema_to_gbnf
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer

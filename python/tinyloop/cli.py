@@ -74,25 +74,24 @@ def _load_config(args):
 
 
 def _open_model(args, config=None):
-    """Load the model with the config's [model] settings, overridden by command-line flags.
+    """Load the model with the config's [model] settings and modes (Model.from_config),
+    overridden by command-line flags.
 
     The model is MODEL (or -m), else the config's [model] path, else the default model;
     `args.default_model` is set to the DefaultModel used, or None."""
     from .model import Model
     config = config if config is not None else _load_config(args)
-    options = config.load_options()
-    path = args.model or options.get("path")
+    path = args.model or config.load_options().get("path")
     args.default_model = None
     if path:
-        options["path"] = resolve_model(path)
+        path = resolve_model(path)
     else:
         from .default_model import resolve_default_model
         args.default_model = resolve_default_model()
-        options["path"] = str(args.default_model.path)
-    for flag, key in (("threads", "threads"), ("device", "device")):
-        if getattr(args, flag, None) is not None:
-            options[key] = getattr(args, flag)
-    return Model(options.pop("path"), **options)
+        path = str(args.default_model.path)
+    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
+                 if getattr(args, flag, None) is not None}
+    return Model.from_config(config, path=path, **overrides)
 
 
 def _peak_rss_mb() -> float:
@@ -118,8 +117,7 @@ def _sampling(args, config) -> tuple:
 
 def _read_grammar(args, model):
     """The Grammar of --grammar (a GBNF file) or --json-schema (a JSON Schema file), or None."""
-    from .grammar import Grammar
-    from .json_schema import SchemaError, json_schema_to_gbnf
+    from .grammar import Grammar, SchemaError, json_schema_to_gbnf
     path = args.grammar or args.json_schema
     if path is None:
         return None
@@ -135,8 +133,7 @@ def _read_grammar(args, model):
 
 
 def cmd_generate(args) -> dict:
-    from .model import TokenStream
-    from .plugins import strategy_mode
+    from .plugins import generation_mode
     config = _load_config(args)
     options, depth = _sampling(args, config)
     with _open_model(args, config) as model:
@@ -145,26 +142,19 @@ def cmd_generate(args) -> dict:
             options["grammar"] = grammar
         tokenizer = model.tokenizer
         prompt_ids = tokenizer.encode(args.prompt)
-        mode = strategy_mode(config.modes)
+        mode = generation_mode(model.modes)
         decoder = tokenizer.incremental_decoder(prompt_ids)
         started = time.perf_counter()
-        if mode is not None:
-            tokens = mode.plugin.strategy(model, np.asarray(prompt_ids, dtype=np.int32),
-                                          dict(options, depth=depth), mode.config)
-            # a strategy that returns the library's stream (speculative) has its result
-            stream = tokens if isinstance(tokens, TokenStream) else None
-        else:
-            stream = model.stream(prompt_ids, depth=depth, **options)
-            tokens = stream
+        # the model applies its modes; a strategy's stream has no result of its own
+        stream = model.stream(prompt_ids, depth=depth, **options)
         generated = []
         try:
-            for token in tokens:
+            for token in stream:
                 generated.append(token)
                 sys.stdout.write(decoder.push(token))
                 sys.stdout.flush()
         finally:
-            if stream is not None:
-                stream.close()
+            stream.close()
         sys.stdout.write(decoder.flush() + "\n")
         sys.stdout.flush()
         elapsed = time.perf_counter() - started
@@ -173,7 +163,7 @@ def cmd_generate(args) -> dict:
                    "prompt_tokens": len(prompt_ids),
                    "depth": depth, "mode": mode.name if mode else None,
                    "seconds": elapsed}
-        if stream is not None and stream.result is not None:
+        if stream.result is not None:
             r = stream.result
             payload.update(stop_reason=r.stop_reason, prefill_seconds=r.prefill_seconds,
                            decode_seconds=r.decode_seconds,
@@ -271,7 +261,7 @@ _DIM_KEYS = ("vocab_size", "d_model", "n_head", "n_kv_head", "head_dim", "ffn_di
 
 
 def _tensor_summary(path: str) -> tuple[dict, int]:
-    from .format import read_file
+    from .fileformat.tinyloop_file import read_file
     dtypes: dict = {}
     parameters = 0
     with read_file(path) as f:

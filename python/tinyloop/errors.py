@@ -40,7 +40,7 @@ class FileFormatError(TinyLoopError):
     status_code = 3
 
 
-#: the name used by the file writer/reader (tinyloop.format)
+#: the name used by the file writer/reader (tinyloop.fileformat)
 FormatError = FileFormatError
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Mapping, Sequence
 
@@ -18,9 +19,11 @@ import numpy as np
 
 from . import _args, _native
 from . import prefix as _prefix
-from .errors import InvalidArgumentError, TinyLoopError, error_for_status
+from ._handle import ModelChild, NativeHandle
+from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
 from .exit_gate import ExitGate
 from .kv_policy import kv_policy_values
+from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
@@ -229,27 +232,7 @@ class _GenerateOptions:
         return [tokens, lengths, tokens_c, lengths_c]
 
 
-class _OwnsHandle:
-    """A native handle, freed by close(), by the with-statement or when collected."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _collectable(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None and self._collectable():
-            self.close()
-
-
-class TokenStream(_OwnsHandle):
+class TokenStream(ModelChild):
     """Iterator over generated token ids (the C pull iterator, no callbacks).
 
     After the last token, `.result` holds the GenerateResult. Breaking out early is
@@ -274,10 +257,9 @@ class TokenStream(_OwnsHandle):
                 model._require_open(), _prefix.pool_handle(model, pool), *args))
         else:
             native.check(native.lib.tl_stream_start(model._require_open(), ctx_handle, *args))
-        self._handle = out[0]
+        self._adopt(out[0])
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
-        model._children.add(self)
 
     def __iter__(self) -> "TokenStream":
         return self
@@ -319,10 +301,93 @@ class TokenStream(_OwnsHandle):
                                      None if self.logprobs is None else list(self.logprobs))
         self.close()
 
+    def _free(self, handle) -> None:
+        self._native.lib.tl_stream_free(handle)
+
+
+class _StrategyThread(threading.local):
+    running = False
+
+
+_strategy_thread = _StrategyThread()
+
+
+@contextmanager
+def _inside_strategy():
+    """While a mode's strategy runs on this thread, the generations it starts are the
+    library's own: no mode applies to them (the strategy has had the options)."""
+    outer, _strategy_thread.running = _strategy_thread.running, True
+    try:
+        yield
+    finally:
+        _strategy_thread.running = outer
+
+
+class StrategyStream:
+    """The tokens a mode's strategy generates (Plugin.strategy), as a stream: iterate it,
+    close() it (or the with-statement); Model.next_batch steps it on its own. `result` stays
+    None: a strategy reports no GenerateResult."""
+
+    logprobs = None
+    result = None
+
+    def __init__(self, model: "Model", tokens):
+        self._model = model
+        self.tokens: list[int] = []
+        with _inside_strategy():
+            self._tokens = iter(tokens)
+
+    def __iter__(self) -> "StrategyStream":
+        return self
+
+    def __next__(self) -> int:
+        if self._tokens is None:
+            raise StopIteration
+        with _inside_strategy():
+            try:
+                token = int(next(self._tokens))
+            except StopIteration:
+                self.close()
+                raise
+        self.tokens.append(token)
+        return token
+
+    def _step(self):
+        """next(): the token, None at the end, or the TinyLoopError it failed with."""
+        try:
+            return next(self)
+        except StopIteration:
+            return None
+        except TinyLoopError as e:
+            self.close()
+            return e
+
     def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._native.lib.tl_stream_free(handle)
+        tokens, self._tokens = self._tokens, None
+        if tokens is not None and hasattr(tokens, "close"):
+            with _inside_strategy():
+                tokens.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drained(stream, prompt, ids: np.ndarray, model: "Model") -> GenerateResult:
+    """generate()'s result from a stream run to its end (its text when the prompt was a
+    str); a strategy's stream, which has no result of its own, gets stop reason "none"."""
+    with stream:
+        for _ in stream:
+            pass
+    result = stream.result
+    if result is None:
+        result = GenerateResult(tokens=list(stream.tokens), text=None, stop_reason="none",
+                                prompt_tokens=len(ids), prefill_seconds=0.0, decode_seconds=0.0)
+    if isinstance(prompt, str):
+        result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
+    return result
 
 
 def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
@@ -444,19 +509,22 @@ class _Scoring:
         prompt; Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not
         with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
         step), presence_penalty, frequency_penalty and logit_bias (OpenAI's,
-        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str."""
+        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str.
+        The model's modes (Model.modes) adjust the options first."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
+        return self._generate(prompt, ids, model._generation_options(options), pool)
+
+    def _generate(self, prompt, ids: np.ndarray, options: dict, pool) -> GenerateResult:
+        model = self._model
+        mode = model._strategy_now()
+        if mode is not None:
+            return _drained(self._strategy_stream(mode, ids, options, pool), prompt, ids, model)
         opts = _GenerateOptions(model, **options)
         if opts.logprobs:   # kept per step by the pull iterator
-            with TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool) as stream:
-                for _ in stream:
-                    pass
-            result = stream.result
-            if isinstance(prompt, str):
-                result = replace(result, text=model.tokenizer.decode_continuation(ids, result.tokens))
-            return result
+            stream = TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
+            return _drained(stream, prompt, ids, model)
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
         c_result = ffi.new("tl_generate_result *")
@@ -475,13 +543,27 @@ class _Scoring:
         text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
         return _result_from_c(c_result, tokens, text)
 
-    def stream(self, prompt, **options) -> TokenStream:
-        """Like generate(), yielding token ids as they are produced."""
+    def stream(self, prompt, **options) -> "TokenStream | StrategyStream":
+        """Like generate(), yielding token ids as they are produced (a StrategyStream when a
+        mode of the model replaces the generation loop)."""
         model = self._model
         pool = self._pool_option(options)
         ids = model._prompt_ids(prompt)
+        options = model._generation_options(options)
+        mode = model._strategy_now()
+        if mode is not None:
+            return self._strategy_stream(mode, ids, options, pool)
         opts = _GenerateOptions(model, **options)
         return TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
+
+    def _strategy_stream(self, mode, ids: np.ndarray, options: dict, pool):
+        """The generation of a mode's strategy: its own TokenStream when it returns one."""
+        if pool is not None:
+            raise UnsupportedError(f"mode {mode.name!r} replaces the generation loop: pool= is "
+                                   "not supported with it")
+        with _inside_strategy():
+            tokens = mode.plugin.strategy(self, ids, options, mode.config)
+        return tokens if isinstance(tokens, TokenStream) else StrategyStream(self._model, tokens)
 
     def _pool_option(self, options: dict):
         pool = options.pop("pool", None)
@@ -509,7 +591,7 @@ def _default_model_path() -> str:
     return os.fspath(default_model_path())
 
 
-class Model(_Scoring, _OwnsHandle):
+class Model(_Scoring, NativeHandle):
     """A loaded .tinyloop model. Weights are mmapped and shared by all contexts.
 
     draft_vocab: speculative drafts score only the N most frequent tokens of the file's
@@ -538,7 +620,6 @@ class Model(_Scoring, _OwnsHandle):
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
                  body_dtype: str = "as_stored"):
-        self._handle = None
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         self.path = os.fspath(path)
@@ -559,26 +640,35 @@ class Model(_Scoring, _OwnsHandle):
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
         opts.body_dtype = _body_dtype_value(body_dtype)
         out = ffi.new("tl_model **")
-        native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
-        self._handle = out[0]
         self._lock = threading.Lock()
         self._children: weakref.WeakSet = weakref.WeakSet()
+        native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
+        self._handle = out[0]
         self._tokenizer: Tokenizer | None = None
+        #: the active modes of the config the model was loaded from (Model.from_config):
+        #: their configure_generate hooks and strategy apply to every generation
+        self.modes: tuple = ()
+        self._strategy = None
         self.info = self._read_info()
 
     @classmethod
     def from_config(cls, config, **overrides) -> "Model":
         """Load the model a tinyloop.toml (path or tinyloop.config.Config) describes.
 
-        Active modes adjust the load options; keyword overrides win over both. Without
-        [model] path it loads the default model, as the CLI does."""
+        Active modes adjust the load options; keyword overrides win over both. The model
+        keeps the modes (`modes`): they adjust every generation's options and may replace
+        its loop, on the model and on its contexts. Without [model] path it loads the
+        default model, as the CLI does."""
         from .config import Config, load_config
         if not isinstance(config, Config):
             config = load_config(config)
         kwargs = config.load_options()
         kwargs.update(overrides)
         path = kwargs.pop("path") or _default_model_path()
-        return cls(path, **kwargs)
+        model = cls(path, **kwargs)
+        model.modes = tuple(config.modes)
+        model._strategy = strategy_mode(model.modes)
+        return model
 
     @classmethod
     def default(cls, **options) -> "Model":
@@ -597,21 +687,17 @@ class Model(_Scoring, _OwnsHandle):
             raise TinyLoopError(f"model {self.path} is closed")
         return handle
 
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
     def close(self) -> None:
         """Free the model, and first every context and stream still open on it.
 
         Idempotent. Other threads must be done with the model before it is closed."""
         with self._lock:
-            handle, self._handle = self._handle, None
-            if handle is None:
-                return
-            for child in list(self._children):
-                child.close()
-            self._native.lib.tl_free_model(handle)
+            super().close()
+
+    def _free(self, handle) -> None:
+        for child in list(self._children):
+            child.close()
+        self._native.lib.tl_free_model(handle)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.info.device_name
@@ -638,7 +724,7 @@ class Model(_Scoring, _OwnsHandle):
     def _file_metadata(self) -> dict:
         # the ABI reads string metadata by key only, so the full (typed) table comes
         # from the Python reader of the same file
-        from .format import read_file
+        from .fileformat.tinyloop_file import read_file
         with read_file(self.path) as f:
             return {k: v for k, v in f.metadata.items() if k != "tokenizer.json"}
 
@@ -696,6 +782,17 @@ class Model(_Scoring, _OwnsHandle):
         self._native.lib.tl_score_options_default(opts)
         opts.depth = self._check_depth(depth)
         return opts
+
+    def _generation_options(self, options: dict) -> dict:
+        """One generation's keyword arguments after the modes' configure_generate hooks
+        (inside a strategy none apply)."""
+        if not self.modes or _strategy_thread.running:
+            return options
+        return apply_generate_hooks(self.modes, dict(options))
+
+    def _strategy_now(self):
+        """The mode whose strategy runs a generation started now, if any."""
+        return None if _strategy_thread.running else self._strategy
 
     def _prompt_ids(self, prompt) -> np.ndarray:
         if isinstance(prompt, str):
@@ -775,6 +872,9 @@ class Model(_Scoring, _OwnsHandle):
         if len(prompts) == 0:
             return []
         ids = [self._prompt_ids(p) for p in prompts]
+        options = self._generation_options(options)
+        if self._strategy_now() is not None:   # a mode's own loop: one prompt after another
+            return [self._generate(p, i, options, None) for p, i in zip(prompts, ids)]
         opts = _GenerateOptions(self, **options)
         native, ffi = self._native, self._native.ffi
         n = len(ids)
@@ -821,15 +921,20 @@ class Model(_Scoring, _OwnsHandle):
         distinct contexts): the streams whose next token takes one plain decode step share
         one forward pass (docs/api.md, "Batched decoding"). Returns, per stream, its next
         token, None when it has ended (its .result is then set), or the TinyLoopError it
-        failed with (the stream is then closed); the other streams go on either way."""
+        failed with (the stream is then closed); the other streams go on either way. A
+        mode's StrategyStream is stepped on its own."""
         streams = list(streams)
         for i, stream in enumerate(streams):
-            if not isinstance(stream, TokenStream) or stream._model is not self:
+            if not isinstance(stream, (TokenStream, StrategyStream)) or stream._model is not self:
                 raise InvalidArgumentError(f"streams[{i}] is not a stream of this model")
         if len({id(stream) for stream in streams}) != len(streams):
             raise InvalidArgumentError("a stream appears twice in the batch")
         out: list = [None] * len(streams)
-        live = [i for i, stream in enumerate(streams) if stream._handle is not None]
+        for i, stream in enumerate(streams):
+            if isinstance(stream, StrategyStream):
+                out[i] = stream._step()
+        live = [i for i, stream in enumerate(streams)
+                if isinstance(stream, TokenStream) and stream._handle is not None]
         if not live:
             return out
         native, ffi = self._native, self._native.ffi
@@ -870,15 +975,16 @@ class Model(_Scoring, _OwnsHandle):
         return _prefix.PrefixCache.compute(self, tokens, depth)
 
 
-class Context(_Scoring, _OwnsHandle):
+class Context(_Scoring, ModelChild):
     """Mutable state of one sequence on a model: its KV cache and buffers.
 
     Not safe to share between threads; give each thread its own."""
 
+    _kind = "context"
+
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
                  kv_ring_slots: int = 0, body_dtype: str = "as_stored"):
-        self._handle = None
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)
         native, ffi = model._native, model._native.ffi
@@ -890,29 +996,13 @@ class Context(_Scoring, _OwnsHandle):
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
-        self._handle = out[0]
-        model._children.add(self)
+        self._adopt(out[0])
 
     def _ctx_handle(self):
         return self._require_open()
 
-    def _require_open(self):
-        self._model._require_open()
-        if self._handle is None:
-            raise TinyLoopError("context is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._model._native.lib.tl_context_free(handle)
-
-    def _collectable(self) -> bool:
-        return not self._model.closed   # the model's close() already freed this context
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_context_free(handle)
 
     def __len__(self) -> int:
         out = self._model._native.ffi.new("size_t *")
@@ -992,6 +1082,6 @@ class Context(_Scoring, _OwnsHandle):
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_fork(self._require_open(), out))
         ctx = Context.__new__(Context)
-        ctx._handle, ctx._model = out[0], model
-        model._children.add(ctx)
+        ctx._model = model
+        ctx._adopt(out[0])
         return ctx

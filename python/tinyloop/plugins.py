@@ -1,26 +1,33 @@
 """The registry of runtime modes (plugins).
 
 A plugin is a `Plugin` value: a name, a typed option schema, the modes it conflicts
-with or requires, and two optional hooks: `configure_load` adjusts the keyword
-arguments `Model` is loaded with, `strategy` replaces the default generation loop.
+with or requires, and optional hooks: `configure_load` adjusts the keyword arguments
+`Model` is loaded with, `configure_generate` those of each generation, `strategy`
+replaces the default generation loop. A model loaded from a config (Model.from_config,
+and so every CLI command) applies them itself, so every front end honours a mode.
 Modes are switched on in tinyloop.toml (`[modes.<name>]`, its keys are the plugin's
-options). Built-in plugins come from the `tinyloop_plugins` package; third parties
-register through the `tinyloop.plugins` entry-point group. The contract is described
-in docs/plugins.md.
+options). Every plugin is registered through the `tinyloop.plugins` entry-point group:
+the built-in ones (the `tinyloop_plugins` package) as entry points of the tinyloop
+distribution itself, declared in its pyproject.toml. The contract is described in
+docs/plugins.md.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "tinyloop.plugins"
+#: the distribution whose entry points are the built-in plugins
+DISTRIBUTION = "tinyloop"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _TYPES = (bool, int, float, str)
@@ -92,9 +99,13 @@ class Plugin:
     configure_load(mode_config, load_options): edit `load_options` (the keyword
         arguments of tinyloop.Model: device, threads, max_seq_len, default_depth,
         prefill_chunk, ...) in place.
+    configure_generate(mode_config, generate_options): edit the keyword arguments of one
+        generation (max_tokens, depth, temperature, draft_depth, ...: those the caller
+        gave) in place, for every generation of a model loaded with the mode.
     strategy(model, prompt_ids, generate_options, mode_config): produce the generated
         token ids (an iterable, consumed lazily so that streaming works) instead of the
-        library's default loop. At most one active mode may have a strategy.
+        library's default loop; `model` is the Model or the Context generating. At most
+        one active mode may have a strategy.
     """
 
     name: str
@@ -104,6 +115,7 @@ class Plugin:
     requires: frozenset = frozenset()
     configure_load: Callable[[Mapping, dict], None] | None = None
     strategy: Callable[[Any, Any, dict, Mapping], Iterable[int]] | None = None
+    configure_generate: Callable[[Mapping, dict], None] | None = None
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -148,7 +160,7 @@ def validate_plugin(plugin: Any, origin: str) -> Plugin:
                               "of mode names")
         if plugin.name in names:
             raise PluginError(f"{origin}: plugin {plugin.name!r} lists itself in {relation}")
-    for hook in ("configure_load", "strategy"):
+    for hook in ("configure_load", "configure_generate", "strategy"):
         value = getattr(plugin, hook)
         if value is not None and not callable(value):
             raise PluginError(f"{origin}: plugin {plugin.name!r}: {hook} must be callable")
@@ -184,32 +196,37 @@ class PluginRegistry:
         return len(self._plugins)
 
     def load_builtins(self) -> None:
-        """Register the plugins shipped in the `tinyloop_plugins` package."""
-        try:
-            import tinyloop_plugins
-        except ImportError as e:
-            raise PluginError(f"the built-in plugin package tinyloop_plugins is missing ({e}); "
-                              "reinstall tinyloop") from None
-        for plugin in tinyloop_plugins.builtin_plugins():
-            self.register(plugin, origin="built-in package tinyloop_plugins")
+        """Register the built-in plugins: the tinyloop distribution's own entry points."""
+        points = builtin_entry_points()
+        if not points:
+            raise PluginError(f"the built-in plugins are missing: distribution {DISTRIBUTION!r} "
+                              f"declares no {ENTRY_POINT_GROUP!r} entry points; reinstall tinyloop")
+        for ep in points:
+            self._load_entry_point(ep, f"built-in entry point {ep.name!r} ({ep.value}) of "
+                                       f"distribution {DISTRIBUTION!r}", "; reinstall tinyloop")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Register third-party plugins: each entry point names a Plugin, or a callable
-        returning one, and its name must be the plugin's name."""
+        returning one, and its name must be the plugin's name. The tinyloop
+        distribution's own are load_builtins'."""
         for ep in importlib.metadata.entry_points(group=group):
             dist = getattr(ep, "dist", None)
-            origin = (f"entry point {ep.name!r} ({ep.value})"
-                      + (f" of distribution {dist.name!r}" if dist is not None else ""))
-            try:
-                obj = ep.load()
-                plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
-            except Exception as e:
-                raise PluginError(f"{origin} failed to load: {type(e).__name__}: {e}") from e
-            validate_plugin(plugin, origin)
-            if plugin.name != ep.name:
-                raise PluginError(f"{origin} provides plugin {plugin.name!r}; the entry point "
-                                  "must carry the plugin's name")
-            self.register(plugin, origin)
+            if dist is not None and dist.name == DISTRIBUTION:
+                continue
+            self._load_entry_point(ep, f"entry point {ep.name!r} ({ep.value})"
+                                   + (f" of distribution {dist.name!r}" if dist is not None else ""))
+
+    def _load_entry_point(self, ep, origin: str, hint: str = "") -> None:
+        try:
+            obj = ep.load()
+            plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
+        except Exception as e:
+            raise PluginError(f"{origin} failed to load: {type(e).__name__}: {e}{hint}") from e
+        validate_plugin(plugin, origin)
+        if plugin.name != ep.name:
+            raise PluginError(f"{origin} provides plugin {plugin.name!r}; the entry point "
+                              "must carry the plugin's name")
+        self.register(plugin, origin)
 
     def resolve(self, modes: Mapping[str, Any],
                 error: ErrorFactory = plain_error) -> tuple[ActiveMode, ...]:
@@ -267,6 +284,34 @@ class PluginRegistry:
                         " each replace the generation strategy; enable only one of them")
 
 
+def builtin_entry_points() -> list:
+    """The entry points of the built-in plugins: those of the installed tinyloop
+    distribution (pyproject.toml's [project.entry-points."tinyloop.plugins"]), or, for a
+    source tree on sys.path without an install (PYTHONPATH=python:plugins), that table
+    read from the tree's pyproject.toml."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return _source_tree_entry_points(Path(__file__).resolve().parents[2] / "pyproject.toml")
+    return [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+
+
+def _source_tree_entry_points(pyproject: Path) -> list:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on Python 3.10 only
+        import tomli as tomllib
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    if project.get("name") != DISTRIBUTION:
+        return []
+    table = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    return [importlib.metadata.EntryPoint(name, value, ENTRY_POINT_GROUP)
+            for name, value in table.items()]
+
+
 def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
     """Let every active mode adjust the Model keyword arguments; returns them."""
     for mode in modes:
@@ -275,9 +320,25 @@ def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
     return load_options
 
 
+def apply_generate_hooks(modes: Iterable[ActiveMode], generate_options: dict) -> dict:
+    """Let every active mode adjust one generation's keyword arguments; returns them."""
+    for mode in modes:
+        if mode.plugin.configure_generate is not None:
+            mode.plugin.configure_generate(mode.config, generate_options)
+    return generate_options
+
+
 def strategy_mode(modes: Iterable[ActiveMode]) -> ActiveMode | None:
     """The one active mode that replaces the generation loop, if any."""
     return next((m for m in modes if m.plugin.strategy is not None), None)
+
+
+def generation_mode(modes: Iterable[ActiveMode]) -> ActiveMode | None:
+    """The active mode that changes how tokens are generated, if any: the one with a
+    strategy, else the first with a configure_generate hook."""
+    modes = tuple(modes)
+    return strategy_mode(modes) or next(
+        (m for m in modes if m.plugin.configure_generate is not None), None)
 
 
 _default: PluginRegistry | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _args
-from .errors import InvalidArgumentError, TinyLoopError
+from ._handle import ModelChild
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from .model import Model
@@ -18,43 +19,14 @@ if TYPE_CHECKING:
 DEFAULT_POOL_BYTES = 256 << 20
 
 
-class _ModelChild:
-    """A native handle of a model: closed by close(), the with-statement, collection,
-    or the model's close() (first)."""
-
-    _handle = None
-    _model: "Model"
-
-    def _require_open(self):
-        self._model._require_open()
-        if self._handle is None:
-            raise TinyLoopError(f"{type(self).__name__} is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if self._handle is not None and not self._model.closed:
-            self.close()
-
-
-class PrefixCache(_ModelChild):
+class PrefixCache(ModelChild):
     """An immutable snapshot of a sequence's first tokens (see Model.prefix_cache and
     Context.prefix_cache). Loading it is thread-safe; close() releases this reference
     (a pool that holds the cache keeps its own)."""
 
     def __init__(self, model: "Model", handle):
         self._model = model
-        self._handle = handle
-        model._children.add(self)
+        self._adopt(handle)
         native, ffi = model._native, model._native.ffi
         n, depth, size = ffi.new("size_t *"), ffi.new("int32_t *"), ffi.new("uint64_t *")
         native.check(native.lib.tl_prefix_cache_get_info(handle, n, depth, size))
@@ -76,13 +48,11 @@ class PrefixCache(_ModelChild):
     def __repr__(self) -> str:
         return f"<tinyloop.PrefixCache {self.n_tokens} tokens at depth {self.depth}, {self.bytes} bytes>"
 
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._model._native.lib.tl_prefix_cache_free(handle)
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_prefix_cache_free(handle)
 
 
-class PrefixPool(_ModelChild):
+class PrefixPool(ModelChild):
     """A thread-safe set of prefix caches of one model within max_bytes (0 = no limit),
     least recently used evicted first. register_prompts=True makes every generation from
     the pool add its prompt. Use it with model.generate(..., pool=pool) / model.stream."""
@@ -98,8 +68,7 @@ class PrefixPool(_ModelChild):
         opts.register_prompts = int(register_prompts)
         out = ffi.new("tl_prefix_pool **")
         native.check(native.lib.tl_prefix_pool_create(model._require_open(), opts, out))
-        self._handle = out[0]
-        model._children.add(self)
+        self._adopt(out[0])
 
     def add(self, tokens, depth: int = 0) -> None:
         """Compute `tokens` at `depth` (0 = the default) and hold them (a prefix already
@@ -140,10 +109,8 @@ class PrefixPool(_ModelChild):
         return {"prefixes": int(c.n_prefixes), "bytes": int(c.bytes), "max_bytes": int(c.max_bytes),
                 "hits": int(c.n_hits), "misses": int(c.n_misses), "evicted": int(c.n_evicted)}
 
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._model._native.lib.tl_prefix_pool_free(handle)
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_prefix_pool_free(handle)
 
 
 def pool_handle(model: "Model", pool) -> object:

@@ -7,7 +7,7 @@ by formula. It never calls libtinyloop.
 
 import numpy as np
 
-from tinyloop.format import read_file
+from tinyloop.fileformat.tinyloop_file import read_file
 
 from . import ops
 from .config import ModelConfig

@@ -103,7 +103,7 @@ def measure_read_bandwidth(mib=512, repeat=5):
 
 def weight_bytes_per_token(model_path):
     """Bytes of weights one decoded token must read (every matrix once, embedding row only)."""
-    from tinyloop.format import read_file
+    from tinyloop.fileformat.tinyloop_file import read_file
     f = read_file(model_path)
     total = 0
     for name, t in f.tensors.items():

@@ -4,7 +4,7 @@ tokens): greedy generations of --new-tokens tokens that never stop early, pickin
 host without a grammar (a neutral logit_bias, the path a grammar's generation takes)
 against the same with grammars whose states allow many tokens: any text, the inside of
 a JSON string (nearly every token fits: the trie walk's worst case) and a JSON array of
-numbers (few tokens fit), and a JSON Schema's grammar (tinyloop.json_schema: an array of
+numbers (few tokens fit), and a JSON Schema's grammar (tinyloop.grammar.json_schema: an array of
 records; such a generation may end before --new-tokens, so its time is per token it
 made). Rounds alternate the sides; reported: the fastest of --repeat
 rounds' decode milliseconds per token (the machine is shared: the fastest is the least

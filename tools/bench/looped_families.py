@@ -7,7 +7,7 @@
                                    D against the float64 oracle on the same file, and against
                                    the CPU (exit status 1 past the tolerances)
   make SHAPE PATH [--dims k=v,..] a random-weight q4 .tinyloop at a family's published shape
-                                   (SHAPES below), written directly by tinyloop.random_model:
+                                   (SHAPES below), written directly by tinyloop.fileformat.random_model:
                                    no bf16 checkpoint first, so it needs only the output's size
   bench PATH --device D --out JSON batch-1 decode tokens/s and a 512-token prefill at the
                                    file's default depth (the fields tools/gpu/report.py reads)
@@ -116,7 +116,7 @@ def cmd_parity(args):
 
 def cmd_make(args):
     from bench import _dims   # tools/gpu/bench.py
-    from tinyloop.random_model import make_random_model
+    from tinyloop.fileformat.random_model import make_random_model
 
     config = {**SHAPES[args.shape], **_dims(args.dims)}
     t0 = time.monotonic()

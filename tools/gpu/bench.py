@@ -31,7 +31,7 @@ def _dims(text):
 
 
 def cmd_make(args):
-    from tinyloop.random_model import PRESETS, make_random_model
+    from tinyloop.fileformat.random_model import PRESETS, make_random_model
     config = {**PRESETS["loop-1b"], **_dims(args.dims)}
     t0 = time.monotonic()
     make_random_model(args.path, seed=0, dtype=args.dtype, group_size=args.group_size, **config)
@@ -62,7 +62,7 @@ def cmd_short_run(args):
 def _weight_bytes_per_token(path, depth):
     """Bytes of weights one decode step reads: prelude and coda once, the core `depth`
     times (or once when it stays in L2), the head once; the embedding row is negligible."""
-    from tinyloop.format import read_file
+    from tinyloop.fileformat.tinyloop_file import read_file
     sizes = {"pre": 0, "core": 0, "post": 0, "head": 0}
     with read_file(path) as f:
         tied = "output.weight" not in f.tensors
@@ -190,7 +190,7 @@ def _peer_model(path, torch, device="cuda"):
     (SmolLM2: 30 prelude blocks) as it is. Q/K rows stored for interleaved RoPE (GGUF's
     layout) are put back in the half-rotation order transformers' Llama uses."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from tinyloop.format import read_file
+    from tinyloop.fileformat.tinyloop_file import read_file
     with read_file(path) as f:
         dims, meta = f.dims, f.metadata
         sources = _peer_layers(dims)

@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
 from tinyloop import Model  # noqa: E402
-from tinyloop.format import read_file  # noqa: E402
+from tinyloop.fileformat.tinyloop_file import read_file  # noqa: E402
 
 
 def heldout_tokens(path: Path, n: int) -> np.ndarray:

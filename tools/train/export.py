@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO / "python"))
 from gguf_tokenizer import special_ids, tokenizer_json  # noqa: E402
 from gguf_weights import GGUFWeights  # noqa: E402
 from qat import QMAX, split_grid  # noqa: E402
-from tinyloop.format import TinyLoopWriter, read_file  # noqa: E402
-from tinyloop.quantize import QTensor, pack_codes, quantize  # noqa: E402
+from tinyloop.fileformat.quantize import QTensor, pack_codes, quantize  # noqa: E402
+from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file  # noqa: E402
 
 MODEL_NAME = "tinyloop-smollm2-looped"
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "python"))
 from layers import Dims  # noqa: E402
 from student import LoopedStudent, StudentConfig  # noqa: E402
-from tinyloop.format import read_file  # noqa: E402
-from tinyloop.quantize import QTensor  # noqa: E402
+from tinyloop.fileformat.quantize import QTensor  # noqa: E402
+from tinyloop.fileformat.tinyloop_file import read_file  # noqa: E402
 from qat import GRID_SUFFIXES  # noqa: E402
 from train import SHARD_BYTES, load_init_weights  # noqa: E402
 

@@ -1,13 +1,14 @@
 """Quantization-aware training: the forward pass sees the weights export.py will write.
 
 export.py writes every 2-D tensor of the student except the tied embedding as q4 (group 32
-by default) and the embedding as q4 group 64. q4 (docs/format.md, python/tinyloop/quantize.py,
-method `rtn`): per group of G consecutive elements of a row (rows = output features, groups
-along the input dim), min = f16(group min), scale = f16((group max - min) / 15), code =
-clip(rint((w - min) / scale), 0, 15) (round half to even; scale 0 -> code 0),
-w' = scale * code + min. export.py reads the fp16 shards train.py saves, so the fake
-quantizer rounds the weight to fp16 first and computes in float64 like quantize.py: its
-output equals the exported rtn weights (checked: tools/train/qat.py --check).
+by default) and the embedding as q4 group 64. q4 (docs/format.md,
+python/tinyloop/fileformat/quantize.py, method `rtn`): per group of G consecutive elements
+of a row (rows = output features, groups along the input dim), min = f16(group min),
+scale = f16((group max - min) / 15), code = clip(rint((w - min) / scale), 0, 15) (round
+half to even; scale 0 -> code 0), w' = scale * code + min. export.py reads the fp16 shards
+train.py saves, so the fake quantizer rounds the weight to fp16 first and computes in
+float64 like quantize.py: its output equals the exported rtn weights (checked:
+tools/train/qat.py --check).
 
 Gradients pass straight through (w + (w' - w).detach()); the master weights stay float.
 `--method search` at export picks, per group, the best of shrunken grids; it is not
@@ -15,9 +16,9 @@ differentiable in a useful way, so QAT trains against the rtn grid (a proxy for 
 blocks trained this way should be exported with `--method rtn`, see README).
 
 The frozen embedding (not trained by default) is replaced while QAT is on by its exact
-export (q4, group 64, rtn or search via tinyloop.quantize), computed once: the blocks learn
-to work with the embedding the runtime will use. A trained embedding (--train-embed) gets
-the rtn fake quantizer with its group size instead.
+export (q4, group 64, rtn or search via tinyloop.fileformat.quantize), computed once: the
+blocks learn to work with the embedding the runtime will use. A trained embedding
+(--train-embed) gets the rtn fake quantizer with its group size instead.
 
 With learn_grid=True (train.py --qat-learn-grid) each block matrix's grid is trained too:
 per group a scale (as its logarithm, so steps are relative and it stays positive) and a
@@ -98,7 +99,7 @@ def f16_groups(w: torch.Tensor, group: int) -> torch.Tensor:
 
 def rtn_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, min) of the rtn grid, [rows, cols // group] float32, as fake_quant_q4_values
-    and tinyloop.quantize choose them."""
+    and tinyloop.fileformat.quantize choose them."""
     with torch.no_grad():
         g = f16_groups(w, group)
         vmin = g.amin(-1).to(torch.float16).to(torch.float64)
@@ -110,7 +111,7 @@ def grid_positions(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor,
                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(unclipped positions (f16(w) - min) / scale, f16 scale, f16 min), float64, of w on
     the grid (scale, min: [rows, cols // group], rounded to f16 as the file stores them).
-    A scale that rounds to 0 puts its group at position 0, as in tinyloop.quantize."""
+    A scale that rounds to 0 puts its group at position 0, as in tinyloop.fileformat.quantize."""
     g = f16_groups(w, group)
     s = scale.detach().to(torch.float16).to(torch.float64)[..., None]
     m = vmin.detach().to(torch.float16).to(torch.float64)[..., None]
@@ -154,11 +155,11 @@ def fake_quant_q4_on_grid(w: torch.Tensor, scale: torch.Tensor, vmin: torch.Tens
 def export_q4(w: torch.Tensor, group: int, method: str,
               threads: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dequantized values, scale, min [rows, cols // group]) of the exact q4 export.py
-    writes (tinyloop.quantize) of a frozen tensor: what QAT uses for it, and where its
+    writes (tinyloop.fileformat.quantize) of a frozen tensor: what QAT uses for it, and where its
     learned grid starts. Rows are quantized independently, so row chunks run in threads
     (numpy releases the GIL); `search` on the embedding takes ~45 s on one core."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-    from tinyloop.quantize import quantize
+    from tinyloop.fileformat.quantize import quantize
     arr = w.detach().to("cpu", torch.float16).float().numpy()
     threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(threads) as pool:
@@ -390,7 +391,7 @@ class QAT:
 
 
 def _check(argv=None) -> int:
-    """Compare fake_quant_q4_values with tinyloop.quantize on trained weights."""
+    """Compare fake_quant_q4_values with tinyloop.fileformat.quantize on trained weights."""
     import argparse
     import json
     ap = argparse.ArgumentParser()
@@ -398,7 +399,7 @@ def _check(argv=None) -> int:
     ap.add_argument("--group", type=int, default=32)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-    from tinyloop.quantize import quantize
+    from tinyloop.fileformat.quantize import quantize
     folder = Path(args.check)
     info = json.loads((folder / "student.json").read_text())
     state = {}
@@ -415,8 +416,8 @@ def _check(argv=None) -> int:
         worst = max(worst, d.max().item())
         n_diff += int((d > 0).sum())
         n_total += d.numel()
-    print(f"{n_total} weights: {n_diff} differ from tinyloop.quantize rtn, max |diff| {worst:.3g}"
-          f" ({len(grids)} matrices on learned grids not compared)")
+    print(f"{n_total} weights: {n_diff} differ from tinyloop.fileformat.quantize rtn, "
+          f"max |diff| {worst:.3g} ({len(grids)} matrices on learned grids not compared)")
     return 0 if n_diff == 0 else 1
 
 

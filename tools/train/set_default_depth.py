@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from tinyloop.errors import FormatError  # noqa: E402
-from tinyloop.format import copy_file, read_file  # noqa: E402
+from tinyloop.fileformat.tinyloop_file import copy_file, read_file  # noqa: E402
 
 
 def copy_with_default_depth(src: str, dst: str, depth: int) -> None:

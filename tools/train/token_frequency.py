@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from tinyloop.errors import FormatError  # noqa: E402
-from tinyloop.format import copy_file, read_file  # noqa: E402
+from tinyloop.fileformat.tinyloop_file import copy_file, read_file  # noqa: E402
 
 TOKEN_DTYPES = {"u16": "<u2", "u32": "<u4"}   # flat little-endian arrays, as data.py writes
 

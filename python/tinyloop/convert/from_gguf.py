@@ -15,7 +15,7 @@ from collections import Counter
 
 
 from ..errors import FormatError
-from ..format import TinyLoopWriter
+from ..fileformat.tinyloop_file import TinyLoopWriter
 from . import ggml_blocks
 from .gguf_reader import GGUFFile
 from .gguf_tokenizer import check_round_trip, tokenizer_json_from_gguf

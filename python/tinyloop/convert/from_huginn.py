@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..errors import FormatError
-from ..format import TinyLoopWriter
+from ..fileformat.tinyloop_file import TinyLoopWriter
 from .hf_checkpoint import (Checkpoint, ImportOptions, TensorEmitter, emit_head, open_checkpoint,
                             provenance, write_model)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError
-from ..format import TinyLoopWriter
+from ..fileformat.tinyloop_file import TinyLoopWriter
 from .progress import Progress
 
 CONVERTER = "tinyloop.convert.from_safetensors 1"

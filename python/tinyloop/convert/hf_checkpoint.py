@@ -19,8 +19,8 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import FormatError
-from ..format import TinyLoopWriter
-from ..quantize import concat_rows, quantize
+from ..fileformat.tinyloop_file import TinyLoopWriter
+from ..fileformat.quantize import concat_rows, quantize
 from .from_safetensors import _add_bos, _first_id
 from .progress import Progress, note
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError, ModelIOError, TinyLoopError
-from ..format import read_file
+from ..fileformat.tinyloop_file import read_file
 from .from_gguf import CONVERTER, convert_gguf
 from .progress import Progress, note
 

@@ -1,8 +1,9 @@
 """Re-quantize the matrices of a .tinyloop file (q8 / q4 / q2, rtn or search).
 
-Every 2-D weight matrix is decoded to float64 and quantized with tinyloop.quantize; norms,
-biases and anything else are copied byte for byte. The embedding and the untied head can get
-their own dtype (q8 keeps most of their accuracy for little size) or be kept as they are.
+Every 2-D weight matrix is decoded to float64 and quantized with
+tinyloop.fileformat.quantize; norms, biases and anything else are copied byte for byte.
+The embedding and the untied head can get their own dtype (q8 keeps most of their
+accuracy for little size) or be kept as they are.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import os
 
 from ..errors import FormatError
-from ..format import TinyLoopWriter, read_file
-from ..quantize import quantize
+from ..fileformat.quantize import quantize
+from ..fileformat.tinyloop_file import TinyLoopWriter, read_file
 from .progress import Progress
 
 QUANTIZER = "tinyloop.convert.quantize_model 1"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FormatError
+from ..errors import FormatError
 
 QUANT_DTYPES = ("q8", "q4", "q2")
 GROUP_SIZES = (32, 64, 128)

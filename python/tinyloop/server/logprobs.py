@@ -1,18 +1,18 @@
 """The log-probabilities one server response reports (docs/server.md, "Log-probabilities"):
 with echo the prompt's first, scored in one pass, then the generated tokens' as their
-text goes out, in the endpoint's format (server_api.completion_logprobs / chat_logprobs).
+text goes out, in the endpoint's format (api.completion_logprobs / chat_logprobs).
 """
 
 from __future__ import annotations
 
-from . import server_api
-from .model import TokenLogprob
+from ..model import TokenLogprob
+from . import api
 
 
 class LogprobReport:
     def __init__(self, model, request, record, chat: bool):
         self._tokenizer = model.tokenizer
-        self._format = server_api.chat_logprobs if chat else server_api.completion_logprobs
+        self._format = api.chat_logprobs if chat else api.completion_logprobs
         self._chat = chat
         self._record = record
         self.wanted = request.top_logprobs is not None

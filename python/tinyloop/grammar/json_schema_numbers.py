@@ -1,4 +1,4 @@
-"""Integer and decimal ranges as GBNF, for tinyloop.json_schema's numeric bounds.
+"""Integer and decimal ranges as GBNF, for tinyloop.grammar.json_schema's numeric bounds.
 
 Digit-interval decomposition: the texts of the numbers in a range are split by their
 count of integer digits, and a run of digit strings between two bounds is written as

@@ -1,5 +1,5 @@
 """JSON Schema `pattern` (ECMA-262 regular expressions, a subset) as GBNF over the
-content of a JSON string, for tinyloop.json_schema (docs/python.md, "JSON schemas").
+content of a JSON string, for tinyloop.grammar.json_schema (docs/python.md, "JSON schemas").
 
 A pattern constrains the decoded string and is unanchored: a string is valid when the
 pattern matches some part of it. The grammar is written over the JSON text, so each

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import FormatError
+from ..errors import FormatError
 
 MAGIC = b"TINYLOOP"
 VERSION = 1

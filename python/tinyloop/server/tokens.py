@@ -5,8 +5,8 @@ tokenizer and chat template, without generating.
 
 from __future__ import annotations
 
-from .server_api import (RequestError, chat_prompt_ids, check_fields, check_model, flag_field,
-                         prompt_token_ids, token_text)
+from .api import (RequestError, chat_prompt_ids, check_fields, check_model, flag_field,
+                  prompt_token_ids, token_text)
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "return_token_strs"}

@@ -10,10 +10,10 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from .prefix import _ModelChild
+from .._handle import ModelChild
 
 if TYPE_CHECKING:
-    from .model import Model
+    from ..model import Model
 
 # JSON values (RFC 8259) with whitespace limited to a few characters between tokens, so
 # that a model cannot loop on spaces forever; the root is an object or an array of
@@ -41,7 +41,7 @@ def _vocabulary_bytes(model: "Model") -> list:
     return [b"" if t in special else tok.token_bytes(t) for t in range(model.info.vocab_size)]
 
 
-class Grammar(_ModelChild):
+class Grammar(ModelChild):
     """GBNF text compiled against `model`'s vocabulary (see docs/api.md, "Grammars").
     Immutable: several generations, also on other threads, may use one at once.
     A bad grammar raises InvalidArgumentError naming the line and column. token_bytes
@@ -62,14 +62,13 @@ class Grammar(_ModelChild):
         out = ffi.new("tl_grammar **")
         native.check(native.lib.tl_grammar_create(model._require_open(), gbnf.encode("utf-8"),
                                                    c_bytes, c_lengths, out))
-        self._handle = out[0]
+        self._adopt(out[0])
         self.gbnf = gbnf
-        model._children.add(self)
 
     @classmethod
     def from_json_schema(cls, model: "Model", schema, token_bytes=None) -> "Grammar":
         """The grammar of the JSON documents `schema` (a dict or JSON text) accepts
-        (tinyloop.json_schema: its subset and limits); SchemaError for keywords it cannot
+        (tinyloop.grammar.json_schema: its subset and limits); SchemaError for keywords it cannot
         honour."""
         from .json_schema import json_schema_to_gbnf
         return cls(model, json_schema_to_gbnf(schema), token_bytes=token_bytes)
@@ -82,10 +81,8 @@ class Grammar(_ModelChild):
         native.check(native.lib.tl_grammar_accepts(self._require_open(), data, len(data), ok))
         return bool(ok[0])
 
-    def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            self._model._native.lib.tl_grammar_free(handle)
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_grammar_free(handle)
 
 
 # ---- the server's grammars (docs/server.md, response_format and grammar) ------------

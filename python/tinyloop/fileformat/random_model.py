@@ -6,7 +6,7 @@ number of virtual layers, so activations stay of order one however many times th
 runs; norm gains are near 1. Big matrices are generated and quantized in row blocks, so
 writing a model needs about the output size in memory (twice that for bf16).
 
-    python -m tinyloop.random_model --preset loop-1b --dtype q4 --group-size 64 OUT
+    python -m tinyloop.fileformat.random_model --preset loop-1b --dtype q4 --group-size 64 OUT
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from .format import FLOAT_DTYPES, QUANT_DTYPES, TinyLoopWriter
 from .quantize import concat_rows, quantize
+from .tinyloop_file import FLOAT_DTYPES, QUANT_DTYPES, TinyLoopWriter
 
 # Short option names -> metadata keys of docs/format.md.
 ARCH_OPTIONS = {
@@ -213,7 +213,7 @@ def make_random_model(path, *, seed: int, vocab_size: int, d_model: int, n_head:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tinyloop.random_model",
+    parser = argparse.ArgumentParser(prog="python -m tinyloop.fileformat.random_model",
                                      description="Write a seeded random .tinyloop model from a preset.")
     parser.add_argument("output", help="path of the .tinyloop file to write")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))

@@ -21,15 +21,15 @@ import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import choice_batch, server_api, server_tokens
-from .chat_template import load_chat_template
-from .errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
+from ..chat_template import load_chat_template
+from ..errors import ContextFullError, InvalidArgumentError, TinyLoopError, UnsupportedError
+from ..prompt_cache import PromptCache
+from ..text_generation import GenerationCancelled, TextGeneration, generate_text
+from . import api, choice_batch, tokens
+from .api import RequestError
 from .decode_batcher import DecodeBatcher
-from .prompt_cache import PromptCache
-from .server_api import RequestError
-from .server_logprobs import LogprobReport, joined
-from .server_metrics import ServerMetrics
-from .text_generation import GenerationCancelled, TextGeneration, generate_text
+from .logprobs import LogprobReport, joined
+from .metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S = 30          # a client that sends nothing for this long is dropped
@@ -198,30 +198,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _tokenize(self, body) -> None:
         server = self.server
-        self._send_json(200, server_tokens.tokenize(body, server.model, server.name, server.template))
+        self._send_json(200, tokens.tokenize(body, server.model, server.name, server.template))
 
     def _detokenize(self, body) -> None:
-        self._send_json(200, server_tokens.detokenize(body, self.server.model, self.server.name))
+        self._send_json(200, tokens.detokenize(body, self.server.model, self.server.name))
 
     def _completions(self, body) -> None:
-        request = server_api.completion_request(body, self.server.model, self.server.name)
+        request = api.completion_request(body, self.server.model, self.server.name)
         name = request.model
-        self._generate(request, "cmpl", server_api.completion_body,
-                       lambda rid, i, text, lp: server_api.completion_chunk(rid, name, text, None, lp, i),
-                       lambda rid, i, finish, lp=None: server_api.completion_chunk(rid, name, "", finish,
+        self._generate(request, "cmpl", api.completion_body,
+                       lambda rid, i, text, lp: api.completion_chunk(rid, name, text, None, lp, i),
+                       lambda rid, i, finish, lp=None: api.completion_chunk(rid, name, "", finish,
                                                                                    lp, i),
                        chat=False)
 
     def _chat(self, body) -> None:
-        request = server_api.chat_request(body, self.server.model, self.server.name,
+        request = api.chat_request(body, self.server.model, self.server.name,
                                           self.server.template)
         name = request.model
-        self._generate(request, "chatcmpl", server_api.chat_body,
-                       lambda rid, i, text, lp: server_api.chat_chunk(rid, name, {"content": text},
+        self._generate(request, "chatcmpl", api.chat_body,
+                       lambda rid, i, text, lp: api.chat_chunk(rid, name, {"content": text},
                                                                       None, lp, i),
-                       lambda rid, i, finish, lp=None: server_api.chat_chunk(rid, name, {}, finish, lp, i),
+                       lambda rid, i, finish, lp=None: api.chat_chunk(rid, name, {}, finish, lp, i),
                        chat=True,
-                       first=lambda rid, i: server_api.chat_chunk(
+                       first=lambda rid, i: api.chat_chunk(
                            rid, name, {"role": "assistant", "content": ""}, index=i))
 
     # -- generation -----------------------------------------------------------------------
@@ -229,7 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Run the request's choices in its slot, together where they can (choice_batch.py)
         and else one after another, and answer them, whole or streamed (each chunk names
         its choice's index; the choices' chunks come one choice after another)."""
-        rid = server_api.new_id(prefix)
+        rid = api.new_id(prefix)
         server = self.server
         self._arrived, self._first_seen = time.monotonic(), False
         choices = request.choices()
@@ -246,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
         records = []
 
         def usage():
-            return server_api.usage(sum(len(ids) for ids, _ in request.prompts),
+            return api.usage(sum(len(ids) for ids, _ in request.prompts),
                                     sum(r.completion_tokens for r in records),
                                     sum(r.cached_tokens for r in records))
 

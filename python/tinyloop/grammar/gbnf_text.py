@@ -1,5 +1,5 @@
 """Pieces of GBNF text (docs/api.md "Grammars"), for the modules that write grammars
-(tinyloop.json_schema and its number and pattern parts)."""
+(tinyloop.grammar.json_schema and its number and pattern parts)."""
 
 from __future__ import annotations
 

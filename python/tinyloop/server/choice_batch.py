@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .errors import TinyLoopError
-from .text_generation import GenerationCancelled, TextGeneration, TextPipe
+from ..errors import TinyLoopError
+from ..text_generation import GenerationCancelled, TextGeneration, TextPipe
 
 MAX_ROWS = 16   # choices stepped together at most (each holds a context)
 

@@ -13,10 +13,9 @@ import secrets
 import time
 from dataclasses import dataclass, field, replace
 
-from .chat_template import ChatTemplateError, ChatTemplateUnavailable
-from .errors import InvalidArgumentError
-from .grammar import json_object_grammar, request_grammar
-from .json_schema import SchemaError, json_schema_to_gbnf
+from ..chat_template import ChatTemplateError, ChatTemplateUnavailable
+from ..errors import InvalidArgumentError
+from ..grammar import SchemaError, json_object_grammar, json_schema_to_gbnf, request_grammar
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
