@@ -280,11 +280,12 @@ void cuda_fill(tl_exec *ex, tl_act dst, size_t count, float value) {
     launch_fill(ex, P(dst), count, value);
 }
 
-void cuda_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0, float sigma) {
+void cuda_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0, float sigma,
+                     float truncation) {
     if (bind(ex)) return;
     pos_arg pos = step_pos(ex, pos0);
-    step_note(ex, { 3, K(P(dst)), (uint64_t)n, (uint64_t)d, seed, (uint64_t)pos.base, K(sigma) });
-    launch_fill_noise(ex, P(dst), n, d, seed, pos, sigma);
+    step_note(ex, { 3, K(P(dst)), (uint64_t)n, (uint64_t)d, seed, (uint64_t)pos.base, K(sigma), K(truncation) });
+    launch_fill_noise(ex, P(dst), n, d, seed, pos, sigma, truncation);
 }
 
 // Host ints (token ids, targets) into the execution state's device array.

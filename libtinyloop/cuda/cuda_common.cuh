@@ -358,7 +358,7 @@ void launch_copy_rows(tl_exec *ex, float *dst, size_t ld_dst, const float *src, 
                       int n, int width);
 void launch_fill(tl_exec *ex, float *dst, size_t count, float value);
 void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
-                       float sigma);
+                       float sigma, float truncation);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
                      const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
 // RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's

@@ -54,22 +54,33 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
 }
 
 // dst[i, j] = sigma * Box-Muller(splitmix64 stream of (seed, pos0 + i), j)
-__global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, pos_arg pos, float sigma) {
+// n(seed, pos, j), or with truncation > 0 n_T: redrawn at counters 2j + k 2^33 while
+// |z| > truncation, 0 after 64 draws (docs/model.md).
+__device__ double seeded_normal(uint64_t key, int j, double truncation) {
+    const double two_pi = 6.283185307179586476925286766559;
+    const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
+    for (uint64_t k = 0; k < 64; k++) {
+        uint64_t c = 2 * (uint64_t)j + (k << 33);
+        uint64_t a = splitmix64(key + c), b = splitmix64(key + c + 1);
+        double u1 = (double)((a >> 11) + 1) * inv53;
+        double u2 = (double)(b >> 11) * inv53;
+        double z = sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
+        if (truncation <= 0.0 || fabs(z) <= truncation) return z;
+    }
+    return 0.0;
+}
+
+__global__ void noise_kernel(float *dst, int n, int d, uint64_t seed_key, pos_arg pos, float sigma,
+                             float truncation) {
     pdl_wait();
     pdl_trigger();
     const int pos0 = pos_value(pos);
-    const double two_pi = 6.283185307179586476925286766559;
-    const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
     size_t total = (size_t)n * d;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
         int i = (int)(e / d), j = (int)(e % d);
         uint64_t key = splitmix64(seed_key + (uint64_t)(pos0 + i));
-        uint64_t a = splitmix64(key + 2 * (uint64_t)j);
-        uint64_t b = splitmix64(key + 2 * (uint64_t)j + 1);
-        double u1 = (double)((a >> 11) + 1) * inv53;
-        double u2 = (double)(b >> 11) * inv53;
-        dst[e] = (float)(sigma * sqrt(-2.0 * log(u1)) * cos(two_pi * u2));
+        dst[e] = (float)(sigma * seeded_normal(key, j, truncation));
     }
 }
 
@@ -400,11 +411,11 @@ void launch_fill(tl_exec *ex, float *dst, size_t count, float value) {
 }
 
 void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
-                       float sigma) {
+                       float sigma, float truncation) {
     size_t count = (size_t)n * d;
     if (count == 0) return;
     launch(ex, "fill_noise", noise_kernel, stride_blocks(count), 256, 0, dst, n, d, host_splitmix64(seed),
-           pos0, sigma);
+           pos0, sigma, truncation);
 }
 
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k, const float *v,

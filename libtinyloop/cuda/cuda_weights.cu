@@ -76,6 +76,9 @@ std::vector<tl_tensor *> model_tensors(const struct tl_model *m) {
     all.push_back(const_cast<tl_tensor *>(&m->draft.head));   // the drafts' rows of it (draft_vocab.h)
     add_norm(all, &m->final_norm);
     add_norm(all, &m->loop_norm);
+    add_norm(all, &m->post_loop_norm);
+    all.push_back(const_cast<tl_tensor *>(&m->exit_gate_w));
+    all.push_back(const_cast<tl_tensor *>(&m->exit_gate_b));
     all.push_back(const_cast<tl_tensor *>(&m->inject_w));
     all.push_back(const_cast<tl_tensor *>(&m->inject_b));
     for (int i = 0; i < m->hp.n_pre; i++) add_block(all, &m->pre[i]);

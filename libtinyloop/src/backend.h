@@ -111,9 +111,10 @@ typedef struct tl_backend_ops {
     void (*copy_rows)(tl_exec *ex, tl_act dst, size_t ld_dst, tl_act src, size_t ld_src,
                       int n, int width);
     void (*fill)(tl_exec *ex, tl_act dst, size_t count, float value);
-    /* dst[i, j] = sigma * n(seed, pos0 + i, j), the seeded normal of docs/model.md. */
+    /* dst[i, j] = sigma * n(seed, pos0 + i, j), the seeded normal of docs/model.md, or its
+     * truncated variant n_T with T = truncation when truncation > 0. */
     void (*fill_noise)(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0,
-                       float sigma);
+                       float sigma, float truncation);
 
     /* out[i] = E[tokens[i]] * scale; tokens are host ints already validated. */
     void (*embed)(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n,

@@ -93,6 +93,9 @@ static tl_status cpu_prepare_model(tl_backend *be, const struct tl_model *m) {
     if (!m->hp.tied_embeddings) add_matrix_bytes(&sum, &m->output);
     add_norm_bytes(&sum, &m->final_norm);
     add_norm_bytes(&sum, &m->loop_norm);
+    add_norm_bytes(&sum, &m->post_loop_norm);
+    add_matrix_bytes(&sum, &m->exit_gate_w);
+    add_matrix_bytes(&sum, &m->exit_gate_b);
     add_matrix_bytes(&sum, &m->inject_w);
     add_matrix_bytes(&sum, &m->inject_b);
     for (int i = 0; i < m->hp.n_pre; i++) add_block_bytes(&sum, &m->pre[i]);
@@ -244,21 +247,34 @@ static uint64_t splitmix64(uint64_t x) {
     return z ^ (z >> 31);
 }
 
-static void cpu_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0,
-                           float sigma) {
+/* Box-Muller on the two draws at counters c and c + 1 of key. */
+static double normal_at(uint64_t key, uint64_t c) {
     const double two_pi = 6.283185307179586476925286766559;
     const double inv53 = 1.0 / 9007199254740992.0; /* 2^-53 */
+    uint64_t a = splitmix64(key + c), b = splitmix64(key + c + 1);
+    double u1 = (double)((a >> 11) + 1) * inv53;
+    double u2 = (double)(b >> 11) * inv53;
+    return sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
+}
+
+/* n(seed, pos, j), or n_T: redrawn at counters 2j + k 2^33 while |z| > T, 0 after 64 draws
+ * (docs/model.md). */
+static double seeded_normal(uint64_t key, int j, double truncation) {
+    for (uint64_t k = 0; k < 64; k++) {
+        double z = normal_at(key, 2 * (uint64_t)j + (k << 33));
+        if (truncation <= 0.0 || fabs(z) <= truncation) return z;
+    }
+    return 0.0;
+}
+
+static void cpu_fill_noise(tl_exec *ex, tl_act dst, int n, int d, uint64_t seed, int pos0,
+                           float sigma, float truncation) {
     float *out = P(dst);
     uint64_t seed_key = splitmix64(seed);
     for (int i = 0; i < n; i++) {
         uint64_t key = splitmix64(seed_key + (uint64_t)(pos0 + i));
-        for (int j = 0; j < d; j++) {
-            uint64_t a = splitmix64(key + 2 * (uint64_t)j);
-            uint64_t b = splitmix64(key + 2 * (uint64_t)j + 1);
-            double u1 = (double)((a >> 11) + 1) * inv53;
-            double u2 = (double)(b >> 11) * inv53;
-            out[(size_t)i * d + j] = (float)(sigma * sqrt(-2.0 * log(u1)) * cos(two_pi * u2));
-        }
+        for (int j = 0; j < d; j++)
+            out[(size_t)i * d + j] = (float)(sigma * seeded_normal(key, j, truncation));
     }
 }
 

@@ -31,6 +31,7 @@ typedef struct fwd {
     int tree_first;
     const int32_t *row_depths;   /* a batched step's rows' depths, non-increasing; NULL:
                                     every row runs every iteration */
+    float *exit_gates;           /* tl_forward_req.exit_gates: host, depth x n; or NULL */
 } fwd;
 
 /* A KV slot by what it caches; its index depends on the context (its KV policy maps
@@ -79,6 +80,14 @@ static void matmul_in(const fwd *F, const tl_tensor *const *ws, int n_w, const t
 static tl_matmul_in normed(const fwd *F, const tl_norm_weights *w, tl_act x) {
     tl_matmul_in in = { .kind = TL_MATMUL_IN_NORM, .x = x, .ldx = (size_t)F->d, .norm = w,
                         .norm_params = &F->norm };
+    return in;
+}
+
+/* The head's input rows: Norm(final_norm, x), or x itself when the model has no final
+ * norm (arch.final_norm 0). */
+static tl_matmul_in head_in(const fwd *F, tl_act x) {
+    if (F->hp->final_norm) return normed(F, &F->m->final_norm, x);
+    tl_matmul_in in = { .kind = TL_MATMUL_IN_ROWS, .x = x, .ldx = (size_t)F->d };
     return in;
 }
 
@@ -252,12 +261,22 @@ static int rows_in_iteration(const fwd *F, int n, int it) {
     return n;
 }
 
+/* The exit gate's logits of state rows s[0..n) after iteration `it`, to the host
+ * (tmp is free between blocks). */
+static void exit_gate_logits(const fwd *F, tl_act s, int n, int it) {
+    tl_act g = buf0(F->ctx->tmp);
+    F->ops->matmul(F->ex, &F->m->exit_gate_w, s, F->d, n, g, 1);
+    F->ops->add_bias(F->ex, g, n, 1, &F->m->exit_gate_b);
+    F->ops->download(F->ex, F->exit_gates + (size_t)(it - 1) * n, g, (size_t)n);
+}
+
 /* The shared core, iterations from+1..depth; a row leaves when its depth is reached. */
 static void iterations(const fwd *F, tl_act s, tl_act e, int n, int pos0, int from, int depth) {
     for (int it = from + 1; it <= depth; it++) {
         int rows = rows_in_iteration(F, n, it);
         if (rows == 0) break;
         core_iteration(F, s, e, rows, pos0, it);
+        if (F->exit_gates) exit_gate_logits(F, s, rows, it);
     }
 }
 
@@ -277,13 +296,14 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
         break;
     case TL_INIT_NOISE:
         if (!F->batch && !F->tree) {
-            F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma);
+            F->ops->fill_noise(F->ex, h, n, F->d, F->hp->noise_seed, pos0, F->hp->noise_sigma,
+                               F->hp->noise_truncation);
             break;
         }
         for (int r = 0; r < n; r++)   /* each row's noise is its own position's */
             F->ops->fill_noise(F->ex, tl_act_add(h, (size_t)r * F->d), 1, F->d, F->hp->noise_seed,
                                F->batch ? F->batch[r].pos : F->tree->pos[F->tree_first + r],
-                               F->hp->noise_sigma);
+                               F->hp->noise_sigma, F->hp->noise_truncation);
         break;
     }
 }
@@ -392,7 +412,7 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
         const tl_draft_vocab *dv = out->draft && m->draft.n > 0 ? &m->draft : NULL;
         const tl_tensor *head = dv ? &dv->head : &m->output;
         int n_logits = dv ? dv->n : V;
-        tl_matmul_in in = normed(F, &m->final_norm, tl_act_add(h, (size_t)(n - 1) * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)(n - 1) * F->d));
         size_t ld_logits = (size_t)n_logits;
         matmul_in(F, &head, 1, &in, 1, &logits, &ld_logits, 0);
         if (out->last_top_prob) {
@@ -418,7 +438,8 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     int n_rows = n_score > n_argmax ? n_score : n_argmax;
     if (n_logit_rows > n_rows) n_rows = n_logit_rows;
     if (n_rows <= 0) return;
-    F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_rows, F->d, xn);
+    if (F->hp->final_norm) F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n_rows, F->d, xn);
+    else xn = h;   /* no final norm: the head reads the states themselves */
     /* logit_rows at a time, so scoring never holds n x V floats */
     for (int r0 = 0; r0 < n_rows; r0 += ctx->logit_rows) {
         int rows = n_rows - r0 < ctx->logit_rows ? n_rows - r0 : ctx->logit_rows;
@@ -452,9 +473,10 @@ static void embed_and_prelude(const fwd *F, const int32_t *tokens, int n, int po
     for (int b = 0; b < F->hp->n_pre; b++) block(F, &F->m->pre[b], (slot_id){ SLOT_PRE, b, 0 }, h, n, pos0);
 }
 
-/* The coda blocks on the final loop state in h. */
+/* The post-loop norm and the coda blocks on the final loop state in h. */
 static void coda(const fwd *F, int n, int pos0) {
     tl_act h = buf0(F->ctx->h);
+    if (F->hp->post_norm) F->ops->norm(F->ex, &F->m->post_loop_norm, &F->norm, h, n, F->d, h);
     for (int b = 0; b < F->hp->n_post; b++)
         block(F, &F->m->post[b], (slot_id){ SLOT_POST, b, 0 }, h, n, pos0);
 }
@@ -540,7 +562,7 @@ static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
     size_t ld_logits = (size_t)V;
     for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
         int rows = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
-        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)r0 * F->d));
         matmul_in(F, &head, 1, &in, rows, &logits, &ld_logits, 0);
         for (int r = r0; r < r0 + rows; r++) {
             const tl_forward_out *o = &outs[r];
@@ -564,7 +586,7 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
     tl_act h = buf0(ctx->h), logits = buf0(ctx->logits);
     for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
         int count = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
-        tl_matmul_in in = normed(F, &F->m->final_norm, tl_act_add(h, (size_t)r0 * F->d));
+        tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)r0 * F->d));
         matmul_in(F, &head, 1, &in, count, &logits, &ld_logits, 0);
         for (int r = r0; r < r0 + count; r++) {
             float *row = rows + (size_t)r * V;
@@ -592,6 +614,7 @@ tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl
     F.tree = req->rows == TL_ROWS_TREE ? req->tree : NULL;
     F.tree_first = req->tree_first;
     F.row_depths = req->rows == TL_ROWS_BATCH ? req->row_depths : NULL;
+    F.exit_gates = req->exit_gates;
     if (req->lens) return lens_pass(&F, req, out);
     int n = req->n, depth = F.hp->n_core > 0 ? req->depth : 0;
     /* a decode step's layers may be recorded once and replayed (backend.h) */

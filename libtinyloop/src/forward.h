@@ -116,6 +116,10 @@ typedef struct tl_forward_req {
                                      n x d floats), out->last_logits[(it-1) * vocab ..] being
                                      the last row's logits at depth it */
     tl_act lens_saved;
+    float *exit_gates;            /* SEQUENCE, EMBED, a state init other than warm, a model with
+                                     an exit gate (loop.exit_gate): after each iteration it =
+                                     1..depth the gate's logits of the n rows to the host, at
+                                     exit_gates[(it - 1) * n + r]; NULL = none */
 } tl_forward_req;
 
 /* The one forward entry point: the pass `req` describes, producing `out` (NULL =

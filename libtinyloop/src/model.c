@@ -181,6 +181,7 @@ static tl_status read_options(builder *b)
     TRY(meta_float(b, "arch.attn_scale", 1.0 / sqrt((double)hp->head_dim), true, &hp->attn_scale));
     TRY(meta_float(b, "arch.embed_scale", 1.0, true, &hp->embed_scale));
     TRY(meta_flag(b, "arch.tied_embeddings", 1, &hp->tied_embeddings));
+    TRY(meta_flag(b, "arch.final_norm", 1, &hp->final_norm));
     TRY(meta_choice(b, "loop.injection", INJECTIONS, COUNT(INJECTIONS), &choice));
     hp->injection = INJECTION_CODES[choice];
     TRY(meta_flag(b, "loop.injection_bias", 0, &hp->injection_bias));
@@ -192,7 +193,13 @@ static tl_status read_options(builder *b)
     TRY(meta_float(b, "loop.noise_sigma", 1.0, false, &hp->noise_sigma));
     TRY(meta_int(b, "loop.noise_seed", 0, INT64_MIN, INT64_MAX, &v));
     hp->noise_seed = (uint64_t)v;
+    TRY(meta_float(b, "loop.noise_truncation", 0.0, false, &hp->noise_truncation));
     TRY(meta_flag(b, "loop.norm", 0, &hp->loop_norm));
+    TRY(meta_flag(b, "loop.post_norm", 0, &hp->post_norm));
+    TRY(meta_flag(b, "loop.exit_gate", 0, &hp->exit_gate));
+    if (hp->exit_gate && hp->n_core == 0)
+        return tl_fail(TL_ERR_FORMAT, "%s: metadata loop.exit_gate is 1 but the model has no loop "
+                       "(n_core = 0); the gate is read after each iteration", b->path);
     TRY(meta_int(b, "tokenizer.bos_id", -1, -1, hp->vocab - 1, &v));
     hp->bos_id = (int32_t)v;
     TRY(meta_int(b, "tokenizer.eos_id", -1, -1, hp->vocab - 1, &v));
@@ -306,20 +313,28 @@ static tl_status claim_tensors(builder *b)
     tl_model *m = b->model;
     const tl_hparams *hp = &m->hp;
     const uint64_t n_blocks = (uint64_t)hp->n_pre + (uint64_t)hp->n_core + (uint64_t)hp->n_post;
-    if (n_blocks * MIN_TENSORS_PER_BLOCK + 2 > b->file->n_tensors)
+    /* + the embedding: a file without a final norm (arch.final_norm 0) may hold no other */
+    if (n_blocks * MIN_TENSORS_PER_BLOCK + 1 > b->file->n_tensors)
         return tl_fail(TL_ERR_FORMAT, "%s: the header declares %llu blocks (n_pre %d + n_core %d + n_post %d), "
                        "which need at least %llu tensors; the file has %u",
                        b->path, (unsigned long long)n_blocks, hp->n_pre, hp->n_core, hp->n_post,
-                       (unsigned long long)(n_blocks * MIN_TENSORS_PER_BLOCK + 2), b->file->n_tensors);
+                       (unsigned long long)(n_blocks * MIN_TENSORS_PER_BLOCK + 1), b->file->n_tensors);
     tl_status st;
     TRY(claim(b, "embed.weight", hp->vocab, hp->d, &m->embed));
     if (hp->tied_embeddings)
         m->output = m->embed;
     else
         TRY(claim(b, "output.weight", hp->vocab, hp->d, &m->output));
-    TRY(claim_norm(b, "final_norm", &m->final_norm));
+    if (hp->final_norm)
+        TRY(claim_norm(b, "final_norm", &m->final_norm));
     if (hp->loop_norm)
         TRY(claim_norm(b, "loop_norm", &m->loop_norm));
+    if (hp->post_norm)
+        TRY(claim_norm(b, "post_loop_norm", &m->post_loop_norm));
+    if (hp->exit_gate) {
+        TRY(claim(b, "exit_gate.weight", 1, hp->d, &m->exit_gate_w));
+        TRY(claim(b, "exit_gate.bias", 1, -1, &m->exit_gate_b));
+    }
     /* the injection weights exist only where a loop runs */
     if (hp->n_core > 0 && hp->injection == TL_INJECT_CONCAT) {
         TRY(claim(b, "inject.weight", hp->d, 2 * (int64_t)hp->d, &m->inject_w));
@@ -336,7 +351,7 @@ static tl_status claim_tensors(builder *b)
     for (uint32_t i = 0; i < b->file->n_tensors; i++)
         if (!b->used[i])
             return tl_fail(TL_ERR_FORMAT, "%s: unexpected tensor %s: this architecture does not use it "
-                           "(check arch.tied_embeddings, arch.norm_type, arch.qkv_bias, loop.* and the block counts)",
+                           "(check arch.tied_embeddings, arch.final_norm, arch.norm_type, arch.qkv_bias, loop.* and the block counts)",
                            b->path, b->file->tensors[i].name);
     return TL_OK;
 }

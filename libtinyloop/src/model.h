@@ -37,12 +37,16 @@ typedef struct tl_hparams {
     float attn_scale;
     float embed_scale;
     int32_t tied_embeddings;
+    int32_t final_norm;        /* 0: no norm before the head */
     tl_injection injection;
     int32_t injection_bias;
     tl_state_init state_init;
     float noise_sigma;
     uint64_t noise_seed;
+    float noise_truncation;    /* noise init: |n| <= this (0 = untruncated) */
     int32_t loop_norm;
+    int32_t post_norm;         /* one norm after the last iteration, before the coda */
+    int32_t exit_gate;         /* exit_gate.* present (scoring only) */
     int32_t bos_id, eos_id;
     int32_t draft_vocab_size;  /* the file's recommended draft vocabulary; 0 = none */
     int32_t draft_depth, n_draft; /* the file's recommended drafting; 0 = none */
@@ -74,6 +78,8 @@ struct tl_model {
     tl_tensor output;                  /* [V, d]; == embed when tied */
     tl_norm_weights final_norm;
     tl_norm_weights loop_norm;         /* when hp.loop_norm */
+    tl_norm_weights post_loop_norm;    /* when hp.post_norm */
+    tl_tensor exit_gate_w, exit_gate_b; /* [1, d] and [1], when hp.exit_gate */
     tl_tensor inject_w, inject_b;      /* concat injection */
     tl_block_weights *pre, *core, *post;
     tl_tensor token_frequency;         /* [V] vocab.frequency; .data == NULL when absent */

@@ -21,6 +21,7 @@ from . import _args, _native
 from . import prefix as _prefix
 from ._handle import ModelChild, NativeHandle
 from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
+from .exit_gate import ExitGate
 from .kv_policy import kv_policy_values
 from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
@@ -454,6 +455,27 @@ class _Scoring:
         else:
             native.check(native.lib.tl_context_score_top_logprobs(ctx, *args))
         return logprobs, top_ids, top_lps
+
+    def score_exit_gate(self, tokens, depth: int = 0) -> "ExitGate":
+        """The exit gate of a model whose file has one (Ouro; docs/model.md, "Exit gate") for
+        the tokens as a fresh sequence at `depth` (0 = the default): an ExitGate whose `lam`
+        is float32 [n, depth], with `p`, `cdf` and `exit_steps()` of the file's exit rule."""
+        model = self._model
+        ids = _args.token_array(tokens, model.info.vocab_size)
+        native, ffi = model._native, model._native.ffi
+        opts = model._score_options(depth)
+        resolved = opts.depth or model.info.default_depth
+        lam = np.empty((len(ids), max(resolved, 1)), dtype=np.float32)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts,
+                ffi.from_buffer("float[]", lam, require_writable=True))
+        ctx = self._ctx_handle()
+        if ctx is None:
+            native.check(native.lib.tl_score_exit_gate(model._require_open(), *args))
+        else:
+            native.check(native.lib.tl_context_score_exit_gate(ctx, *args))
+        meta = model.info.metadata
+        return ExitGate(lam, str(meta.get("loop.exit_rule", "none")),
+                        float(meta.get("loop.exit_threshold", 1.0)))
 
     def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
         """Logits (float32, vocab) of the position after the last token."""

@@ -18,12 +18,18 @@ _ARCH_KEYS = {
     "arch.attn_scale": ("attn_scale", None),         # 1 / sqrt(head_dim)
     "arch.embed_scale": ("embed_scale", 1.0),
     "arch.tied_embeddings": ("tied_embeddings", 1),
+    "arch.final_norm": ("final_norm", 1),
     "loop.injection": ("injection", "add"),
     "loop.injection_bias": ("injection_bias", 0),
     "loop.state_init": ("state_init", "prelude"),
     "loop.noise_sigma": ("noise_sigma", 1.0),
     "loop.noise_seed": ("noise_seed", 0),
     "loop.norm": ("loop_norm", 0),
+    "loop.post_norm": ("post_norm", 0),
+    "loop.noise_truncation": ("noise_truncation", 0.0),
+    "loop.exit_gate": ("exit_gate", 0),
+    "loop.exit_rule": ("exit_rule", "none"),
+    "loop.exit_threshold": ("exit_threshold", 1.0),
 }
 
 
@@ -54,12 +60,18 @@ class ModelConfig:
     attn_scale: float
     embed_scale: float
     tied_embeddings: int
+    final_norm: int
     injection: str
     injection_bias: int
     state_init: str
     noise_sigma: float
     noise_seed: int
     loop_norm: int
+    post_norm: int
+    noise_truncation: float
+    exit_gate: int
+    exit_rule: str
+    exit_threshold: float
 
     @classmethod
     def from_header(cls, dims: dict, metadata: dict) -> "ModelConfig":

@@ -11,7 +11,7 @@ from tinyloop.fileformat.tinyloop_file import read_file
 
 from . import ops
 from .config import ModelConfig
-from .noise import seeded_normal
+from .noise import seeded_normal, truncated_seeded_normal
 
 
 class _KeyValueStore:
@@ -94,9 +94,18 @@ class ReferenceModel:
         """log p(tokens[i+1] | tokens[:i+1]) for i = 0..n-2, as the C `tl_score` defines it."""
         return ops.next_token_logprobs(self.logits(tokens, depth), tokens)
 
+    def exit_gate(self, tokens, depth: int = 0) -> np.ndarray:
+        """lambda [n, depth]: sigmoid of the exit gate on the state after each iteration
+        (docs/model.md, "Exit gate")."""
+        if not self.config.exit_gate:
+            raise ValueError("the model has no exit gate (loop.exit_gate)")
+        gates = []
+        self._forward(tokens, depth, gates=gates)
+        return 1.0 / (1.0 + np.exp(-np.concatenate(gates, axis=0)))
+
     # ------------------------------------------------------------------ forward pass
 
-    def _forward(self, tokens, depth, kv_ring=None, calls=None):
+    def _forward(self, tokens, depth, kv_ring=None, calls=None, gates=None):
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0 or tokens.size > cfg.max_seq_len:
@@ -115,13 +124,17 @@ class ReferenceModel:
             spans = [(p, p + 1) for p in positions]
         logits, states, previous = [], [], None
         for start, stop in spans:
-            lg, s = self._forward_span(tokens[start:stop], positions[start:stop], depth, kv, previous)
+            span_gates = [] if gates is not None else None
+            lg, s = self._forward_span(tokens[start:stop], positions[start:stop], depth, kv, previous,
+                                       span_gates)
+            if gates is not None:
+                gates.append(np.stack(span_gates, axis=1) if span_gates else np.zeros((stop - start, 0)))
             logits.append(lg)
             states.append(s)
             previous = s[-1]
         return np.concatenate(logits), np.concatenate(states)
 
-    def _forward_span(self, tokens, positions, depth, kv, previous_state):
+    def _forward_span(self, tokens, positions, depth, kv, previous_state, gates=None):
         """Positions `positions` (one call: contiguous, after those already in `kv`) through
         the model."""
         cfg, w = self.config, self.weights
@@ -136,11 +149,15 @@ class ReferenceModel:
                 for c in range(cfg.n_core):
                     u = self._block(f"core.{c}.", u, positions, kv, layer=("core", i, c))
                 s = self._norm("loop_norm", u) if cfg.loop_norm else u
+                if gates is not None:
+                    gates.append(self._linear("exit_gate.weight", s)[:, 0] + w["exit_gate.bias"][0])
         final_state = s
+        if cfg.post_norm:
+            s = self._norm("post_loop_norm", s)
         for b in range(cfg.n_post):
             s = self._block(f"post.{b}.", s, positions, kv, layer=("post", b))
         head = "embed.weight" if cfg.tied_embeddings else "output.weight"
-        return self._linear(head, self._norm("final_norm", s)), final_state
+        return self._linear(head, self._norm("final_norm", s) if cfg.final_norm else s), final_state
 
     # ------------------------------------------------------------------ loop pieces
 
@@ -151,6 +168,10 @@ class ReferenceModel:
             return e
         if kind == "zeros":
             return np.zeros_like(e)
+        if kind == "noise" and cfg.noise_truncation > 0:
+            return cfg.noise_sigma * np.stack(
+                [truncated_seeded_normal(cfg.noise_seed, int(p), cfg.d_model, cfg.noise_truncation)
+                 for p in positions])
         if kind == "noise":
             return cfg.noise_sigma * np.stack(
                 [seeded_normal(cfg.noise_seed, int(p), cfg.d_model) for p in positions])

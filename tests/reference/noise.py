@@ -28,6 +28,36 @@ def seeded_normal(seed: int, pos: int, width: int) -> np.ndarray:
         key = splitmix64(splitmix64(_u64(int(seed) & _MASK64)) + _u64(pos))
         a = splitmix64(key + np.uint64(2) * j)
         b = splitmix64(key + np.uint64(2) * j + np.uint64(1))
+    return _box_muller(a, b)
+
+
+def _box_muller(a, b):
     u1 = ((a >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
     u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+# draws of the truncated normal before it gives up (docs/model.md)
+TRUNCATED_DRAWS = 64
+
+
+def truncated_seeded_normal(seed: int, pos: int, width: int, limit: float) -> np.ndarray:
+    """n_T(seed, pos, j): the seeded normal redrawn with the next counter (2j + k * 2^33,
+    k = 1, 2, ...) while |n| > limit, 0 after 64 draws outside. `limit` is rounded to float32
+    as the file's value is in the library."""
+    limit = float(np.float32(limit))
+    with np.errstate(over="ignore"):
+        key = splitmix64(splitmix64(_u64(int(seed) & _MASK64)) + _u64(pos))
+    out = np.zeros(width)
+    pending = np.arange(width, dtype=np.uint64)
+    for k in range(TRUNCATED_DRAWS):
+        with np.errstate(over="ignore"):
+            counter = key + np.uint64(2) * pending + (np.uint64(k) << np.uint64(33))
+            a, b = splitmix64(counter), splitmix64(counter + np.uint64(1))
+        z = _box_muller(a, b)
+        inside = np.abs(z) <= limit
+        out[pending[inside].astype(np.int64)] = z[inside]
+        pending = pending[~inside]
+        if pending.size == 0:
+            break
+    return out

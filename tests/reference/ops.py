@@ -98,3 +98,14 @@ def int16_blocks(x, block=32):
     step = amax / 32767.0
     codes = np.rint(blocks / np.where(step > 0, step, 1.0))
     return (codes * step).reshape(x.shape)
+
+
+def exit_distribution(lam):
+    """(p, cdf) of the exit gate's lambda [n, T] (docs/model.md, "Exit gate"): p_i = lambda_i
+    prod_{j<i} (1 - lambda_j) for i < T, p_T the remainder, cdf the running sum of p."""
+    lam = np.asarray(lam, dtype=np.float64)
+    stay = np.cumprod(1.0 - lam, axis=1)                      # prod_{j<=i} (1 - lambda_j)
+    before = np.concatenate([np.ones_like(lam[:, :1]), stay[:, :-1]], axis=1)
+    p = lam * before
+    p[:, -1] = before[:, -1]
+    return p, np.cumsum(p, axis=1)

@@ -80,17 +80,21 @@ def _weight_bytes_per_token(path, depth):
             "core_bytes": sizes["core"]}
 
 
+def describe(model, path, load_s):
+    """The fields a benchmark result starts with: load time, device, default depth and the
+    weight bytes a decode step reads at it."""
+    depth = model.info.default_depth
+    return {"load_s": load_s, "device_name": model.info.device_name, "depth": depth,
+            **_weight_bytes_per_token(path, depth)}
+
+
 def cmd_tinyloop(args):
     import tinyloop
     out = {"model": args.path, "device": args.device}
     try:
         t0 = time.monotonic()
         with tinyloop.Model(args.path, device=args.device) as model:
-            out["load_s"] = time.monotonic() - t0
-            out["device_name"] = model.info.device_name
-            depth = model.info.default_depth
-            out["depth"] = depth
-            out.update(_weight_bytes_per_token(args.path, depth))
+            out.update(describe(model, args.path, time.monotonic() - t0))
             vocab = model.info.vocab_size
             peak = 0
 

@@ -286,6 +286,17 @@ TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, siz
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
 
+/* The exit gate of a model whose file has one (metadata loop.exit_gate: Ouro's early-exit
+ * gate; docs/model.md, "Exit gate"): lambda[i * depth + t] = sigmoid(gate) on the loop state
+ * after iteration t + 1 at position i, for tokens[0..n_tokens) scored as a fresh sequence at
+ * opts->depth (0 = the default), n_tokens x depth floats. Generation does not exit early;
+ * these values show where the checkpoint's exit rule would. TL_ERR_UNSUPPORTED for a model
+ * without a gate or with a warm state init. The context version leaves ctx empty. */
+TL_API tl_status tl_score_exit_gate(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                                    const tl_score_options *opts, float *lambda);
+TL_API tl_status tl_context_score_exit_gate(tl_context *ctx, const int32_t *tokens, size_t n_tokens,
+                                            const tl_score_options *opts, float *lambda);
+
 /* Scoring that deepens the loop until its predictions stop changing: the tokens are
  * scored at min_depth, then at twice the depth (at most max_depth), and so on, until the
  * share of positions whose greedy prediction (argmax) differs from the depth scored

@@ -46,17 +46,58 @@ def _detect_source(path: Path) -> str:
     raise ValueError(f"{path}: neither a GGUF file nor a Hugging Face checkpoint directory")
 
 
+def _add_looped_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("looped families (Huginn, Ouro, Nanbeige checkpoint directories)")
+    g.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="q8/q4/q2: quantization group along the input dim (a matrix whose width it "
+                        "does not divide takes the largest that does)")
+    g.add_argument("--method", choices=("rtn", "search"), default="rtn", help="q8/q4/q2: as tinyloop quantize")
+    g.add_argument("--embed-dtype", choices=("same", "keep", "f32", "f16", "bf16", "q8", "q4", "q2"),
+                   default="same", help="dtype of the embedding and untied head")
+    g.add_argument("--max-depth", type=int, default=0,
+                   help="deepest loop depth the file allows (0 = the checkpoint's default depth)")
+    g.add_argument("--max-seq-len", type=int, default=4096,
+                   help="longest context the file declares (0 = the checkpoint's positional limit)")
+    g.add_argument("--state-init", choices=("zeros", "noise"), default="zeros",
+                   help="Huginn: loop state init (zeros: the reproducible one; noise: its truncated "
+                        "normal, drawn from TinyLoop's seeded counters)")
+    g.add_argument("--noise-seed", type=int, default=0, help="Huginn with --state-init noise")
+    g.add_argument("--ignore-config-key", action="append", default=[], metavar="KEY",
+                   help="accept an unknown config.json key the importer would refuse (repeatable)")
+
+
+def _convert_directory(args, src: Path) -> dict:
+    from .looped import convert_looped, is_looped
+
+    if is_looped(src):
+        return convert_looped(src, args.output, dtype=args.dtype, group_size=args.group_size,
+                              method=args.method,
+                              embed_dtype=None if args.embed_dtype == "same" else args.embed_dtype,
+                              max_depth=args.max_depth, max_seq_len=args.max_seq_len,
+                              ignore_config_keys=tuple(args.ignore_config_key),
+                              state_init=args.state_init, noise_seed=args.noise_seed,
+                              show_progress=not args.no_progress)
+    if args.dtype in ("q8", "q4", "q2"):
+        raise ValueError(f"--dtype {args.dtype} during import is for the looped families; convert "
+                         f"this checkpoint, then run tinyloop quantize")
+    from .from_safetensors import convert_safetensors
+    return convert_safetensors(src, args.output, dtype=args.dtype, show_progress=not args.no_progress)
+
+
 def main_convert(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tinyloop convert",
                                 description="Convert a GGUF file (llama) or a Hugging Face safetensors "
-                                            "Llama checkpoint directory into a .tinyloop file.")
+                                            "checkpoint directory (Llama, Mistral, Qwen2; the looped "
+                                            "Huginn, Ouro and Nanbeige) into a .tinyloop file.")
     p.add_argument("source", help="a .gguf file or an HF checkpoint directory")
     p.add_argument("-o", "--output", required=True, help="the .tinyloop file to write")
     p.add_argument("--from", dest="kind", choices=("auto", "gguf", "safetensors"), default="auto")
-    p.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
-                   help="safetensors: keep the checkpoint's float dtype or cast to this one")
+    p.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16", "q8", "q4", "q2"), default="keep",
+                   help="safetensors: keep the checkpoint's float dtype or cast to this one; the looped "
+                        "families also quantize while importing")
     p.add_argument("--fallback-dtype", choices=("f32", "f16"), default="f32",
                    help="GGUF: dtype for tensor types TinyLoop cannot hold exactly (decoded, with a warning)")
+    _add_looped_arguments(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -69,8 +110,7 @@ def main_convert(argv=None) -> int:
             summary = convert_gguf(src, args.output, fallback_dtype=args.fallback_dtype,
                                    show_progress=not args.no_progress)
         else:
-            from .from_safetensors import convert_safetensors
-            summary = convert_safetensors(src, args.output, dtype=args.dtype, show_progress=not args.no_progress)
+            summary = _convert_directory(args, src)
         result = {"output": str(args.output), "source": str(src), "format": kind,
                   "bytes": os.path.getsize(args.output), "seconds": round(time.monotonic() - start, 3), **summary}
         return _finish(args, result, f"wrote {args.output} ({result['bytes'] / 1e6:.1f} MB)")

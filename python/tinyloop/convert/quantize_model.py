@@ -17,11 +17,13 @@ from .progress import Progress
 
 QUANTIZER = "tinyloop.convert.quantize_model 1"
 EMBEDDING_NAMES = ("embed.weight", "output.weight")
+# one-row matrices whose every value matters: the exit gate (loop.exit_gate) stays a float
+FLOAT_ONLY_NAMES = ("exit_gate.weight",)
 
 
 def _target_dtype(name: str, ndim: int, dtype: str, embed_dtype: str | None) -> str | None:
     """The dtype to quantize `name` to, or None to copy it as is."""
-    if ndim != 2:
+    if ndim != 2 or name in FLOAT_ONLY_NAMES:
         return None
     if name in EMBEDDING_NAMES and embed_dtype is not None:
         return None if embed_dtype == "keep" else embed_dtype

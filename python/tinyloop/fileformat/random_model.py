@@ -43,12 +43,17 @@ ARCH_OPTIONS = {
     "noise_sigma": "loop.noise_sigma",
     "noise_seed": "loop.noise_seed",
     "loop_norm": "loop.norm",
+    "final_norm": "arch.final_norm",
+    "post_norm": "loop.post_norm",
+    "noise_truncation": "loop.noise_truncation",
+    "exit_gate": "loop.exit_gate",
 }
 
 # The file-format defaults of the options that decide which tensors exist.
 _LAYOUT_DEFAULTS = {"norm_type": "rmsnorm", "norm_unit_offset": 0, "qkv_bias": 0,
                     "tied_embeddings": 1, "injection": "add", "injection_bias": 0,
-                    "loop_norm": 0, "norm_placement": "pre"}
+                    "loop_norm": 0, "norm_placement": "pre", "final_norm": 1, "post_norm": 0,
+                    "exit_gate": 0}
 
 PRESETS = {
     # The GPU benchmark model of the CUDA backend: a Llama-shaped prelude of two blocks and
@@ -159,7 +164,13 @@ def _model_tensors(maker: _TensorMaker, dims: dict, options: dict, embed_dtype: 
             yield "inject.bias", maker.vector("inject.bias", d, 0.0, _BIAS_STD)
     if _option(options, "loop_norm"):
         yield from _norm_tensors(maker, "loop_norm", d, options)
-    yield from _norm_tensors(maker, "final_norm", d, options)
+    if _option(options, "post_norm"):
+        yield from _norm_tensors(maker, "post_loop_norm", d, options)
+    if _option(options, "exit_gate"):
+        yield "exit_gate.weight", maker.matrix("exit_gate.weight", 1, d, d ** -0.5, "f32")
+        yield "exit_gate.bias", maker.vector("exit_gate.bias", 1, 0.0, 1.0)
+    if _option(options, "final_norm"):
+        yield from _norm_tensors(maker, "final_norm", d, options)
     if not _option(options, "tied_embeddings"):
         yield "output.weight", maker.matrix("output.weight", vocab, d, _LOGIT_STD * d ** -0.5)
 

@@ -154,6 +154,13 @@ def _encode_float_chunk(chunk: np.ndarray, dtype: str) -> bytes:
 
 # ---------------------------------------------------------------- writer
 
+def _float_chunks(value: np.ndarray, dtype: str) -> Iterator[bytes]:
+    flat = value.reshape(-1)
+    step = max(1, _CHUNK_BYTES // 4)
+    for start in range(0, flat.size, step):
+        yield _encode_float_chunk(flat[start:start + step], dtype)
+
+
 @dataclass
 class _PendingTensor:
     name: str
@@ -228,13 +235,7 @@ class TinyLoopWriter:
         except FormatError as e:
             raise FormatError(f"tensor {name!r}: {e}") from None
 
-        def chunks(value=value, dtype=dtype) -> Iterator[bytes]:
-            flat = value.reshape(-1)
-            step = max(1, _CHUNK_BYTES // 4)
-            for start in range(0, flat.size, step):
-                yield _encode_float_chunk(flat[start:start + step], dtype)
-
-        self._add(_PendingTensor(name, dtype, shape, 0, size, chunks))
+        self._add(_PendingTensor(name, dtype, shape, 0, size, lambda: _float_chunks(value, dtype)))
 
     def _add_qtensor(self, name: str, q, dtype: str | None) -> None:
         qdtype = str(q.dtype)
@@ -258,6 +259,30 @@ class TinyLoopWriter:
             yield data
 
         self._add(_PendingTensor(name, qdtype, shape, group, size, chunks))
+
+    def add_lazy_tensor(self, name: str, dtype: str, shape: tuple, produce: Callable[[], Any],
+                        group_size: int = 0) -> None:
+        """Add a tensor whose value ``produce()`` makes only while the file is written, so a
+        converter holds one tensor at a time: a float numpy array (stored as float ``dtype``),
+        a quantized tensor of ``dtype`` (with to_bytes()), or bytes in the file layout."""
+        shape = tuple(int(s) for s in shape)
+        try:
+            size = tensor_nbytes(dtype, shape, int(group_size))
+        except FormatError as e:
+            raise FormatError(f"tensor {name!r}: {e}") from None
+
+        def chunks() -> Iterator[bytes]:
+            value = produce()
+            if isinstance(value, np.ndarray):
+                if tuple(value.shape) != shape or dtype not in FLOAT_DTYPES:
+                    raise FormatError(f"tensor {name!r}: produced a {value.shape} array for {dtype} {shape}")
+                yield from _float_chunks(value, dtype)
+            elif hasattr(value, "to_bytes"):
+                yield value.to_bytes()
+            else:
+                yield memoryview(value).cast("B")
+
+        self._add(_PendingTensor(name, dtype, shape, int(group_size), size, chunks))
 
     def add_raw_tensor(self, name: str, dtype: str, shape: tuple, group_size: int,
                        data: bytes) -> None:
