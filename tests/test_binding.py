@@ -1,6 +1,7 @@
 """The cffi binding and the Model API on a tiny random model with a byte-level tokenizer."""
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -411,3 +412,48 @@ def test_model_without_tokenizer(tmp_path):
         with pytest.raises(TinyLoopError, match="no tokenizer"):
             m.generate("text")
         assert len(m.generate(PROMPT, max_tokens=3).tokens) <= 3
+
+
+# -- metadata -----------------------------------------------------------------------------
+def _typed(metadata: dict) -> dict:
+    """key -> (type, value): 1 and 1.0 must not pass for each other."""
+    return {k: (type(v), v) for k, v in metadata.items()}
+
+
+def _shipped_models():
+    return sorted((Path(tinyloop.__file__).resolve().parent / "models").glob("*.tinyloop"))
+
+
+def test_metadata_enumeration_matches_the_python_reader(tmp_path, model_path):
+    from tinyloop.format import copy_file, read_file
+    from tinyloop.random_model import make_random_model
+    plain = tmp_path / "plain.tinyloop"
+    make_random_model(plain, seed=4, rope_theta=123456.5, norm_eps=1e-6, qkv_bias=True,
+                      sliding_window=8, injection="concat", **textmodel.DIMS)
+    extra = tmp_path / "extra.tinyloop"
+    copy_file(plain, extra, metadata={"zz.unknown": -(2**63), "aa.tiny": 5e-324, "m.empty": "",
+                                      "m.unicode": "é loop ∞ \U0001F600", "m.big": 2**63 - 1})
+    assert _shipped_models(), "the package ships a default model"
+    for path in [model_path, plain, extra, *_shipped_models()]:
+        with read_file(path) as f:
+            expected = dict(f.metadata)
+        with tinyloop.Model(path, threads=1) as m:
+            got = m.metadata()
+            info = m.info.metadata
+        assert _typed(got) == _typed(expected), path
+        assert list(got) == sorted(expected), "key order"
+        assert info == {k: v for k, v in expected.items() if k != "tokenizer.json"}
+
+
+def test_metadata_calls_check_their_arguments(model):
+    native, ffi, lib = model._native, model._native.ffi, model._native.lib
+    handle = model._require_open()
+    count = ffi.new("size_t *")
+    native.check(lib.tl_model_metadata_count(handle, count))
+    key = ffi.new("const char **")
+    assert lib.tl_model_metadata_key(handle, count[0], key, ffi.NULL) == 1
+    assert "out of range" in native.last_error()
+    value = ffi.new("int64_t *")
+    assert lib.tl_model_get_metadata_int(handle, b"general.name", value) == 1
+    assert "is a string, not an int" in native.last_error()
+    assert model.metadata_string("no.such.key") is None

@@ -1,7 +1,7 @@
 /* test_api.c — the public C ABI on real model files: scoring equals cached decode,
  * chunked prefill equals one-shot, generation is deterministic and stops where it
  * should, the stream iterator and callbacks behave, bad input gives clear errors,
- * and one model serves two threads with identical results.
+ * one model serves two threads with identical results, and metadata enumerates.
  *
  * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
  * Last line: "test_api: N passed, M failed". */
@@ -1699,6 +1699,52 @@ static int open_fixture(fixture *f, const char *path, int32_t page_size) {
     return 1;
 }
 
+/* ---- metadata --------------------------------------------------------------------- */
+
+/* Every entry enumerates in strict key order with a known type whose getter reads it,
+ * the other getters refuse it, and bad indexes, keys and pointers are errors. */
+static void test_metadata(fixture *f) {
+    size_t n = 0;
+    CHECK_OK(tl_model_metadata_count(f->model, &n));
+    CHECK(n > 0, "a random model has metadata (general.name at least)");
+    const char *prev = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const char *key = NULL;
+        tl_metadata_type type = 0;
+        CHECK_OK(tl_model_metadata_key(f->model, i, &key, &type));
+        if (!key) continue;
+        CHECK(!prev || strcmp(prev, key) < 0, "metadata keys in byte order: %s then %s", prev, key);
+        prev = key;
+        int64_t iv;
+        double fv;
+        const char *sv;
+        size_t len;
+        tl_status want_int = type == TL_METADATA_INT ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        tl_status want_float = type == TL_METADATA_FLOAT ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        tl_status want_string = type == TL_METADATA_STRING ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        CHECK(type >= TL_METADATA_INT && type <= TL_METADATA_STRING, "%s: type %d", key, (int)type);
+        CHECK_STATUS(tl_model_get_metadata_int(f->model, key, &iv), want_int);
+        CHECK_STATUS(tl_model_get_metadata_float(f->model, key, &fv), want_float);
+        CHECK_STATUS(tl_model_get_metadata_string(f->model, key, &sv, &len), want_string);
+        if (strcmp(key, "general.name") == 0)
+            CHECK(type == TL_METADATA_STRING && len == strlen(f->info.name) && memcmp(sv, f->info.name, len) == 0,
+                  "general.name is the info's name");
+    }
+    const char *key = NULL;
+    CHECK_OK(tl_model_metadata_key(f->model, 0, &key, NULL));   /* the type is optional */
+    CHECK_STATUS(tl_model_metadata_key(f->model, n, &key, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "out of range") != NULL, "index error: %s", tl_last_error());
+    int64_t iv;
+    CHECK_STATUS(tl_model_get_metadata_int(f->model, "no.such.key", &iv), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "no.such.key") != NULL, "the missing key is named: %s", tl_last_error());
+    CHECK_STATUS(tl_model_get_metadata_int(f->model, "general.name", &iv), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "is a string, not an int") != NULL, "type error: %s", tl_last_error());
+    CHECK_STATUS(tl_model_metadata_count(NULL, &n), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_metadata_count(f->model, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_metadata_key(f->model, 0, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_get_metadata_float(f->model, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+}
+
 static void run_model(const char *path) {
     current_model = path;
     fixture f;
@@ -1719,6 +1765,7 @@ static void run_model(const char *path) {
     test_stop_conditions(&f);
     test_stream_and_callback(&f);
     test_errors(&f, path);
+    test_metadata(&f);
     test_speculative(&f);
     test_tree_speculative(&f);
     test_draft_vocab(&f, path);

@@ -163,9 +163,28 @@ typedef struct tl_model_info {
 TL_API void tl_model_info_default(tl_model_info *info);
 TL_API tl_status tl_model_get_info(const tl_model *model, tl_model_info *info);
 
-/* String metadata stored in the file (e.g. "tokenizer.json", "tokenizer.chat_template",
- * "general.name"). *value points into the model and lives as long as it; it is not
- * NUL-terminated: use *len. TL_ERR_INVALID_ARGUMENT names a missing key. */
+/* ---- metadata (docs/api.md, "Metadata") -----------------------------------------
+ * The file's typed key/value entries (docs/format.md, "Metadata keys"), unknown keys
+ * included. Enumerate with tl_model_metadata_count and tl_model_metadata_key (index
+ * 0..count-1, keys in byte order), then read each value with the getter of its type.
+ * The type codes are the file's; a later format version may add codes, which a caller
+ * skips. Keys and string values point into the model and live as long as it (never
+ * free them). A missing key, an index out of range or a getter of another type is
+ * TL_ERR_INVALID_ARGUMENT naming the key. */
+typedef enum tl_metadata_type {
+    TL_METADATA_INT = 1,       /* int64_t  */
+    TL_METADATA_FLOAT = 2,     /* double   */
+    TL_METADATA_STRING = 3     /* UTF-8 bytes, not NUL-terminated */
+} tl_metadata_type;
+
+TL_API tl_status tl_model_metadata_count(const tl_model *model, size_t *count);
+/* *key: NUL-terminated; *type (may be NULL): the entry's tl_metadata_type. */
+TL_API tl_status tl_model_metadata_key(const tl_model *model, size_t index, const char **key,
+                                       tl_metadata_type *type);
+TL_API tl_status tl_model_get_metadata_int(const tl_model *model, const char *key, int64_t *value);
+TL_API tl_status tl_model_get_metadata_float(const tl_model *model, const char *key, double *value);
+/* A string (e.g. "tokenizer.json", "tokenizer.chat_template", "general.name"): *value is
+ * not NUL-terminated: use *len. */
 TL_API tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
                                               const char **value, size_t *len);
 
