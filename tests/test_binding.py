@@ -1,5 +1,9 @@
 """The cffi binding and the Model API on a tiny random model with a byte-level tokenizer."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -457,3 +461,54 @@ def test_metadata_calls_check_their_arguments(model):
     assert lib.tl_model_get_metadata_int(handle, b"general.name", value) == 1
     assert "is a string, not an int" in native.last_error()
     assert model.metadata_string("no.such.key") is None
+
+
+# -- log messages ---------------------------------------------------------------------------
+def _child(script, env_extra):
+    env = dict(os.environ)
+    env.pop("TINYLOOP_CPU", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# a model load whose log messages are collected by a logging handler and printed as JSON
+_COLLECT_LOG = """
+import json, logging, sys
+import tinyloop
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.name, record.levelname, record.getMessage()])
+logging.getLogger("tinyloop").addHandler(Keep())
+logging.getLogger("tinyloop").setLevel(logging.DEBUG)
+try:
+    with tinyloop.Model(sys.argv[1] if len(sys.argv) > 1 else MODEL, threads=1, device=DEVICE) as m:
+        result = m.info.device_name
+except tinyloop.TinyLoopError as e:
+    result = f"{type(e).__name__}: {e}"
+print(json.dumps({"records": records, "result": result}))
+"""
+
+
+def _collect_log(model_path, env_extra, device="cpu"):
+    script = f"MODEL = {str(model_path)!r}\nDEVICE = {device!r}\n" + _COLLECT_LOG
+    done = _child(script, env_extra)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_bad_cpu_value_logs_a_warning_not_stderr(model_path):
+    """The library prints nothing: a TINYLOOP_CPU value it ignores arrives as a WARNING of
+    the "tinyloop" logger, and without any logging configuration logging's last resort
+    still shows it on stderr (once)."""
+    out, stderr = _collect_log(model_path, {"TINYLOOP_CPU": "bogus"})
+    message = "TINYLOOP_CPU=bogus is not one of generic, avx2, avx512vnni: ignored"
+    assert ["tinyloop", "WARNING", message] in out["records"], out
+    assert stderr == "", stderr
+    assert out["result"].startswith("cpu ("), out
+    script = f"import tinyloop\ntinyloop.Model({str(model_path)!r}, threads=1).close()\n"
+    done = _child(script, {"TINYLOOP_CPU": "bogus"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == message, done.stderr

@@ -1,7 +1,8 @@
 /* test_api.c — the public C ABI on real model files: scoring equals cached decode,
  * chunked prefill equals one-shot, generation is deterministic and stops where it
  * should, the stream iterator and callbacks behave, bad input gives clear errors,
- * one model serves two threads with identical results, and metadata enumerates.
+ * one model serves two threads with identical results, metadata enumerates, and log
+ * messages reach the callback.
  *
  * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
  * Last line: "test_api: N passed, M failed". */
@@ -13,6 +14,8 @@
 #include <string.h>
 
 #include "tinyloop/tinyloop.h"
+/* internal: the log (tl_log) */
+#include "log.h"
 
 static int n_passed, n_failed;
 static const char *current_model;
@@ -1699,7 +1702,7 @@ static int open_fixture(fixture *f, const char *path, int32_t page_size) {
     return 1;
 }
 
-/* ---- metadata --------------------------------------------------------------------- */
+/* ---- metadata and log messages ----------------------------------------------------- */
 
 /* Every entry enumerates in strict key order with a known type whose getter reads it,
  * the other getters refuse it, and bad indexes, keys and pointers are errors. */
@@ -1743,6 +1746,67 @@ static void test_metadata(fixture *f) {
     CHECK_STATUS(tl_model_metadata_count(f->model, NULL), TL_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(tl_model_metadata_key(f->model, 0, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(tl_model_get_metadata_float(f->model, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+}
+
+typedef struct log_record {
+    int n;
+    tl_log_level levels[32];
+    char texts[32][64];
+    pthread_mutex_t lock;
+} log_record;
+
+static void record_log(tl_log_level level, const char *message, void *user_data) {
+    log_record *r = user_data;
+    pthread_mutex_lock(&r->lock);
+    if (r->n < 32) {
+        r->levels[r->n] = level;
+        snprintf(r->texts[r->n], sizeof r->texts[r->n], "%s", message);
+    }
+    r->n++;
+    pthread_mutex_unlock(&r->lock);
+}
+
+static void *log_from_thread(void *arg) {
+    for (int i = 0; i < 200; i++) tl_log(TL_LOG_DEBUG, "thread %d", i);
+    return arg;
+}
+
+/* Messages reach the callback with their level; without one, the newest 16 warnings and
+ * errors wait for the next callback and the rest are dropped; long messages are cut;
+ * threads may log while the callback is replaced. */
+static void test_log(void) {
+    log_record r = {.n = 0};
+    pthread_mutex_init(&r.lock, NULL);
+    CHECK_OK(tl_log_set(NULL, NULL));
+    for (int i = 0; i < 20; i++) tl_log(i % 2 ? TL_LOG_ERROR : TL_LOG_WARN, "kept %d", i);
+    tl_log(TL_LOG_INFO, "dropped: info without a callback");
+    CHECK_OK(tl_log_set(record_log, &r));
+    CHECK(r.n == 16, "the backlog holds the last 16 warnings and errors, got %d", r.n);
+    CHECK(strcmp(r.texts[0], "kept 4") == 0 && strcmp(r.texts[15], "kept 19") == 0 &&
+              r.levels[0] == TL_LOG_WARN && r.levels[15] == TL_LOG_ERROR,
+          "backlog oldest first: %s .. %s", r.texts[0], r.texts[15]);
+    r.n = 0;
+    CHECK_OK(tl_log_set(record_log, &r));
+    CHECK(r.n == 0, "the backlog is delivered once, got %d more", r.n);
+    tl_log(TL_LOG_DEBUG, "value %d of %s", 42, "x");
+    CHECK(r.n == 1 && r.levels[0] == TL_LOG_DEBUG && strcmp(r.texts[0], "value 42 of x") == 0,
+          "a debug message with its arguments: %d, %s", r.n, r.texts[0]);
+    char *long_text = malloc(3 * TL_LOG_MESSAGE_MAX);
+    memset(long_text, 'a', 3 * TL_LOG_MESSAGE_MAX - 1);
+    long_text[3 * TL_LOG_MESSAGE_MAX - 1] = '\0';
+    tl_log(TL_LOG_WARN, "%s", long_text);   /* cut, without overrunning anything (ASan) */
+    free(long_text);
+    CHECK(r.n == 2, "the long message arrived");
+
+    pthread_t threads[2];
+    r.n = 0;
+    for (int t = 0; t < 2; t++) pthread_create(&threads[t], NULL, log_from_thread, NULL);
+    for (int i = 0; i < 50; i++) CHECK_OK(tl_log_set(i % 2 ? NULL : record_log, &r));
+    CHECK_OK(tl_log_set(record_log, &r));
+    for (int t = 0; t < 2; t++) pthread_join(threads[t], NULL);
+    CHECK(r.n <= 400, "no message twice: %d", r.n);
+    CHECK_OK(tl_log_set(NULL, NULL));
+    pthread_mutex_destroy(&r.lock);
 }
 
 static void run_model(const char *path) {
@@ -1896,6 +1960,7 @@ int main(int argc, char **argv) {
     }
     current_model = "-";
     test_version();
+    test_log();
     for (int i = 1; i < argc; i++) {
         run_model(argv[i]);
         run_paged(argv[i]);

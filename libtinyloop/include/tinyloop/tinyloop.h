@@ -72,6 +72,26 @@ TL_API const char *tl_version_string(void);
 TL_API const char *tl_last_error(void);          /* thread-local, never NULL */
 TL_API const char *tl_status_name(tl_status status);
 
+/* ---- log messages (docs/api.md, "Log messages") -------------------------------------
+ * What the library has to say beyond a status (a setting it ignored, a fallback it took)
+ * goes to one process-wide callback; the library itself never prints. message is one
+ * line of UTF-8 without a trailing newline, valid during the call only. The callback may
+ * run on any thread that calls into the library, several at once; it must not call
+ * tl_log_set. Without a callback (the default, and after tl_log_set(NULL, NULL)) messages
+ * are dropped, but the last 16 warnings and errors are kept and handed to the next
+ * callback set, before tl_log_set returns. tl_log_set returns once no call of the
+ * callback it replaces is running, so its user_data may be freed then. */
+typedef enum tl_log_level {
+    TL_LOG_ERROR = 0,
+    TL_LOG_WARN = 1,
+    TL_LOG_INFO = 2,
+    TL_LOG_DEBUG = 3
+} tl_log_level;
+
+typedef void (*tl_log_callback)(tl_log_level level, const char *message, void *user_data);
+
+TL_API tl_status tl_log_set(tl_log_callback callback, void *user_data);
+
 /* ---- lifecycle ----------------------------------------------------------- */
 /* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies"). Every
  * policy but TL_KV_EXACT is approximate by design: within one forward call rows see each
