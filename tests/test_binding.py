@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -418,7 +420,10 @@ def test_model_without_tokenizer(tmp_path):
         assert len(m.generate(PROMPT, max_tokens=3).tokens) <= 3
 
 
-# -- metadata -----------------------------------------------------------------------------
+# -- metadata, log messages, environment switches, the backend handshake --------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def _typed(metadata: dict) -> dict:
     """key -> (type, value): 1 and 1.0 must not pass for each other."""
     return {k: (type(v), v) for k, v in metadata.items()}
@@ -463,7 +468,6 @@ def test_metadata_calls_check_their_arguments(model):
     assert model.metadata_string("no.such.key") is None
 
 
-# -- log messages ---------------------------------------------------------------------------
 def _child(script, env_extra):
     env = dict(os.environ)
     env.pop("TINYLOOP_CPU", None)
@@ -512,3 +516,59 @@ def test_bad_cpu_value_logs_a_warning_not_stderr(model_path):
     done = _child(script, {"TINYLOOP_CPU": "bogus"})
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == message, done.stderr
+
+
+def test_environment_switches_are_read_in_one_place():
+    """debug_flags.c reads every environment variable of the library (no other file of
+    libtinyloop calls getenv), and docs/api.md's table lists exactly its switches."""
+    sources = [p for p in (ROOT / "libtinyloop").rglob("*") if p.suffix in (".c", ".h", ".cu", ".cuh")]
+    readers = sorted(p.name for p in sources if re.search(r"\bgetenv\s*\(", p.read_text()))
+    assert readers == ["debug_flags.c"], readers
+    table = next(p for p in sources if p.name == "debug_flags.c").read_text()
+    in_code = set(re.findall(r'\{"(TINYLOOP_\w+)"', table))
+    docs = (ROOT / "docs" / "api.md").read_text()
+    section = docs[docs.index("## Environment switches"):]
+    section = section[:section.index("\n#", 1)]
+    in_docs = set(re.findall(r"^\| `(TINYLOOP_\w+)`", section, flags=re.M))
+    assert in_code == in_docs and len(in_code) == 6, (in_code, in_docs)
+
+
+_OLD_CUDA_LIBRARY = """
+int tl_cuda_backend_create(int device, void **out, char *msg, unsigned long n) { *out = 0; return 1; }
+const char *tl_cuda_last_error(void) { return ""; }
+"""
+_OTHER_BUILD_CUDA_LIBRARY = """
+static const unsigned ops[2] = { 999, 8 };   /* version, struct_size: no real table */
+const void *tl_cuda_backend_ops(void) { return ops; }
+int tl_cuda_backend_open(const void *host, int device, void **out, char *msg, unsigned long n) { return 1; }
+const char *tl_cuda_last_error(void) { return ""; }
+"""
+
+
+@pytest.mark.parametrize("source, message", [
+    (_OLD_CUDA_LIBRARY, "was built by an older TinyLoop"),
+    (_OTHER_BUILD_CUDA_LIBRARY, "has backend interface version 999")])
+def test_cuda_library_of_another_build_is_refused(tmp_path, model_path, source, message):
+    """A libtinyloop_cuda.so next to libtinyloop.so that is not of its build (an old one,
+    or one of another interface version) is refused before any of its code runs: "cuda"
+    fails saying so, "auto" runs on the CPU and says so in a warning."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in CUDA library")
+    native = _native.get()
+    lib_dir = tmp_path / "lib"
+    lib_dir.mkdir()
+    shutil.copy(native.library_path, lib_dir / "libtinyloop.so")
+    (tmp_path / "fake.c").write_text(source)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib_dir / "libtinyloop_cuda.so"),
+                    str(tmp_path / "fake.c")], check=True, capture_output=True)
+    env = {"TINYLOOP_LIBRARY": str(lib_dir / "libtinyloop.so"),
+           "TINYLOOP_HEADER": str(native.header_path)}
+    out, stderr = _collect_log(model_path, env, device="cuda")
+    assert out["result"].startswith("UnsupportedError") and message in out["result"], out
+    assert "rebuild" in out["result"], out
+    out, stderr = _collect_log(model_path, env, device="auto")
+    assert out["result"].startswith("cpu ("), out
+    warnings = [r for r in out["records"] if r[1] == "WARNING"]
+    assert len(warnings) == 1 and message in warnings[0][2] and "running on the CPU" in warnings[0][2], out
+    assert stderr == "", stderr

@@ -1,8 +1,8 @@
 /* test_api.c — the public C ABI on real model files: scoring equals cached decode,
  * chunked prefill equals one-shot, generation is deterministic and stops where it
  * should, the stream iterator and callbacks behave, bad input gives clear errors,
- * one model serves two threads with identical results, metadata enumerates, and log
- * messages reach the callback.
+ * one model serves two threads with identical results, metadata enumerates, log
+ * messages reach the callback, and a backend of another build is refused.
  *
  * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
  * Last line: "test_api: N passed, M failed". */
@@ -14,7 +14,8 @@
 #include <string.h>
 
 #include "tinyloop/tinyloop.h"
-/* internal: the log (tl_log) */
+/* internal: the log (tl_log) and the backend handshake */
+#include "backend.h"
 #include "log.h"
 
 static int n_passed, n_failed;
@@ -1702,7 +1703,7 @@ static int open_fixture(fixture *f, const char *path, int32_t page_size) {
     return 1;
 }
 
-/* ---- metadata and log messages ----------------------------------------------------- */
+/* ---- metadata, log messages, the backend handshake ------------------------------ */
 
 /* Every entry enumerates in strict key order with a known type whose getter reads it,
  * the other getters refuse it, and bad indexes, keys and pointers are errors. */
@@ -1807,6 +1808,37 @@ static void test_log(void) {
     CHECK(r.n <= 400, "no message twice: %d", r.n);
     CHECK_OK(tl_log_set(NULL, NULL));
     pthread_mutex_destroy(&r.lock);
+}
+
+/* The core refuses a backend library's ops table of another interface version or size,
+ * with a message naming it, and takes its own CPU table; the shared check refuses a
+ * host table of another build the same way. */
+static void test_backend_handshake(void) {
+    tl_backend *be = NULL;
+    CHECK_OK(tl_backend_cpu_create(&be));
+    if (!be) return;
+    CHECK_OK(tl_backend_check_ops(be->ops, "cpu"));
+    tl_backend_ops ops = *be->ops;
+    tl_backend_close(be);
+    ops.version = TL_BACKEND_INTERFACE_VERSION + 1;
+    CHECK_STATUS(tl_backend_check_ops(&ops, "old/libtinyloop_cuda.so"), TL_ERR_UNSUPPORTED);
+    CHECK(strstr(tl_last_error(), "old/libtinyloop_cuda.so has backend interface version") != NULL &&
+              strstr(tl_last_error(), "different builds") != NULL,
+          "version mismatch named: %s", tl_last_error());
+    ops.version = TL_BACKEND_INTERFACE_VERSION;
+    ops.struct_size -= 8;   /* a table one op short */
+    CHECK_STATUS(tl_backend_check_ops(&ops, "short"), TL_ERR_UNSUPPORTED);
+    CHECK_STATUS(tl_backend_check_ops(NULL, "none"), TL_ERR_UNSUPPORTED);
+
+    char msg[512] = "";
+    CHECK(tl_backend_interface_mismatch("a", "b", "tl_backend_host", TL_BACKEND_INTERFACE_VERSION,
+                                        sizeof(tl_backend_host), sizeof(tl_backend_host), msg, sizeof msg) == 0 &&
+              msg[0] == '\0',
+          "a matching host passes");
+    CHECK(tl_backend_interface_mismatch("libtinyloop.so", "libtinyloop_cuda.so", "tl_backend_host", 0,
+                                        sizeof(tl_backend_host), sizeof(tl_backend_host), msg, sizeof msg) == 1 &&
+              strstr(msg, "libtinyloop.so has backend interface version 0") != NULL,
+          "an old host refused: %s", msg);
 }
 
 static void run_model(const char *path) {
@@ -1961,6 +1993,7 @@ int main(int argc, char **argv) {
     current_model = "-";
     test_version();
     test_log();
+    test_backend_handshake();
     for (int i = 1; i < argc; i++) {
         run_model(argv[i]);
         run_paged(argv[i]);
