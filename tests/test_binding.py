@@ -1,6 +1,13 @@
 """The cffi binding and the Model API on a tiny random model with a byte-level tokenizer."""
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -411,3 +418,157 @@ def test_model_without_tokenizer(tmp_path):
         with pytest.raises(TinyLoopError, match="no tokenizer"):
             m.generate("text")
         assert len(m.generate(PROMPT, max_tokens=3).tokens) <= 3
+
+
+# -- metadata, log messages, environment switches, the backend handshake --------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _typed(metadata: dict) -> dict:
+    """key -> (type, value): 1 and 1.0 must not pass for each other."""
+    return {k: (type(v), v) for k, v in metadata.items()}
+
+
+def _shipped_models():
+    return sorted((Path(tinyloop.__file__).resolve().parent / "models").glob("*.tinyloop"))
+
+
+def test_metadata_enumeration_matches_the_python_reader(tmp_path, model_path):
+    from tinyloop.fileformat.tinyloop_file import copy_file, read_file
+    from tinyloop.random_model import make_random_model
+    plain = tmp_path / "plain.tinyloop"
+    make_random_model(plain, seed=4, rope_theta=123456.5, norm_eps=1e-6, qkv_bias=True,
+                      sliding_window=8, injection="concat", **textmodel.DIMS)
+    extra = tmp_path / "extra.tinyloop"
+    copy_file(plain, extra, metadata={"zz.unknown": -(2**63), "aa.tiny": 5e-324, "m.empty": "",
+                                      "m.unicode": "é loop ∞ \U0001F600", "m.big": 2**63 - 1})
+    assert _shipped_models(), "the package ships a default model"
+    for path in [model_path, plain, extra, *_shipped_models()]:
+        with read_file(path) as f:
+            expected = dict(f.metadata)
+        with tinyloop.Model(path, threads=1) as m:
+            got = m.metadata()
+            info = m.info.metadata
+        assert _typed(got) == _typed(expected), path
+        assert list(got) == sorted(expected), "key order"
+        assert info == {k: v for k, v in expected.items() if k != "tokenizer.json"}
+
+
+def test_metadata_calls_check_their_arguments(model):
+    native, ffi, lib = model._native, model._native.ffi, model._native.lib
+    handle = model._require_open()
+    count = ffi.new("size_t *")
+    native.check(lib.tl_model_metadata_count(handle, count))
+    key = ffi.new("const char **")
+    assert lib.tl_model_metadata_key(handle, count[0], key, ffi.NULL) == 1
+    assert "out of range" in native.last_error()
+    value = ffi.new("int64_t *")
+    assert lib.tl_model_get_metadata_int(handle, b"general.name", value) == 1
+    assert "is a string, not an int" in native.last_error()
+    assert model.metadata_string("no.such.key") is None
+
+
+def _child(script, env_extra):
+    env = dict(os.environ)
+    env.pop("TINYLOOP_CPU", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# a model load whose log messages are collected by a logging handler and printed as JSON
+_COLLECT_LOG = """
+import json, logging, sys
+import tinyloop
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.name, record.levelname, record.getMessage()])
+logging.getLogger("tinyloop").addHandler(Keep())
+logging.getLogger("tinyloop").setLevel(logging.DEBUG)
+try:
+    with tinyloop.Model(sys.argv[1] if len(sys.argv) > 1 else MODEL, threads=1, device=DEVICE) as m:
+        result = m.info.device_name
+except tinyloop.TinyLoopError as e:
+    result = f"{type(e).__name__}: {e}"
+print(json.dumps({"records": records, "result": result}))
+"""
+
+
+def _collect_log(model_path, env_extra, device="cpu"):
+    script = f"MODEL = {str(model_path)!r}\nDEVICE = {device!r}\n" + _COLLECT_LOG
+    done = _child(script, env_extra)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_bad_cpu_value_logs_a_warning_not_stderr(model_path):
+    """The library prints nothing: a TINYLOOP_CPU value it ignores arrives as a WARNING of
+    the "tinyloop" logger, and without any logging configuration logging's last resort
+    still shows it on stderr (once)."""
+    out, stderr = _collect_log(model_path, {"TINYLOOP_CPU": "bogus"})
+    message = "TINYLOOP_CPU=bogus is not one of generic, avx2, avx512vnni: ignored"
+    assert ["tinyloop", "WARNING", message] in out["records"], out
+    assert stderr == "", stderr
+    assert out["result"].startswith("cpu ("), out
+    script = f"import tinyloop\ntinyloop.Model({str(model_path)!r}, threads=1).close()\n"
+    done = _child(script, {"TINYLOOP_CPU": "bogus"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == message, done.stderr
+
+
+def test_environment_switches_are_read_in_one_place():
+    """debug_flags.c reads every environment variable of the library (no other file of
+    libtinyloop calls getenv), and docs/api.md's table lists exactly its switches."""
+    sources = [p for p in (ROOT / "libtinyloop").rglob("*") if p.suffix in (".c", ".h", ".cu", ".cuh")]
+    readers = sorted(p.name for p in sources if re.search(r"\bgetenv\s*\(", p.read_text()))
+    assert readers == ["debug_flags.c"], readers
+    table = next(p for p in sources if p.name == "debug_flags.c").read_text()
+    in_code = set(re.findall(r'\{"(TINYLOOP_\w+)"', table))
+    docs = (ROOT / "docs" / "api.md").read_text()
+    section = docs[docs.index("## Environment switches"):]
+    section = section[:section.index("\n#", 1)]
+    in_docs = set(re.findall(r"^\| `(TINYLOOP_\w+)`", section, flags=re.M))
+    assert in_code == in_docs and len(in_code) == 6, (in_code, in_docs)
+
+
+_OLD_CUDA_LIBRARY = """
+int tl_cuda_backend_create(int device, void **out, char *msg, unsigned long n) { *out = 0; return 1; }
+const char *tl_cuda_last_error(void) { return ""; }
+"""
+_OTHER_BUILD_CUDA_LIBRARY = """
+static const unsigned ops[2] = { 999, 8 };   /* version, struct_size: no real table */
+const void *tl_cuda_backend_ops(void) { return ops; }
+int tl_cuda_backend_open(const void *host, int device, void **out, char *msg, unsigned long n) { return 1; }
+const char *tl_cuda_last_error(void) { return ""; }
+"""
+
+
+@pytest.mark.parametrize("source, message", [
+    (_OLD_CUDA_LIBRARY, "was built by an older TinyLoop"),
+    (_OTHER_BUILD_CUDA_LIBRARY, "has backend interface version 999")])
+def test_cuda_library_of_another_build_is_refused(tmp_path, model_path, source, message):
+    """A libtinyloop_cuda.so next to libtinyloop.so that is not of its build (an old one,
+    or one of another interface version) is refused before any of its code runs: "cuda"
+    fails saying so, "auto" runs on the CPU and says so in a warning."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in CUDA library")
+    native = _native.get()
+    lib_dir = tmp_path / "lib"
+    lib_dir.mkdir()
+    shutil.copy(native.library_path, lib_dir / "libtinyloop.so")
+    (tmp_path / "fake.c").write_text(source)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib_dir / "libtinyloop_cuda.so"),
+                    str(tmp_path / "fake.c")], check=True, capture_output=True)
+    env = {"TINYLOOP_LIBRARY": str(lib_dir / "libtinyloop.so"),
+           "TINYLOOP_HEADER": str(native.header_path)}
+    out, stderr = _collect_log(model_path, env, device="cuda")
+    assert out["result"].startswith("UnsupportedError") and message in out["result"], out
+    assert "rebuild" in out["result"], out
+    out, stderr = _collect_log(model_path, env, device="auto")
+    assert out["result"].startswith("cpu ("), out
+    warnings = [r for r in out["records"] if r[1] == "WARNING"]
+    assert len(warnings) == 1 and message in warnings[0][2] and "running on the CPU" in warnings[0][2], out
+    assert stderr == "", stderr

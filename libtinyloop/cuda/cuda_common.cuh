@@ -252,6 +252,11 @@ struct tl_exec {
 tl_status cuda_fail(tl_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 // Thread-local message of the last failure (tl_cuda_last_error()).
 const char *cuda_error_text();
+// The core's services, handed over when it opens this library (tl_backend_host): this
+// library writes nothing to stderr and reads no environment variable itself.
+void cuda_log(tl_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// A switch of debug_flags.h (1 = on), as the core reads it now.
+int cuda_switch(tl_debug_flag flag);
 // Record err (if any) as the execution state's first error; returns 1 when err != success.
 int exec_check(tl_exec *ex, cudaError_t err, const char *what);
 // After a kernel launch: record a launch error.

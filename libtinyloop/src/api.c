@@ -309,21 +309,6 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     return TL_OK;
 }
 
-tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
-                                       const char **value, size_t *len) {
-    NEED(model, "model");
-    NEED(key, "key");
-    NEED(value, "value");
-    NEED(len, "len");
-    const tl_meta_entry *e = tl_file_meta(model->file, key);
-    if (!e) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the model has no metadata key \"%s\"", key);
-    if (e->type != TL_META_STRING)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "metadata key \"%s\" is not a string", key);
-    *value = e->s;
-    *len = (size_t)e->s_len;
-    return TL_OK;
-}
-
 /* ---- memory ------------------------------------------------------------------ */
 
 static void memory_totals(const tl_model *model, tl_memory_report *r) {

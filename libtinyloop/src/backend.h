@@ -12,10 +12,18 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "tinyloop/tinyloop.h"
+#include "debug_flags.h"
 #include "model.h"
 #include "tensor.h"
+
+/* The core and libtinyloop_cuda.so are built apart but share the structs of this header
+ * and of those a backend reads (model.h, tensor.h, sample_math.h). Bump this with every
+ * change to any of them: each side checks the other's version and struct sizes at load
+ * and refuses a mismatch (tl_backend_check_ops, tl_backend_interface_mismatch). */
+#define TL_BACKEND_INTERFACE_VERSION 1
 
 typedef struct tl_buf tl_buf;     /* backend-owned float storage (host or device) */
 typedef struct tl_exec tl_exec;   /* per-context execution state: threads, scratch */
@@ -82,7 +90,14 @@ typedef struct tl_tree {
 typedef struct tl_backend tl_backend;
 struct tl_sample_step;   /* sample_math.h */
 
+/* Fill it with designated initializers (.matmul = ...): an op added in the middle must
+ * not shift the others. */
 typedef struct tl_backend_ops {
+    /* The handshake: TL_BACKEND_INTERFACE_VERSION and sizeof(tl_backend_ops) as the
+     * backend was built. First, so that a table of any version can be checked. */
+    uint32_t version;
+    uint32_t struct_size;
+
     /* Called once after the model is built: repack weights into the backend's layout
      * (tl_tensor.backend_data) or upload them. */
     tl_status (*prepare_model)(tl_backend *be, const struct tl_model *model);
@@ -240,6 +255,38 @@ struct tl_backend {
     int prefill_rows;    /* rows per prefill chunk when a context asks for the default */
     void *impl;          /* backend-private */
 };
+
+/* What the core hands a backend library when it opens it (tl_cuda_backend_open): its
+ * side of the handshake and the services the library may not reach otherwise. */
+typedef struct tl_backend_host {
+    uint32_t version;        /* TL_BACKEND_INTERFACE_VERSION of the core */
+    uint32_t struct_size;    /* sizeof(tl_backend_host) */
+    uint32_t ops_size;       /* sizeof(tl_backend_ops) */
+    uint32_t model_size;     /* sizeof(struct tl_model) */
+    /* tl_log (log.h): the library writes nothing to stderr itself */
+    void (*log)(tl_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+    /* tl_debug_switch (debug_flags.h): the library reads no environment variable */
+    int (*debug_switch)(tl_debug_flag flag);
+} tl_backend_host;
+
+/* 0 when the interface version and the size of struct `what` that `peer` was built with
+ * equal this side's (`self`, the expected size want_size); else 1 with a message naming
+ * both in msg. The core and the CUDA library each check the other with it. */
+static inline int tl_backend_interface_mismatch(const char *peer, const char *self, const char *what,
+                                                uint32_t version, uint32_t size, uint32_t want_size,
+                                                char *msg, size_t cap) {
+    if (version == TL_BACKEND_INTERFACE_VERSION && size == want_size) return 0;
+    snprintf(msg, cap,
+             "%s has backend interface version %u (%s of %u bytes), %s has version %u (%u bytes): "
+             "they come from different builds; rebuild both from one source tree",
+             peer, (unsigned)version, what, (unsigned)size, self, (unsigned)TL_BACKEND_INTERFACE_VERSION,
+             (unsigned)want_size);
+    return 1;
+}
+
+/* backend_loader.c: TL_OK when a backend library's ops table matches this core
+ * (TL_ERR_UNSUPPORTED naming `library` otherwise). */
+tl_status tl_backend_check_ops(const tl_backend_ops *ops, const char *library);
 
 /* backend_loader.c: parse a device string ("cpu", "auto", "cuda", "cuda:N"; NULL =
  * "cpu") and open the backend that serves it. */

@@ -459,6 +459,8 @@ static void cpu_page_table_free(tl_buf *k_view) {
 }
 
 static const tl_backend_ops cpu_ops = {
+    .version = TL_BACKEND_INTERFACE_VERSION,
+    .struct_size = sizeof(tl_backend_ops),
     .prepare_model = cpu_prepare_model,
     .destroy = cpu_destroy,
     .memory = cpu_memory,

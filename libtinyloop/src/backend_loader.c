@@ -3,8 +3,13 @@
  * "cpu" (or NULL) is the built-in CPU backend. "cuda" / "cuda:N" dlopen()s
  * libtinyloop_cuda.so from the directory of libtinyloop.so itself (found with
  * dladdr, so it works from a build tree, an install or a Python wheel alike) and
- * asks it for a backend through tl_cuda_backend_create(). "auto" prefers CUDA and
+ * asks it for a backend through tl_cuda_backend_open(). "auto" prefers CUDA and
  * falls back to the CPU when CUDA cannot serve.
+ *
+ * The two libraries are built apart, so they check each other first: the core reads
+ * the version and size of the library's ops table (tl_cuda_backend_ops()), the library
+ * those of the tl_backend_host it is given; a library from another build is refused
+ * with a message saying so, before any of its ops runs.
  *
  * The CUDA library cannot reach the core's tl_fail(): its ops that return a status
  * leave their message in a thread-local buffer of the library. The loader therefore
@@ -21,12 +26,40 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "debug_flags.h"
 #include "error.h"
+#include "log.h"
 
 #define TL_CUDA_LIBRARY "libtinyloop_cuda.so"
+#define TL_CORE_LIBRARY "libtinyloop.so"
 
-typedef int (*tl_cuda_create_fn)(int device_index, tl_backend **out, char *msg, size_t msg_len);
+typedef const tl_backend_ops *(*tl_cuda_ops_fn)(void);
+/* 0: *out is the backend; TL_CUDA_NO_DEVICE, TL_CUDA_MISMATCH (the host's handshake
+ * failed): the reason is in msg. */
+typedef int (*tl_cuda_open_fn)(const tl_backend_host *host, int device_index, tl_backend **out,
+                               char *msg, size_t msg_len);
+#define TL_CUDA_NO_DEVICE 1
+#define TL_CUDA_MISMATCH 2
 typedef const char *(*tl_cuda_error_fn)(void);
+
+static const tl_backend_host host = {
+    .version = TL_BACKEND_INTERFACE_VERSION,
+    .struct_size = sizeof(tl_backend_host),
+    .ops_size = sizeof(tl_backend_ops),
+    .model_size = sizeof(struct tl_model),
+    .log = tl_log,
+    .debug_switch = tl_debug_switch,
+};
+
+tl_status tl_backend_check_ops(const tl_backend_ops *ops, const char *library) {
+    char msg[PATH_MAX + 512];   /* the library path and the rest of the sentence */
+    if (!ops)
+        return tl_fail(TL_ERR_UNSUPPORTED, "%s gave no ops table", library);
+    if (tl_backend_interface_mismatch(library, TL_CORE_LIBRARY, "tl_backend_ops", ops->version,
+                                      ops->struct_size, sizeof(tl_backend_ops), msg, sizeof msg))
+        return tl_fail(TL_ERR_UNSUPPORTED, "%s", msg);
+    return TL_OK;
+}
 
 /* Parse "cuda" / "cuda:N": returns 1 and sets *index (-1 = any) on a CUDA string,
  * 0 when the string is not a CUDA one, -1 when it is malformed. */
@@ -58,14 +91,15 @@ static void library_dir(char *out, size_t cap) {
     out[len] = '\0';
 }
 
-/* dlopen the CUDA library next to this one, or in cuda/ beside it (the build tree). */
-static void *open_cuda_library(char *tried, size_t tried_cap) {
+/* dlopen the CUDA library next to this one, or in cuda/ beside it (the build tree);
+ * *path gets the one opened. */
+static void *open_cuda_library(char *tried, size_t tried_cap, char *path, size_t path_cap) {
     static const char *const subdirs[] = { "", "cuda/" };
-    char dir[PATH_MAX], path[PATH_MAX + 64];
+    char dir[PATH_MAX];
     library_dir(dir, sizeof dir);
     tried[0] = '\0';
     for (size_t i = 0; i < sizeof subdirs / sizeof subdirs[0]; i++) {
-        snprintf(path, sizeof path, "%s%s" TL_CUDA_LIBRARY, dir, subdirs[i]);
+        snprintf(path, path_cap, "%s%s" TL_CUDA_LIBRARY, dir, subdirs[i]);
         void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (h) return h;
         size_t used = strlen(tried);
@@ -99,27 +133,52 @@ static tl_status relay_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) 
     return relay(cuda_lib_ops->buf_alloc(be, n_floats, out));
 }
 
-/* Open the CUDA library and create a backend on device `index` (-1 = the first). */
-static tl_status open_cuda(const char *device, int index, tl_backend **out) {
-    char tried[2 * PATH_MAX + 256];
-    void *lib = open_cuda_library(tried, sizeof tried);
+/* The library's entry points once its ops table passed the handshake; TL_OK, or the
+ * reason (a library of another build, or none of ours). */
+static tl_status cuda_entry_points(void *lib, const char *path, tl_cuda_open_fn *open_fn,
+                                   tl_cuda_error_fn *error_fn) {
+    tl_cuda_ops_fn ops = (tl_cuda_ops_fn)(uintptr_t)dlsym(lib, "tl_cuda_backend_ops");
+    *open_fn = (tl_cuda_open_fn)(uintptr_t)dlsym(lib, "tl_cuda_backend_open");
+    *error_fn = (tl_cuda_error_fn)(uintptr_t)dlsym(lib, "tl_cuda_last_error");
+    if (!ops && dlsym(lib, "tl_cuda_backend_create"))
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "%s was built by an older TinyLoop, before its backend interface was versioned "
+                       "(no tl_cuda_backend_ops): rebuild it with this " TL_CORE_LIBRARY,
+                       path);
+    if (!ops || !*open_fn || !*error_fn)
+        return tl_fail(TL_ERR_UNSUPPORTED,
+                       "%s does not export tl_cuda_backend_ops / tl_cuda_backend_open / tl_cuda_last_error",
+                       path);
+    return tl_backend_check_ops(ops(), path);
+}
+
+/* Open the CUDA library and create a backend on device `index` (-1 = the first).
+ * *mismatch: 1 when the library is one of another build. */
+static tl_status open_cuda(const char *device, int index, tl_backend **out, int *mismatch) {
+    char tried[2 * PATH_MAX + 256], path[PATH_MAX + 64];
+    void *lib = open_cuda_library(tried, sizeof tried, path, sizeof path);
     if (!lib)
         return tl_fail(TL_ERR_UNSUPPORTED,
                        "device \"%s\" requested but the CUDA backend library was not found "
                        "(tried %s); build with -Dcuda=enabled on a machine with nvcc",
                        device, tried);
-    tl_cuda_create_fn create = (tl_cuda_create_fn)(uintptr_t)dlsym(lib, "tl_cuda_backend_create");
-    tl_cuda_error_fn error = (tl_cuda_error_fn)(uintptr_t)dlsym(lib, "tl_cuda_last_error");
-    if (!create || !error) {
+    tl_cuda_open_fn open_fn = NULL;
+    tl_cuda_error_fn error = NULL;
+    tl_status st = cuda_entry_points(lib, path, &open_fn, &error);
+    if (st != TL_OK) {
         dlclose(lib);
-        return tl_fail(TL_ERR_UNSUPPORTED,
-                       "device \"%s\": %s does not export tl_cuda_backend_create / tl_cuda_last_error",
-                       device, TL_CUDA_LIBRARY);
+        *mismatch = 1;
+        return tl_fail(st, "device \"%s\": %s", device, tl_last_error());
     }
     char msg[512] = "";
     tl_backend *be = NULL;
-    int rc = create(index, &be, msg, sizeof msg);
+    int rc = open_fn(&host, index, &be, msg, sizeof msg);
     msg[sizeof msg - 1] = '\0';
+    if (rc == TL_CUDA_MISMATCH) {
+        dlclose(lib);
+        *mismatch = 1;
+        return tl_fail(TL_ERR_UNSUPPORTED, "device \"%s\": %s", device, msg);
+    }
     if (rc != 0 || !be) {
         dlclose(lib);
         return tl_fail(TL_ERR_UNSUPPORTED, "device \"%s\" requested but no CUDA device is usable%s%s",
@@ -145,9 +204,13 @@ static tl_status open_cuda(const char *device, int index, tl_backend **out) {
 
 tl_status tl_backend_open(const char *device, tl_backend **out) {
     if (!device || strcmp(device, "cpu") == 0) return tl_backend_cpu_create(out);
+    int mismatch = 0;
     if (strcmp(device, "auto") == 0) {
-        if (open_cuda(device, -1, out) == TL_OK) return TL_OK;
-        tl_clear_error();   /* no usable CUDA device is the normal case for auto */
+        if (open_cuda(device, -1, out, &mismatch) == TL_OK) return TL_OK;
+        /* no usable CUDA device is the normal case for auto: a note, not an error; a
+         * CUDA library of another build is a mistake to point out */
+        tl_log(mismatch ? TL_LOG_WARN : TL_LOG_INFO, "%s; running on the CPU", tl_last_error());
+        tl_clear_error();
         return tl_backend_cpu_create(out);
     }
     int index = -1;
@@ -156,7 +219,7 @@ tl_status tl_backend_open(const char *device, tl_backend **out) {
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "unknown device \"%s\" (expected \"cpu\", \"auto\", \"cuda\" or \"cuda:N\")",
                        device);
-    return open_cuda(device, index, out);
+    return open_cuda(device, index, out, &mismatch);
 }
 
 void tl_backend_close(tl_backend *be) {

@@ -7,11 +7,11 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../backend.h"
+#include "../debug_flags.h"
 #include "kernels.h"
 #include "kernels_impl.h"
 
@@ -47,20 +47,12 @@ tl_cpu_level tl_cpu_built_level(void) {
 static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 static atomic_int current_level = TL_CPU_GENERIC;
 
-/* The best level, capped by TINYLOOP_CPU (a level name; another value is reported on
- * stderr once and ignored, so that a benchmark meant for one path never silently runs
- * another unnoticed). */
+/* The best level, capped by TINYLOOP_CPU (debug_flags.c reads it and warns about a
+ * value that is not a level name). */
 static void detect(void) {
-    const char *env = getenv("TINYLOOP_CPU");
-    tl_cpu_level level = tl_cpu_best_level(), cap = TL_CPU_AVX512VNNI;
-    if (env && *env) {
-        if (strcmp(env, "generic") == 0) cap = TL_CPU_GENERIC;
-        else if (strcmp(env, "avx2") == 0) cap = TL_CPU_AVX2;
-        else if (strcmp(env, "avx512vnni") != 0)
-            fprintf(stderr, "tinyloop: TINYLOOP_CPU=%s is not one of generic, avx2, avx512vnni: "
-                            "ignored\n", env);
-    }
-    atomic_store(&current_level, level < cap ? level : cap);
+    tl_cpu_level level = tl_cpu_best_level();
+    int cap = tl_debug_cpu_cap();
+    atomic_store(&current_level, cap >= 0 && (tl_cpu_level)cap < level ? (tl_cpu_level)cap : level);
 }
 
 tl_cpu_level tl_cpu_features(void) {
