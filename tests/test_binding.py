@@ -435,7 +435,7 @@ def _shipped_models():
 
 def test_metadata_enumeration_matches_the_python_reader(tmp_path, model_path):
     from tinyloop.fileformat.tinyloop_file import copy_file, read_file
-    from tinyloop.random_model import make_random_model
+    from tinyloop.fileformat.random_model import make_random_model
     plain = tmp_path / "plain.tinyloop"
     make_random_model(plain, seed=4, rope_theta=123456.5, norm_eps=1e-6, qkv_bias=True,
                       sliding_window=8, injection="concat", **textmodel.DIMS)
