@@ -196,7 +196,7 @@ class QAT:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 32)
             # keep the f16 round trips of weights, scales and mins inside a fused kernel,
             # which inductor may otherwise drop; on an H200 the check below still falls back
-            # to eager with it (tools/train/README.md 3j), so the check stays the guard
+            # to eager with it (docs/models.md, "The runs on the GPU machine", 3j), so the check stays the guard
             self._on_grid = torch.compile(fake_quant_q4_on_grid, dynamic=False,
                                           options={"emulate_precision_casts": True})
         self.group, self.embed_group = group, embed_group
