@@ -20,7 +20,7 @@
 #include <vector>
 
 extern "C" {
-#include "backend.h"
+#include "backend/backend.h"
 }
 
 #define TL_CUDA_API extern "C" __attribute__((visibility("default")))

@@ -18,7 +18,7 @@
 // the last one needed, typically after two or three passes.
 #include "cuda_common.cuh"
 
-#include "sample_math.h"
+#include "base/sample_math.h"
 
 #include <cmath>
 

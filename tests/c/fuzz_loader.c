@@ -12,10 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "file_edit.h"
-#include "format.h"
-#include "model.h"
+#include "model/format.h"
+#include "model/model.h"
 
 static uint64_t rng_state;
 

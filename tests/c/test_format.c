@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
+#include "base/tensor.h"
 #include "file_edit.h"
-#include "format.h"
-#include "model.h"
-#include "tensor.h"
+#include "model/format.h"
+#include "model/model.h"
 
 static int n_passed, n_failed;
 

@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend.h"
-#include "kernels.h"
-#include "kernels_impl.h"
+#include "backend/backend.h"
+#include "cpu/kernels.h"
+#include "cpu/kernels_impl.h"
 
 /* ---- path selection ------------------------------------------------------ */
 
