@@ -11,6 +11,7 @@
 #include "abi/api_structs.h"
 #include "backend/backend.h"
 #include "base/error.h"
+#include "cpu/backend_cpu.h"
 #include "cpu/threadpool.h"
 #include "decode/escalation.h"
 #include "decode/generate.h"
@@ -219,7 +220,7 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
     if (st != TL_OK) return st;
 
     tl_backend *be = NULL;
-    st = tl_backend_open(o.device, &be);
+    st = tl_backend_open(o.device, tl_backend_cpu_create, &be);
     if (st != TL_OK) return st;
     tl_file *file = NULL;
     st = tl_file_open(path, o.verify_checksums, &file);
@@ -234,7 +235,8 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
         tl_backend_close(be);
         return st;
     }
-    st = resolve_load_options(&model->hp, &o);
+    st = tl_body_dtype_apply(model, file->path);   /* before the backend sees the tensors */
+    if (st == TL_OK) st = resolve_load_options(&model->hp, &o);
     if (st == TL_OK) {
         model->load_opts = o;
         model->backend = be;

@@ -240,12 +240,14 @@ struct tl_backend {
     void *impl;          /* backend-private */
 };
 
-/* backend_loader.c: parse a device string ("cpu", "auto", "cuda", "cuda:N"; NULL =
- * "cpu") and open the backend that serves it. */
-tl_status tl_backend_open(const char *device, tl_backend **out);
-void tl_backend_close(tl_backend *be);
+/* A built-in backend's constructor. */
+typedef tl_status (*tl_backend_create_fn)(tl_backend **out);
 
-/* backend_cpu.c */
-tl_status tl_backend_cpu_create(tl_backend **out);
+/* backend_loader.c: parse a device string ("cpu", "auto", "cuda", "cuda:N"; NULL =
+ * "cpu") and open the backend that serves it. The CPU backend, which "cpu" and a
+ * fallback of "auto" get, is built on this interface (cpu/backend_cpu.h): the caller
+ * hands in its constructor. */
+tl_status tl_backend_open(const char *device, tl_backend_create_fn cpu_create, tl_backend **out);
+void tl_backend_close(tl_backend *be);
 
 #endif

@@ -1,6 +1,7 @@
 /* backend_loader.c — turns a device string into a backend.
  *
- * "cpu" (or NULL) is the built-in CPU backend. "cuda" / "cuda:N" dlopen()s
+ * "cpu" (or NULL) is the built-in CPU backend, whose constructor the caller passes
+ * (the CPU backend is built on this interface, not below it). "cuda" / "cuda:N" dlopen()s
  * libtinyloop_cuda.so from the directory of libtinyloop.so itself (found with
  * dladdr, so it works from a build tree, an install or a Python wheel alike) and
  * asks it for a backend through tl_cuda_backend_create(). "auto" prefers CUDA and
@@ -143,12 +144,12 @@ static tl_status open_cuda(const char *device, int index, tl_backend **out) {
     return TL_OK;
 }
 
-tl_status tl_backend_open(const char *device, tl_backend **out) {
-    if (!device || strcmp(device, "cpu") == 0) return tl_backend_cpu_create(out);
+tl_status tl_backend_open(const char *device, tl_backend_create_fn cpu_create, tl_backend **out) {
+    if (!device || strcmp(device, "cpu") == 0) return cpu_create(out);
     if (strcmp(device, "auto") == 0) {
         if (open_cuda(device, -1, out) == TL_OK) return TL_OK;
         tl_clear_error();   /* no usable CUDA device is the normal case for auto */
-        return tl_backend_cpu_create(out);
+        return cpu_create(out);
     }
     int index = -1;
     int kind = parse_cuda(device, &index);

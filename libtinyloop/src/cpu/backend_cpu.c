@@ -3,7 +3,7 @@
  * mapped file (no repacking); each context's tl_exec owns its thread pool and the
  * scratch the matmul and attention kernels need. */
 #define _GNU_SOURCE
-#include "backend/backend.h"
+#include "cpu/backend_cpu.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -13,7 +13,7 @@
 #include "base/error.h"
 #include "cpu/kernels.h"
 #include "cpu/threadpool.h"
-#include "decode/sampling.h"
+#include "base/sample_row.h"
 
 struct cpu_page_table;
 

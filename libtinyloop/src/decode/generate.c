@@ -63,7 +63,7 @@ static tl_status copy_stop_sequences(struct tl_stream *g, const tl_generate_opti
         total += o->stop_lengths[j];
     }
     tl_status st = tl_context_check_tokens(g->ctx, o->stop_tokens, total);
-    if (st != TL_OK) return tl_fail(st, "stop sequences: %s", tl_last_error());
+    if (st != TL_OK) return tl_fail(st, "stop sequences: %s", tl_error_message());
     g->stop_tokens = malloc(total * sizeof *g->stop_tokens);
     g->stop_lengths = malloc(o->n_stop_sequences * sizeof *g->stop_lengths);
     if (!g->stop_tokens || !g->stop_lengths)
@@ -78,7 +78,7 @@ static tl_status validate_prompt(const struct tl_context *ctx, const int32_t *pr
     if (n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the prompt is empty (need at least 1 token)");
     if (!prompt) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is NULL with %zu tokens", n);
     tl_status st = tl_context_check_tokens(ctx, prompt, n);
-    if (st != TL_OK) return tl_fail(st, "prompt: %s", tl_last_error());
+    if (st != TL_OK) return tl_fail(st, "prompt: %s", tl_error_message());
     if (n > (size_t)ctx->max_seq - ctx->n_tokens)
         return tl_fail(TL_ERR_CONTEXT_FULL,
                        "prompt of %zu tokens does not fit: the context holds %zu of max_seq_len %d",

@@ -4,15 +4,16 @@
  * tokens, on the host and on every backend's sample op.
  *
  * A step is prepared on the host (tl_sampler_begin_step: the penalty's tokens and the
- * step's random number), then applied to the logits where they are: tl_sample_row on
- * host memory, or a backend's sample op (backend.h) on its own buffers. */
+ * step's random number), then applied to the logits where they are: tl_sample_row
+ * (base/sample_row.h) on host memory, or a backend's sample op (backend.h) on its own
+ * buffers. */
 #ifndef TL_SAMPLING_H
 #define TL_SAMPLING_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "base/sample_math.h"
+#include "base/sample_row.h"
 #include "tinyloop/tinyloop.h"
 
 typedef struct tl_sampler {
@@ -38,30 +39,10 @@ void tl_sampler_free(tl_sampler *s);
 void tl_sampler_begin_step(tl_sampler *s, const int32_t *past, size_t n_past, const int32_t *next,
                            size_t n_next, tl_sample_step *step);
 
-/* The token of a prepared step from vocab logits in host memory (modified in place
- * by the penalty), with the step's host_scratch. */
-int32_t tl_sample_row(float *logits, int vocab, const tl_sample_step *step);
-
-/* The distribution a prepared step draws from (after the penalty, applied to logits in
- * place), as its support: ids[0..n) in increasing order with probs[i] the weight of
- * ids[i] over the kept total; a greedy step (or one where nothing has weight) is its
- * argmax with probability 1. Returns n (>= 1); ids and probs have room for vocab entries.
- * Speculative sampling compares the draft's and the full depth's distributions with it:
- * with top-k a support has k entries, so nothing after the candidates' selection walks
- * the whole vocabulary. */
-int tl_sample_distribution(float *logits, int vocab, const tl_sample_step *step, int32_t *ids,
-                           double *probs);
-
-/* The probability of token `id` in a support (ids increasing), 0 outside it. */
-double tl_sample_probability(const int32_t *ids, const double *probs, int n, int32_t id);
-
-/* A token drawn in proportion to weights[0..n) of ids[0..n) (>= 0, summing to total > 0),
- * walking them in order with the 53-bit uniform of `random`; -1 when no weight is
- * positive. */
-int32_t tl_sample_from(const int32_t *ids, const double *weights, int n, double total, uint64_t random);
-
-/* The generator's next output (a draw outside the steps: speculative acceptance). */
+/* The generator's next output (a draw outside the steps: speculative acceptance), and
+ * a number in [0, 1) made of its top 53 bits. */
 uint64_t tl_sampler_random(tl_sampler *s);
+double tl_sampler_uniform(tl_sampler *s);
 
 /* Both at once: the next token after `history`. */
 int32_t tl_sampler_sample(tl_sampler *s, float *logits, const int32_t *history, size_t n_history);

@@ -181,23 +181,6 @@ static double top_weight(const double *q, int n) {
     return top;
 }
 
-double tl_speculative_residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
-                               int n_q) {
-    double total = 0.0;
-    int j = 0;
-    for (int i = 0; i < n_p; i++) {
-        while (j < n_q && q_ids[j] < p_ids[i]) j++;
-        double qi = j < n_q && q_ids[j] == p_ids[i] ? q[j] : 0.0;
-        p[i] = p[i] > qi ? p[i] - qi : 0.0;
-        total += p[i];
-    }
-    return total;
-}
-
-double tl_speculative_uniform(struct tl_stream *g) {
-    return (double)(tl_sampler_random(&g->sampler) >> 11) * 0x1p-53;
-}
-
 static tl_status round_of_samples(struct tl_stream *g) {
     struct tl_context *ctx = g->ctx;
     const size_t V = (size_t)ctx->model->hp.vocab;
@@ -242,12 +225,12 @@ static tl_status round_of_samples(struct tl_stream *g) {
         int n_q = g->spec_q_n[j];
         int32_t x = fed[j + 1];
         /* kept with probability min(1, p(x) / q(x)) */
-        if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
+        if (tl_sampler_uniform(&g->sampler) * tl_sample_probability(q_ids, q, n_q, x) < tl_sample_probability(p_ids, p, n_p, x)) {
             ready[j] = x;
             continue;
         }
         /* refused: draw from what p has beyond q */
-        double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
+        double total = tl_sample_residual(p, p_ids, n_p, q, q_ids, n_q);
         int32_t t = tl_sample_from(p_ids, p, n_p, total, step.random);
         ready[j] = t >= 0 ? t : x;   /* p <= q everywhere means p == q: x is never refused */
         break;

@@ -28,11 +28,5 @@ void tl_speculative_settle(struct tl_stream *g, tl_stop_reason reason);
  * loses its context (tl_stream_detach), and from tl_speculative_free. */
 void tl_speculative_release_states(struct tl_stream *g);
 void tl_speculative_free(struct tl_stream *g);
-/* Speculative sampling's pieces, shared with tree rounds: p's support becomes what p has
- * beyond q, max(p - q, 0) (the ids only q holds would be 0 there and stay out), and its
- * total is returned; a number in [0, 1) from the stream's generator. */
-double tl_speculative_residual(double *p, const int32_t *p_ids, int n_p, const double *q, const int32_t *q_ids,
-                               int n_q);
-double tl_speculative_uniform(struct tl_stream *g);
 
 #endif

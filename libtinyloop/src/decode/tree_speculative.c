@@ -34,7 +34,6 @@
 
 #include "backend/backend.h"
 #include "base/error.h"
-#include "decode/speculative.h"
 #include "runtime/forward.h"
 
 struct tl_tree_spec {
@@ -314,12 +313,12 @@ static int sampled_child(struct tl_stream *g, int node, int n_nodes) {
         if (t->parent[c] != node) continue;
         int32_t x = t->tokens[c];
         int n_q = t->q_n[node];
-        if (tl_speculative_uniform(g) * tl_sample_probability(q_ids, q, n_q, x) <
+        if (tl_sampler_uniform(&g->sampler) * tl_sample_probability(q_ids, q, n_q, x) <
             tl_sample_probability(p_ids, p, n_p, x)) {
             g->spec_ready[depth] = x;
             return c;
         }
-        double total = tl_speculative_residual(p, p_ids, n_p, q, q_ids, n_q);
+        double total = tl_sample_residual(p, p_ids, n_p, q, q_ids, n_q);
         if (!(total > 0.0)) {   /* p <= q everywhere means p == q: x is never refused */
             g->spec_ready[depth] = x;
             return c;

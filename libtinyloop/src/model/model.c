@@ -12,7 +12,6 @@
 
 #include "base/error.h"
 #include "model/format.h"
-#include "runtime/body_dtype.h"
 
 /* Least tensors any block needs (two norms, q k v o, gate up down), to reject headers
  * declaring absurd block counts before allocating per-block arrays. */
@@ -345,13 +344,7 @@ static tl_status claim_tensors(builder *b)
 
 static void copy_load_options(tl_model *m, const tl_load_options *opts)
 {
-    tl_load_options_default(&m->load_opts);
-    if (opts) {
-        /* an older caller's struct may be shorter: copy only what it has */
-        size_t n = opts->struct_size < sizeof m->load_opts ? opts->struct_size : sizeof m->load_opts;
-        memcpy(&m->load_opts, opts, n);
-    }
-    m->load_opts.struct_size = sizeof m->load_opts;
+    m->load_opts = *opts;
     m->load_opts.device = NULL; /* the caller's string is not kept */
 }
 
@@ -377,8 +370,8 @@ static tl_status build_draft_vocab(tl_model *m, const char *path)
 
 tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, struct tl_model **out)
 {
-    if (!file || !out)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_model_from_file: file and out must not be NULL");
+    if (!file || !opts || !out)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_model_from_file: file, opts and out must not be NULL");
     *out = NULL;
     tl_model *m = calloc(1, sizeof *m);
     bool *used = calloc(file->n_tensors ? file->n_tensors : 1, sizeof *used);
@@ -400,8 +393,6 @@ tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, 
         copy_load_options(m, opts);
         st = build_draft_vocab(m, file->path);
     }
-    if (st == TL_OK)   /* before any backend sees the tensors */
-        st = tl_body_dtype_apply(m, file->path);
     if (st != TL_OK) {
         tl_model_destroy(m); /* the file stays the caller's */
         return st;
@@ -421,7 +412,7 @@ void tl_model_destroy(struct tl_model *model)
     free(model->core);
     free(model->post);
     tl_draft_vocab_free(&model->draft);
-    tl_body_dtype_free(model);
+    free(model->body_copy);
     tl_file_close(model->file);
     free(model);
 }

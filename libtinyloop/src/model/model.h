@@ -79,7 +79,8 @@ struct tl_model {
     tl_tensor token_frequency;         /* [V] vocab.frequency; .data == NULL when absent */
     tl_draft_vocab draft;              /* the drafts' tokens and head (load option) */
     void *body_copy;                   /* the body's matrices as body_dtype asks, or NULL
-                                          (body_dtype.h); core views point into it */
+                                          (runtime/body_dtype.h); core views point into
+                                          it; freed with the model */
 
     tl_load_options load_opts;         /* as resolved at load (device string not kept) */
     char device_name[64];
@@ -97,7 +98,9 @@ struct tl_model {
 };
 
 /* Build a model from an opened file (takes ownership of file on success; on failure
- * the caller still owns and closes it). backend and default_ctx are left NULL. */
+ * the caller still owns and closes it) with the load options opts, a whole struct with
+ * its defaults filled in (tl_load_options_default). backend and default_ctx are left
+ * NULL, the body as stored (body_dtype is the loader's next step, runtime/body_dtype.h). */
 tl_status tl_model_from_file(struct tl_file *file, const tl_load_options *opts, struct tl_model **out);
 /* Frees what tl_model_from_file built, the file included. The backend and the default
  * context are released by their owners before this is called. */

@@ -115,12 +115,6 @@ tl_status tl_body_dtype_apply(struct tl_model *m, const char *path)
     return st;
 }
 
-void tl_body_dtype_free(struct tl_model *m)
-{
-    free(m->body_copy);
-    m->body_copy = NULL;
-}
-
 uint64_t tl_body_bytes(const struct tl_model *m)
 {
     uint64_t sum = 0;

@@ -15,9 +15,8 @@ struct tl_model;
 tl_status tl_body_dtype_check(int32_t body_dtype);
 /* Converts the body of `model` as model->load_opts.body_dtype asks: the core blocks'
  * q/k/v/o, gate/up/down and the concat injection's weight. The copies are owned by the
- * model (model->body_copy) and freed by tl_body_dtype_free. */
+ * model (model->body_copy, freed by tl_model_destroy, also after a failure here). */
 tl_status tl_body_dtype_apply(struct tl_model *model, const char *path);
-void tl_body_dtype_free(struct tl_model *model);
 /* Bytes of the body's matrices as the model holds them (the memory report). */
 uint64_t tl_body_bytes(const struct tl_model *model);
 

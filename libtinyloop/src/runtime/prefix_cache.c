@@ -48,7 +48,7 @@ static void free_cache(struct tl_prefix_cache *c) {
 static tl_status alloc_rows(struct tl_prefix_cache *c, size_t count, tl_buf **out) {
     tl_status st = c->model->backend->ops->buf_alloc(c->model->backend, count, out);
     if (st != TL_OK)
-        return tl_fail(st, "prefix cache of %zu tokens: %s", c->n_tokens, tl_last_error());
+        return tl_fail(st, "prefix cache of %zu tokens: %s", c->n_tokens, tl_error_message());
     c->bytes += count * sizeof(float);
     c->own_bytes += count * sizeof(float);
     return TL_OK;
