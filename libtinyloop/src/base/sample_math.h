@@ -3,7 +3,7 @@
  * fixed-point weight of a logit, the min-p and top-p bounds and the draw. Past the
  * float steps (the penalty, (max - logit) / temperature) everything is integer
  * arithmetic, so the weights do not depend on how a compiler contracts floating-point
- * expressions or how a math library rounds exp(). sampling.c and the CUDA backend
+ * expressions or how a math library rounds exp(). sample_row.c and the CUDA backend
  * include it; the rest (top-k and top-p thresholds, the walk of the draw) each
  * backend computes its own way to the same definition. */
 #ifndef TL_SAMPLE_MATH_H

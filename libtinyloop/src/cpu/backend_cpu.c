@@ -374,14 +374,14 @@ static void cpu_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int
     }
 }
 
-/* The greedy choice of sampling.c itself (temperature 0, no penalty), on the row in place. */
+/* The host sampler's greedy choice itself (temperature 0, no penalty), on the row in place. */
 static int32_t cpu_argmax(tl_exec *ex, tl_act x, int count) {
     (void)ex;
     tl_sample_step greedy = { .temperature = 0.0f, .repetition_penalty = 1.0f };
     return tl_sample_row(P(x), count, &greedy);
 }
 
-/* sampling.c's step itself, on the row in place. */
+/* The host sampler's step itself, on the row in place. */
 static int32_t cpu_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample_step *step) {
     (void)ex;
     return tl_sample_row(P(logits), vocab, step);

@@ -1,5 +1,7 @@
-/* testing.h — entry points for the test suite only, exported from the library but not
- * part of the public API (tinyloop.h): tests declare them in their own cffi cdef. */
+/* testing.h — entry points for the test suite only, not part of the public API
+ * (tinyloop.h): exported by libtinyloop_testing.so (the core plus testing.c, never
+ * installed), not by libtinyloop.so; tests declare them in their own cffi cdef
+ * (tests/testing_hooks.py). */
 #ifndef TL_TESTING_H
 #define TL_TESTING_H
 
