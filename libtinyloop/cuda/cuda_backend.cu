@@ -1,6 +1,6 @@
 // cuda_backend.cu — entry points of libtinyloop_cuda.so and its tl_backend_ops table.
 // The core dlopen()s this library only when a CUDA device is requested
-// (src/backend_loader.c). Nothing here aborts: synchronous failures return a
+// (src/backend/backend_loader.c). Nothing here aborts: synchronous failures return a
 // tl_status with the message in a thread-local buffer (tl_cuda_last_error()), and
 // failures of the asynchronous ops are recorded in the tl_exec and reported by
 // ops->status(). All ops of one context run in order on that context's stream;

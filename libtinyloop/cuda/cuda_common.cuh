@@ -20,7 +20,7 @@
 #include <vector>
 
 extern "C" {
-#include "backend.h"
+#include "backend/backend.h"
 }
 
 #define TL_CUDA_API extern "C" __attribute__((visibility("default")))
@@ -379,7 +379,7 @@ void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_ar
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu);
 void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
                      const int32_t *d_targets, float *d_out);
-// *d_out = the first index of the largest of count floats (sampling.c's argmax), in
+// *d_out = the first index of the largest of count floats (sample_row.c's argmax), in
 // two passes through ex->argmax_partial (argmax_partial_bytes() of device memory)
 size_t argmax_partial_bytes();
 // A chained argmax's extra outputs (cuda_argmax_chained); ring = nullptr: none.

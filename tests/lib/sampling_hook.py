@@ -1,6 +1,6 @@
-"""The library's test-only sampling entry point (libtinyloop/src/testing.h, declared in
-testing_hooks.py), and the logit rows and sampler settings the sampling tests run
-through it."""
+"""The library's test-only sampling entry point (libtinyloop/src/testing/testing.h,
+declared in testing_hooks.py: its contexts are the testing library's), and the logit rows
+and sampler settings the sampling tests run through it."""
 
 import numpy as np
 

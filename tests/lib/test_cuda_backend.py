@@ -22,6 +22,7 @@ import tinyloop
 from tinyloop.fileformat.random_model import make_random_model
 from sampling_hook import GENERATION_SETTINGS, SETTINGS, logit_rows, sample_rows
 from test_parity import DEVICE_TOLERANCE, TOLERANCES
+from testing_hooks import through_testing_library  # noqa: F401 (autouse: the models load through the testing library)
 
 CUDA = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu")
 if not CUDA.startswith("cuda"):

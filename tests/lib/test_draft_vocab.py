@@ -13,7 +13,7 @@ import pytest
 import tinyloop
 from reference import ReferenceModel
 from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, assert_close, case_config
-from testing_hooks import hooks_of
+from testing_hooks import hooks_of, through_testing_library  # noqa: F401 (autouse: the models load through the testing library)
 from tinyloop.errors import FormatError, InvalidArgumentError
 from tinyloop.fileformat.random_model import make_random_model
 from tinyloop.fileformat.tinyloop_file import copy_file, read_file, tensor_nbytes

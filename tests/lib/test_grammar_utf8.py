@@ -15,7 +15,7 @@ import pytest
 
 import tinyloop
 from reference import grammar as ref_grammar
-from testing_hooks import hooks_of
+from testing_hooks import hooks_of, through_testing_library  # noqa: F401 (autouse: the models load through the testing library)
 from tinyloop.grammar import Grammar
 from tinyloop.fileformat.random_model import make_random_model
 

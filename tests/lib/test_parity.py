@@ -201,12 +201,12 @@ LEVEL_NAMES = ("generic", "avx2", "avx512vnni")
 
 
 def _cpu_levels() -> tuple:
-    """(best, built): the names of the CPU kernel level this CPU and the loaded library
-    run at best (before TINYLOOP_CPU) and of the highest one the library has kernels for
-    (the test-only tl_testing_cpu_level, libtinyloop/src/testing.h)."""
-    from testing_hooks import hooks_of
-    from tinyloop import _native
-    _, lib = hooks_of(_native.get())
+    """(best, built): the names of the CPU kernel level this CPU and the library run at
+    best (before TINYLOOP_CPU) and of the highest one the library has kernels for (the
+    test-only tl_testing_cpu_level, libtinyloop/src/testing/testing.h, of the testing
+    library: the release library's core, built from the same sources)."""
+    from testing_hooks import hooks_of, testing_library
+    _, lib = hooks_of(testing_library())
     return LEVEL_NAMES[lib.tl_testing_cpu_level(0)], LEVEL_NAMES[lib.tl_testing_cpu_level(1)]
 
 

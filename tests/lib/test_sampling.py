@@ -10,6 +10,7 @@ import pytest
 import tinyloop
 from reference import sampling as reference
 from sampling_hook import GENERATION_SETTINGS, SETTINGS, logit_rows, reference_tokens, sample_rows
+from testing_hooks import through_testing_library  # noqa: F401 (autouse: the models load through the testing library)
 from tinyloop.fileformat.random_model import make_random_model
 
 VOCABS = [1, 2, 7, 160, 1000, 4099]

@@ -23,7 +23,7 @@ import pytest
 
 import tinyloop
 from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, assert_close, case_config
-from testing_hooks import hooks_of
+from testing_hooks import hooks_of, through_testing_library  # noqa: F401 (autouse: the models load through the testing library)
 from tinyloop import default_model
 from tinyloop.default_model import DEFAULT_MODEL_NAME
 from reference import ReferenceModel

@@ -10,10 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend.h"
-#include "../debug_flags.h"
-#include "kernels.h"
-#include "kernels_impl.h"
+#include "backend/backend.h"
+#include "base/debug_flags.h"
+#include "base/log.h"
+#include "cpu/kernels.h"
+#include "cpu/kernels_impl.h"
 
 /* ---- path selection ------------------------------------------------------ */
 
@@ -47,11 +48,22 @@ tl_cpu_level tl_cpu_built_level(void) {
 static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 static atomic_int current_level = TL_CPU_GENERIC;
 
-/* The best level, capped by TINYLOOP_CPU (debug_flags.c reads it and warns about a
- * value that is not a level name). */
+/* TINYLOOP_CPU (base/debug_flags.c): the level it names, or -1 when unset; another
+ * value is a warning, since a benchmark meant for one path must not silently run another. */
+static int level_cap(void) {
+    const char *value = tl_debug_value(TL_FLAG_CPU);
+    if (!value) return -1;
+    for (int level = TL_CPU_GENERIC; level <= TL_CPU_AVX512VNNI; level++)
+        if (strcmp(value, tl_cpu_level_name((tl_cpu_level)level)) == 0) return level;
+    tl_log(TL_LOG_WARN, "%s=%s is not one of %s: ignored", tl_debug_flag_name(TL_FLAG_CPU), value,
+           tl_debug_flag_values(TL_FLAG_CPU));
+    return -1;
+}
+
+/* The best level, capped by TINYLOOP_CPU. */
 static void detect(void) {
     tl_cpu_level level = tl_cpu_best_level();
-    int cap = tl_debug_cpu_cap();
+    int cap = level_cap();
     atomic_store(&current_level, cap >= 0 && (tl_cpu_level)cap < level ? (tl_cpu_level)cap : level);
 }
 
