@@ -12,15 +12,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "check_layers"
 
-# The C sources are not in their layer folders yet, and libtinyloop.so still exports
-# the tl_testing_* hooks. Remove a mark once its check passes: strict, so that a pass
-# is reported.
-C_NOT_LAYERED_YET = pytest.mark.xfail(
-    strict=True, reason="libtinyloop/src has upward includes and a circle until it is layered")
-EXPORTS_NOT_CLEAN_YET = pytest.mark.xfail(
-    strict=True, reason="the tl_testing_* hooks are exported until they move to their own library")
-
-
 def run_tool(*args, root=None):
     cmd = [sys.executable, str(TOOL), *args]
     if root is not None:
@@ -29,7 +20,6 @@ def run_tool(*args, root=None):
     return out.returncode, out.stdout + out.stderr
 
 
-@C_NOT_LAYERED_YET
 def test_c_sources_are_layered():
     rc, out = run_tool("--check", "c")
     assert rc == 0, out
@@ -40,7 +30,6 @@ def test_python_package_is_layered():
     assert rc == 0, out
 
 
-@EXPORTS_NOT_CLEAN_YET
 def test_library_exports_only_the_header():
     rc, out = run_tool("--check", "exports")
     assert rc == 0, out

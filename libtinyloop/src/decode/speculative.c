@@ -34,8 +34,9 @@
 
 #include "backend/backend.h"
 #include "base/error.h"
-#include "decode/generate.h"
+#include "decode/stream.h"
 #include "decode/tree_speculative.h"
+#include "runtime/context.h"
 
 tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o) {
     if (o->tree_budget != 0 && o->tree_widths[0] == 0)

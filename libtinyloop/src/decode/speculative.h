@@ -10,33 +10,7 @@
 
 #include "tinyloop/tinyloop.h"
 
-#define TL_MAX_DRAFT 32
-#define TL_DEFAULT_DRAFT 4
-
-struct tl_stream;     /* generate.h */
-struct tl_buf;        /* backend.h */
-struct tl_tree_spec;  /* tree_speculative.c */
-
-/* A stream's speculative state, written here and by tree rounds (tree_speculative.c). */
-typedef struct tl_speculation {
-    int32_t draft_depth;           /* loop depth of the drafts (0: no speculation)      */
-    int32_t n_draft;               /* tokens drafted per verification at most           */
-    double draft_p_min;            /* drafting stops below this top probability         */
-    int32_t *fed;                  /* [n_draft + 1]: the pending token, then the drafts */
-    int32_t *ready;                /* [n_draft + 1]: verified tokens, returned in order */
-    double *q;                     /* sampling: [n_draft][vocab] the drafts' distributions, */
-    int32_t *q_ids;                /* as supports: probabilities and their ids in order,   */
-    int *q_n;                      /* [n_draft] entries each (tl_sample_distribution)      */
-    double *p;                     /* sampling: [vocab] a verification row's distribution */
-    int32_t *p_ids;                /* and its ids                                         */
-    float *rows;                   /* sampling: [n_draft + 1][vocab] verification logits   */
-    struct tl_buf *states;         /* backend rows: the drafts' injection sources [n_draft],
-                                      then their loop states [n_draft]; NULL when the
-                                      verification does not resume                       */
-    struct tl_tree_spec *tree;     /* tree speculation's round state; NULL for linear drafts */
-    size_t n_ready, ready_at;      /* ready[ready_at..n_ready) not yet returned          */
-    uint32_t n_drafted, n_accepted;
-} tl_speculation;
+struct tl_stream;     /* decode/stream.h */
 
 /* Check o->draft_depth / o->n_draft against the stream (its depth, model) and
  * allocate the round buffers; nothing to do when o->draft_depth is 0. */

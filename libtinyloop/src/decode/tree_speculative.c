@@ -34,6 +34,8 @@
 
 #include "backend/backend.h"
 #include "base/error.h"
+#include "decode/stream.h"
+#include "runtime/context.h"
 #include "runtime/forward.h"
 
 struct tl_tree_spec {

@@ -5,7 +5,9 @@
 #ifndef TL_TREE_SPECULATIVE_H
 #define TL_TREE_SPECULATIVE_H
 
-#include "decode/generate.h"
+#include "tinyloop/tinyloop.h"
+
+struct tl_stream;     /* decode/stream.h */
 
 #define TL_TREE_MAX_WIDTH 8
 

@@ -9,7 +9,7 @@
 #include "backend/backend.h"
 #include "base/logprobs.h"
 #include "model/model.h"
-#include "runtime/context.h"
+#include "runtime/context_state.h"
 #include "runtime/kv_cache.h"
 
 /* Everything the helpers below share for one chunk. */
