@@ -318,12 +318,15 @@ async def chat(request: Request) -> Response:
 async def embed(request: Request) -> Response:
     body = await read_json(request)
     state = _state(request)
-    parsed = await run_in_threadpool(embeddings.embedding_request, body, state.engine.model, state.engine.names)
-    gone = threading.Event()
-    await _admit(request, state, None, asyncio.Event())
+    engine = state.engine
+    parsed = await run_in_threadpool(embeddings.embedding_request, body, engine.model, engine.names,
+                                     state.options.strict)
+    request.scope["tinyloop"].depth = parsed.depth or engine.model.info.default_depth
+    deadline = None if state.options.request_timeout is None else time.monotonic() + state.options.request_timeout
+    await _admit(request, state, deadline, asyncio.Event())
     try:
         answer = await asyncio.get_running_loop().run_in_executor(
-            state.executor, _in_worker, state, lambda: embeddings.embed(state.engine, parsed, gone))
+            state.executor, _in_worker, state, lambda: embeddings.embed(engine, parsed, engine.stopping.is_set))
     finally:
         state.slots.release()
     request.scope["tinyloop"].usage = answer["usage"]
