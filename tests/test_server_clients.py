@@ -15,8 +15,6 @@ from tinyloop.server import ModelServer, ServerOptions, api, tools
 
 openai = pytest.importorskip("openai")
 
-CHATML = ("{% for message in messages %}{{'<s>' + message['role'] + '\n' + message['content'] "
-          "+ '</s>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
 KEY = "sk-clients"
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "the weather of a city",
@@ -31,7 +29,7 @@ WEATHER = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("clients") / "chat.tinyloop"
-    textmodel.make_text_model(path, chat_template=CHATML, max_seq_len=2048)
+    textmodel.make_text_model(path, chat_template=textmodel.CHATML, max_seq_len=2048)
     model = tinyloop.Model(path, threads=1)
     server = ModelServer(("127.0.0.1", 0), model, name=["tiny", "alias"], parallel=2,
                          options=ServerOptions(api_key=KEY))

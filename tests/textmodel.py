@@ -21,6 +21,10 @@ DIMS = dict(vocab_size=VOCAB, d_model=32, n_head=4, n_kv_head=2, head_dim=8, ffn
             n_pre=1, n_core=1, n_post=1, default_depth=2, max_depth=MAX_DEPTH,
             max_seq_len=MAX_SEQ_LEN)
 
+# a chat template in ChatML's shape, with the model's own <s> and </s> around each turn
+CHATML = ("{% for message in messages %}{{'<s>' + message['role'] + '\n' + message['content'] "
+          "+ '</s>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+
 
 def byte_level_tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -7,6 +7,7 @@ OpenAI's error body naming the field (`param`); nothing is generated for it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import secrets
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from ..chat_template import ChatTemplateError, ChatTemplateUnavailable
 from ..errors import InvalidArgumentError
 from ..grammar import SchemaError, json_object_grammar, json_schema_to_gbnf, request_grammar
+from . import tools
+from .errors import RequestError
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -37,21 +40,6 @@ _MAX_STOPS = 4
 _MAX_TOP_LOGPROBS = 20   # the library's limit (TL_MAX_TOP_LOGPROBS), OpenAI's for chat
 MAX_CHOICES = 16         # n
 MAX_PROMPTS = 32         # prompts in one completions request
-
-
-class RequestError(Exception):
-    """A refusal: its HTTP status, OpenAI's error body, and headers for the response
-    (Retry-After, Allow, ...)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass
@@ -389,7 +377,6 @@ def _encode(model, text: str, param: str, add_bos) -> list:
 
 def chat_request(body, model, served, template, *, strict=True, max_tokens_cap=None) -> GenerationRequest:
     """A chat request (as completion_request), its tools checked and rendered (tools.py)."""
-    from . import tools
     name = "max_tokens"
     if isinstance(body, dict) and "max_completion_tokens" in body:
         if "max_tokens" in body:
@@ -426,7 +413,6 @@ def chat_prompt_ids(body: dict, model, template, add_generation_prompt: bool = T
     """The token ids of body["messages"] rendered through the model's chat template (no
     BOS beyond what the template writes); with `calling` (tools.ToolCalling) the tools
     too, in the template's `tools` or else in a system message before the others."""
-    from . import tools
     if template is None:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use "
                            "/v1/completions", "messages")
@@ -488,7 +474,6 @@ def _messages(messages) -> list:
 def _tool_calls(calls, where: str) -> list:
     """An assistant message's tool_calls, their arguments parsed from JSON text into
     objects, as chat templates expect them."""
-    import json
     if not isinstance(calls, list):
         raise RequestError(f"{where}.tool_calls must be a list", where)
     out = []

@@ -18,7 +18,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from .api import RequestError
+from .errors import RequestError
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
