@@ -54,12 +54,13 @@ def _byte_chars() -> list[str]:
 
 
 def make_text_model(path, *, seed: int = 7, add_bos: bool = True,
-                    chat_template: str | None = None, tokenizer_json: str | None = None) -> None:
+                    chat_template: str | None = None, tokenizer_json: str | None = None,
+                    max_seq_len: int = MAX_SEQ_LEN) -> None:
     """Write a random model with the byte-level tokenizer (or `tokenizer_json`, one of
     VOCAB tokens with <s> and </s> at BOS and EOS; and a chat template, when given) to
     `path`."""
     plain = f"{path}.plain"
-    make_random_model(plain, seed=seed, dtype="f32", **DIMS)
+    make_random_model(plain, seed=seed, dtype="f32", **dict(DIMS, max_seq_len=max_seq_len))
     with read_file(plain) as src:
         writer = TinyLoopWriter(dict(src.dims))
         for key, value in src.metadata.items():

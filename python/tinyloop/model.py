@@ -879,6 +879,18 @@ class Model(_Scoring, NativeHandle):
             ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
+    def embed(self, tokens, depth: int = 0) -> np.ndarray:
+        """An embedding of the tokens (float32, [d_model]): the mean over the positions of
+        the head's input (the final norm's output) at loop depth `depth` (0 = the
+        default), the tokens run as a fresh sequence (C: tl_embed)."""
+        ids = _args.token_array(tokens, self.info.vocab_size)
+        native, ffi = self._native, self._native.ffi
+        opts = self._score_options(depth)
+        out = np.empty(self.info.d_model, dtype=np.float32)
+        native.check(native.lib.tl_embed(self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids),
+                                         opts, ffi.from_buffer("float[]", out, require_writable=True)))
+        return out
+
     def score_with_consistency_escalation(self, tokens, min_depth: int = 1, max_depth: int = 0,
                                           max_changed: float = 0.05) -> tuple:
         """(logprobs, entropies, depth): the tokens scored at min_depth, then at twice the

@@ -244,14 +244,14 @@ def test_bad_http_is_refused_and_the_server_lives_on(server):
     assert server.post("/v1/completions", {"model": "other", "prompt": "x"})[0] == 404
     # no Content-Length; a body over the limit (refused before it is read)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert b" 411 " in s.recv(4096).split(b"\r\n")[0]
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 99999999\r\n\r\n")
         assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
     # a Content-Length of a non-ASCII digit (latin-1 "\xb2", a digit to str.isdigit)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: \xb2\r\n\r\n")
         assert b" 400 " in s.recv(4096).split(b"\r\n")[0]
     assert server.request("POST", "/v1/nothing", {"prompt": "x"})[0] == 404
     assert server.post("/v1/completions", {"prompt": "fine", "max_tokens": 2})[0] == 200
@@ -326,7 +326,7 @@ def test_concurrent_requests_share_their_decode_steps(paths, monkeypatch):
 def test_client_leaving_mid_stream(server):
     body = json.dumps({"prompt": "x", "max_tokens": 80, "stream": True, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert s.recv(64).startswith(b"HTTP/1.1 200")
     # the server drops that generation and answers the next request
@@ -399,9 +399,9 @@ def test_prompt_filling_the_context_still_gives_one_token(server):
                                      b"Transfer-Encoding: chunked\r\n"])
 def test_unread_body_ends_the_connection(server, headers):
     """The body after a refused header is never run as the next request."""
-    smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    smuggled = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n" + smuggled)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n" + headers + b"\r\n" + smuggled)
         received = b""
         while chunk := s.recv(4096):
             received += chunk
@@ -431,7 +431,7 @@ def test_a_client_leaving_frees_its_slot(default_model_server):
     server = default_model_server
     body = json.dumps({"prompt": "The", "max_tokens": 1900, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(0.5)
     started = time.monotonic()

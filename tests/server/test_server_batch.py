@@ -210,7 +210,7 @@ def test_a_client_leaving_ends_the_whole_batch(servers):
     steps = running.server.batcher.steps
     body = json.dumps({"prompt": "x", "max_tokens": 80, "n": 4, "stream": True, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", running.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert s.recv(64).startswith(b"HTTP/1.1 200")
     batcher = running.server.batcher

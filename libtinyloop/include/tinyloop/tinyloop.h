@@ -324,6 +324,11 @@ TL_API tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tok
 TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
+/* An embedding of the tokens, run as a fresh sequence at opts->depth (0 = the default):
+ * the mean over the positions of the head's input (the final norm's output; the last
+ * layer's states for a model without a final norm), d_model floats. */
+TL_API tl_status tl_embed(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                          const tl_score_options *opts, float *embedding);
 
 /* The exit gate of a model whose file has one (metadata loop.exit_gate: Ouro's early-exit
  * gate; docs/model.md, "Exit gate"): lambda[i * depth + t] = sigmoid(gate) on the loop state

@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "abi/api_structs.h"
 #include "base/error.h"
@@ -152,6 +153,30 @@ tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_t
     if (st == TL_OK) st = tl_context_logit_lens(ctx, tokens, n_tokens, max_depth, logits_per_depth);
     pthread_mutex_unlock(&model->default_ctx_lock);
     return st;
+}
+
+tl_status tl_embed(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                   const tl_score_options *opts, float *embedding) {
+    NEED(model, "model");
+    NEED(embedding, "embedding");
+    tl_score_options o;
+    tl_status st = read_score_options(opts, &o);
+    if (st == TL_OK) st = check_tokens_arg(tokens, n_tokens, 1);
+    if (st != TL_OK) return st;
+    int d = model->hp.d;
+    float *row = malloc((size_t)d * sizeof *row);
+    if (!row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d floats", d);
+    memset(embedding, 0, (size_t)d * sizeof *embedding);
+    tl_forward_out out = { .hidden_sum = embedding, .hidden_row = row };
+    pthread_mutex_lock(&model->default_ctx_lock);
+    tl_context *ctx = NULL;
+    st = default_context(model, &ctx);
+    if (st == TL_OK) st = tl_context_eval(ctx, tokens, n_tokens, o.depth, &out);
+    pthread_mutex_unlock(&model->default_ctx_lock);
+    free(row);
+    if (st != TL_OK) return st;
+    for (int i = 0; i < d; i++) embedding[i] /= (float)n_tokens;
+    return TL_OK;
 }
 
 tl_status tl_score_with_consistency_escalation(tl_model *model, const int32_t *tokens,

@@ -188,6 +188,8 @@ static tl_forward_out chunk_request(const tl_forward_out *out, size_t c0, int ro
     chunk_out.n_row_tokens = 0;
     chunk_out.row_logits = NULL;
     chunk_out.n_row_logits = 0;
+    chunk_out.hidden_sum = out->hidden_sum;   /* every chunk's rows count */
+    chunk_out.hidden_row = out->hidden_row;
     if (out->n_targets > c0) {
         chunk_out.targets = out->targets + c0;
         chunk_out.logprobs = out->logprobs + c0;

@@ -407,6 +407,17 @@ static void outputs(const fwd *F, int n, int pos0, const tl_forward_out *out) {
     tl_act h = buf0(ctx->h), xn = buf0(ctx->xn), logits = buf0(ctx->logits);
     int V = F->hp->vocab;
 
+    if (out->hidden_sum) {   /* an embedding: the head's input rows, added up on the host */
+        tl_act rows = h;
+        if (F->hp->final_norm) {
+            F->ops->norm(F->ex, &m->final_norm, &F->norm, h, n, F->d, xn);
+            rows = xn;
+        }
+        for (int r = 0; r < n; r++) {
+            F->ops->download(F->ex, out->hidden_row, tl_act_add(rows, (size_t)r * F->d), (size_t)F->d);
+            for (int i = 0; i < F->d; i++) out->hidden_sum[i] += out->hidden_row[i];
+        }
+    }
     if (out->last_logits || out->last_token || out->chain_token) {
         /* a draft with a draft vocabulary scores only its tokens */
         const tl_draft_vocab *dv = out->draft && m->draft.n > 0 ? &m->draft : NULL;

@@ -50,6 +50,10 @@ typedef struct tl_forward_out {
                                   logit (over the draft vocabulary for a draft); its
                                   logits pass through `top_prob_row` (vocab floats)   */
     float *top_prob_row;
+    float *hidden_sum;         /* host, d floats: every row's head input (final norm's
+                                  output) added to it; a SEQUENCE pass. hidden_row: a
+                                  host scratch of d floats                            */
+    float *hidden_row;
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
                                   state before the coda go (.buf NULL: not kept), for a
                                   TL_START_RESUMED verification; not on a backend that
