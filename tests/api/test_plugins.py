@@ -74,7 +74,7 @@ def test_builtin_package_is_registered_like_third_parties():
     assert registry.names() == sorted(p.name for p in builtins)
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pyproject_plugins() -> dict:

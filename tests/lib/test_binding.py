@@ -414,7 +414,7 @@ def test_model_without_tokenizer(tmp_path):
 
 
 # -- metadata, log messages, environment switches, the backend handshake --------------------
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _typed(metadata: dict) -> dict:
