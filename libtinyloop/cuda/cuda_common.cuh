@@ -20,7 +20,7 @@
 #include <vector>
 
 extern "C" {
-#include "backend.h"
+#include "backend/backend.h"
 }
 
 #define TL_CUDA_API extern "C" __attribute__((visibility("default")))
@@ -252,6 +252,11 @@ struct tl_exec {
 tl_status cuda_fail(tl_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 // Thread-local message of the last failure (tl_cuda_last_error()).
 const char *cuda_error_text();
+// The core's services, handed over when it opens this library (tl_backend_host): this
+// library writes nothing to stderr and reads no environment variable itself.
+void cuda_log(tl_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// A switch of debug_flags.h (1 = on), as the core reads it now.
+int cuda_switch(tl_debug_flag flag);
 // Record err (if any) as the execution state's first error; returns 1 when err != success.
 int exec_check(tl_exec *ex, cudaError_t err, const char *what);
 // After a kernel launch: record a launch error.
@@ -374,7 +379,7 @@ void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_ar
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu);
 void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
                      const int32_t *d_targets, float *d_out);
-// *d_out = the first index of the largest of count floats (sampling.c's argmax), in
+// *d_out = the first index of the largest of count floats (sample_row.c's argmax), in
 // two passes through ex->argmax_partial (argmax_partial_bytes() of device memory)
 size_t argmax_partial_bytes();
 // A chained argmax's extra outputs (cuda_argmax_chained); ring = nullptr: none.

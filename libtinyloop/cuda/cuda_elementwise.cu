@@ -308,7 +308,7 @@ logprobs_kernel(const float *logits, int vocab, const int32_t *targets, float *o
     }
 }
 
-// The first index of the largest value, as sampling.c's argmax: a NaN never wins, except
+// The first index of the largest value, as sample_row.c's argmax: a NaN never wins, except
 // at index 0, where the sequential scan would keep it. (value, index) pairs are ranked
 // by value, then by smaller index, a total order, so any reduction tree gives the
 // sequential scan's answer; bi < 0 means no candidate yet.

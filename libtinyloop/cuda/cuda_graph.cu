@@ -8,7 +8,7 @@
 // from `step.dev`, uploaded before the step runs. At step_end the graph captured
 // earlier for the same key is replayed; a new key is captured (stream capture of the
 // kept closures) and instantiated. Whatever fails there, the step runs eagerly and
-// graphs stay off for the context, with the reason printed once on stderr.
+// graphs stay off for the context, with the reason logged once (a warning).
 //
 // The loop body's weights are read `depth` times per token: an access-policy window
 // over them (persisting hits, streaming misses) keeps them in L2 when they fit; when
@@ -36,12 +36,7 @@ void graphs_off(tl_exec *ex, const char *why, cudaError_t err) {
     s.off = 1;
     snprintf(s.reason, sizeof s.reason, "%s%s%s", why, err != cudaSuccess ? ": " : "",
              err != cudaSuccess ? cudaGetErrorString(err) : "");
-    fprintf(stderr, "tinyloop cuda: decode steps run without CUDA graphs (%s)\n", s.reason);
-}
-
-int graphs_allowed() {
-    const char *env = getenv("TINYLOOP_CUDA_GRAPHS");
-    return !(env && strcmp(env, "0") == 0);
+    cuda_log(TL_LOG_WARN, "cuda: decode steps run without CUDA graphs (%s)", s.reason);
 }
 
 void run_work(tl_exec *ex) {
@@ -128,7 +123,7 @@ tl_status step_init(tl_exec *ex) {
                          cudaGetErrorString(err));
     }
     s.dev_pos = -1;
-    if (!graphs_allowed()) {
+    if (!cuda_switch(TL_FLAG_CUDA_GRAPHS)) {
         s.off = 1;
         snprintf(s.reason, sizeof s.reason, "TINYLOOP_CUDA_GRAPHS=0");
     }

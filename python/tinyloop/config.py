@@ -6,6 +6,7 @@
     threads = 0                             # 0 = all cores
     max_seq_len = 0                         # 0 = the model's
     depth = 0                               # loop depth; 0 = the model's default
+    verify_checksums = false                # check every tensor's CRC-32 when loading
 
     [sampling]
     temperature = 0.8
@@ -51,6 +52,7 @@ MODEL_OPTIONS = (
            maximum=_INT32_MAX),
     Option("depth", int, 0, "loop depth; 0 = the model's default", minimum=0,
            maximum=_INT32_MAX),
+    Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
 )
 
 SAMPLING_OPTIONS = (
@@ -74,6 +76,7 @@ class ModelConfig:
     threads: int = 0
     max_seq_len: int = 0
     depth: int = 0
+    verify_checksums: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class Config:
         options = {"path": self.model_path(), "device": self.model.device,
                    "threads": self.model.threads, "max_seq_len": self.model.max_seq_len,
                    "default_depth": self.model.depth}
+        if self.model.verify_checksums:   # only when asked: load hooks see the option then
+            options["verify_checksums"] = True
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:

@@ -71,6 +71,28 @@ class ModelInfo:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _metadata_int(native, handle, key) -> int:
+    value = native.ffi.new("int64_t *")
+    native.check(native.lib.tl_model_get_metadata_int(handle, key, value))
+    return int(value[0])
+
+
+def _metadata_float(native, handle, key) -> float:
+    value = native.ffi.new("double *")
+    native.check(native.lib.tl_model_get_metadata_float(handle, key, value))
+    return float(value[0])
+
+
+def _metadata_str(native, handle, key) -> str:
+    value, length = native.ffi.new("const char **"), native.ffi.new("size_t *")
+    native.check(native.lib.tl_model_get_metadata_string(handle, key, value, length))
+    return bytes(native.ffi.buffer(value[0], length[0])).decode("utf-8")
+
+
+#: tl_metadata_type (tinyloop.h, the file's type codes) -> its getter
+_METADATA_GETTERS = {1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model's distribution at that step
@@ -722,11 +744,28 @@ class Model(_Scoring, NativeHandle):
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
     def _file_metadata(self) -> dict:
-        # the ABI reads string metadata by key only, so the full (typed) table comes
-        # from the Python reader of the same file
-        from .fileformat.tinyloop_file import read_file
-        with read_file(self.path) as f:
-            return {k: v for k, v in f.metadata.items() if k != "tokenizer.json"}
+        return {k: v for k, v in self.metadata().items() if k != "tokenizer.json"}
+
+    def metadata(self) -> dict:
+        """Every metadata entry of the file, key -> int, float or str, in key order
+        (docs/format.md lists the keys; unknown ones are included)."""
+        native, ffi = self._native, self._native.ffi
+        lib, handle = native.lib, self._require_open()
+        if not hasattr(lib, "tl_model_metadata_count"):
+            # a library older than the metadata calls (tools/gpu/ab.py runs old builds)
+            from .fileformat.tinyloop_file import read_file
+            with read_file(self.path) as f:
+                return dict(sorted(f.metadata.items()))
+        count, key, kind = ffi.new("size_t *"), ffi.new("const char **"), ffi.new("tl_metadata_type *")
+        native.check(lib.tl_model_metadata_count(handle, count))
+        out = {}
+        for i in range(count[0]):
+            native.check(lib.tl_model_metadata_key(handle, i, key, kind))
+            name = ffi.string(key[0]).decode("utf-8")
+            value = _METADATA_GETTERS.get(int(kind[0]))
+            if value is not None:   # a type code of a later format: skipped
+                out[name] = value(native, handle, key[0])
+        return out
 
     def metadata_string(self, key: str) -> str | None:
         """A string metadata value of the file, or None when the key is absent."""
@@ -838,6 +877,18 @@ class Model(_Scoring, NativeHandle):
         native.check(native.lib.tl_score_logit_lens(
             self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), ffi.NULL, max_depth,
             ffi.from_buffer("float[]", out, require_writable=True)))
+        return out
+
+    def embed(self, tokens, depth: int = 0) -> np.ndarray:
+        """An embedding of the tokens (float32, [d_model]): the mean over the positions of
+        the head's input (the final norm's output) at loop depth `depth` (0 = the
+        default), the tokens run as a fresh sequence (C: tl_embed)."""
+        ids = _args.token_array(tokens, self.info.vocab_size)
+        native, ffi = self._native, self._native.ffi
+        opts = self._score_options(depth)
+        out = np.empty(self.info.d_model, dtype=np.float32)
+        native.check(native.lib.tl_embed(self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids),
+                                         opts, ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
     def score_with_consistency_escalation(self, tokens, min_depth: int = 1, max_depth: int = 0,

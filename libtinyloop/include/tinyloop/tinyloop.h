@@ -72,6 +72,26 @@ TL_API const char *tl_version_string(void);
 TL_API const char *tl_last_error(void);          /* thread-local, never NULL */
 TL_API const char *tl_status_name(tl_status status);
 
+/* ---- log messages (docs/api.md, "Log messages") -------------------------------------
+ * What the library has to say beyond a status (a setting it ignored, a fallback it took)
+ * goes to one process-wide callback; the library itself never prints. message is one
+ * line of UTF-8 without a trailing newline, valid during the call only. The callback may
+ * run on any thread that calls into the library, several at once; it must not call
+ * tl_log_set. Without a callback (the default, and after tl_log_set(NULL, NULL)) messages
+ * are dropped, but the last 16 warnings and errors are kept and handed to the next
+ * callback set, before tl_log_set returns. tl_log_set returns once no call of the
+ * callback it replaces is running, so its user_data may be freed then. */
+typedef enum tl_log_level {
+    TL_LOG_ERROR = 0,
+    TL_LOG_WARN = 1,
+    TL_LOG_INFO = 2,
+    TL_LOG_DEBUG = 3
+} tl_log_level;
+
+typedef void (*tl_log_callback)(tl_log_level level, const char *message, void *user_data);
+
+TL_API tl_status tl_log_set(tl_log_callback callback, void *user_data);
+
 /* ---- lifecycle ----------------------------------------------------------- */
 /* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies"). Every
  * policy but TL_KV_EXACT is approximate by design: within one forward call rows see each
@@ -163,9 +183,28 @@ typedef struct tl_model_info {
 TL_API void tl_model_info_default(tl_model_info *info);
 TL_API tl_status tl_model_get_info(const tl_model *model, tl_model_info *info);
 
-/* String metadata stored in the file (e.g. "tokenizer.json", "tokenizer.chat_template",
- * "general.name"). *value points into the model and lives as long as it; it is not
- * NUL-terminated: use *len. TL_ERR_INVALID_ARGUMENT names a missing key. */
+/* ---- metadata (docs/api.md, "Metadata") -----------------------------------------
+ * The file's typed key/value entries (docs/format.md, "Metadata keys"), unknown keys
+ * included. Enumerate with tl_model_metadata_count and tl_model_metadata_key (index
+ * 0..count-1, keys in byte order), then read each value with the getter of its type.
+ * The type codes are the file's; a later format version may add codes, which a caller
+ * skips. Keys and string values point into the model and live as long as it (never
+ * free them). A missing key, an index out of range or a getter of another type is
+ * TL_ERR_INVALID_ARGUMENT naming the key. */
+typedef enum tl_metadata_type {
+    TL_METADATA_INT = 1,       /* int64_t  */
+    TL_METADATA_FLOAT = 2,     /* double   */
+    TL_METADATA_STRING = 3     /* UTF-8 bytes, not NUL-terminated */
+} tl_metadata_type;
+
+TL_API tl_status tl_model_metadata_count(const tl_model *model, size_t *count);
+/* *key: NUL-terminated; *type (may be NULL): the entry's tl_metadata_type. */
+TL_API tl_status tl_model_metadata_key(const tl_model *model, size_t index, const char **key,
+                                       tl_metadata_type *type);
+TL_API tl_status tl_model_get_metadata_int(const tl_model *model, const char *key, int64_t *value);
+TL_API tl_status tl_model_get_metadata_float(const tl_model *model, const char *key, double *value);
+/* A string (e.g. "tokenizer.json", "tokenizer.chat_template", "general.name"): *value is
+ * not NUL-terminated: use *len. */
 TL_API tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
                                               const char **value, size_t *len);
 
@@ -316,6 +355,11 @@ TL_API tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tok
 TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
+/* An embedding of the tokens, run as a fresh sequence at opts->depth (0 = the default):
+ * the mean over the positions of the head's input (the final norm's output; the last
+ * layer's states for a model without a final norm), d_model floats. */
+TL_API tl_status tl_embed(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                          const tl_score_options *opts, float *embedding);
 
 /* The exit gate of a model whose file has one (metadata loop.exit_gate: Ouro's early-exit
  * gate; docs/model.md, "Exit gate"): lambda[i * depth + t] = sigmoid(gate) on the loop state
