@@ -1,15 +1,20 @@
-"""Exit rules of adaptive depth in the Python API: ExitRule's parsing and its errors, the C
-option structs it fills, and the depths results report (their values are the library's,
-tested with it; here their shapes and bounds, and the fixed rule's)."""
+"""Exit rules of adaptive depth in the Python API, TOML and the CLI: ExitRule's parsing and
+its errors, the C option structs it fills, the depths results report (their values are the
+library's, tested with it; here their shapes and bounds, and the fixed rule's), the [exit]
+table and `--exit`."""
 
 import re
+import textwrap
 
 import numpy as np
 import pytest
 
 import tinyloop
+from cli_run import last_json, run
+from tinyloop.config import parse_config
 from tinyloop.exit_rule import EXIT_KINDS, ExitRule, ExitRuleError, exit_rule
 from tinyloop.model import _GenerateOptions
+from tinyloop.plugins import PluginRegistry
 
 DEPTH = 2   # textmodel's default depth
 
@@ -192,3 +197,97 @@ def test_model_without_gate_refuses_the_gate_rule(text_model):
     with pytest.raises((tinyloop.UnsupportedError, tinyloop.InvalidArgumentError)):
         text_model.score_with_depths([1, 2, 3], exit="gate:0.9")
 
+
+
+# -- TOML [exit] -------------------------------------------------------------------------------
+def _config(text):
+    return parse_config(textwrap.dedent(text), source="t.toml", registry=PluginRegistry())
+
+
+def test_config_exit_table():
+    config = _config("""
+        [exit]
+        rule = "kl"
+        threshold = 1e-3
+        min_depth = 2
+        """)
+    assert config.exit == ExitRule("kl", 1e-3, min_depth=2)
+    assert config.generate_options()["exit"] == config.exit
+    assert _config('[exit]\nrule = "argmax_stable"\npatience = 3\n').exit == ExitRule("argmax_stable", patience=3)
+    assert _config('[exit]\nrule = "gate"\nthreshold = 1\n').exit.threshold == 1.0
+    assert _config("").exit is None and "exit" not in _config("").generate_options()
+
+
+@pytest.mark.parametrize("text, key, line, words", [
+    ('[exit]\nrule = "kl"\n', "exit.threshold", 1, "needs a threshold"),   # the table's line
+    ('[exit]\nrule = "soon"\nthreshold = 1\n', "exit.rule", 2, "must be one of"),
+    ('[exit]\nthreshold = 0.1\n', "exit.rule", 1, "missing"),
+    ('[exit]\nrule = "kl"\nthreshold = -1\n', "exit.threshold", 3, ">= 0"),
+    ('[exit]\nrule = "kl"\nthreshold = "1e-3"\n', "exit.threshold", 3, "expected float"),
+    ('[exit]\nrule = "gate"\n\nthreshold = 1.5\n', "exit.threshold", 4, "(0, 1]"),
+    ('[exit]\nrule = "kl"\nthreshold = 1\nmin_depth = 0\n', "exit.min_depth", 4, ">= 1"),
+    ('[exit]\nrule = "kl"\nthreshold = 1\npatience = 2\n', "exit.patience", 4, "takes no patience"),
+    ('[exit]\nrule = "argmax_stable"\nthreshold = 3\n', "exit.threshold", 3, "argmax_stable:N"),
+    ('[exit]\nrule = "kl"\nthreshold = 1\nwindow = 2\n', "exit.window", 4, "unknown key"),
+    ('exit = "kl:1e-3"\n', "exit", 1, "must be a table"),
+])
+def test_config_exit_errors_name_the_key(text, key, line, words):
+    with pytest.raises(tinyloop.ConfigError) as info:
+        _config(text)
+    error = info.value
+    assert (error.key, error.line) == (key, line)
+    assert f"t.toml:{line}: {key}: " in str(error) and words in str(error)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+def test_cli_generate_reports_depths(model_path):
+    report = last_json(run("generate", model_path, "Hello", "--max-tokens", 5, "--temperature", 0,
+                           "--exit", "kl:1e-3", "--json"))
+    assert report["exit"] == "kl:0.001" and len(report["depths"]) == report["n_tokens"] == 5
+    assert report["mean_depth"] == pytest.approx(np.mean(report["depths"]))
+    plain = last_json(run("generate", model_path, "Hello", "--max-tokens", 5, "--temperature", 0, "--json"))
+    assert plain["exit"] is None and plain["depths"] == [DEPTH] * 5 and plain["mean_depth"] == DEPTH
+
+
+def test_cli_score_prints_the_mean_depth(tmp_path, model_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The loop runs until the token has converged. " * 3, encoding="utf-8")
+    proc = run("score", model_path, text, "--exit", "latent_delta:0.05")
+    assert "perplexity: " in proc.stdout and "mean_depth: " in proc.stdout
+    report = last_json(run("score", model_path, text, "--exit", "kl:1e-3", "--json"))
+    assert report["exit"] == "kl:0.001" and 1 <= report["mean_depth"] <= DEPTH
+    plain = run("score", model_path, text)
+    assert "mean_depth" not in plain.stdout
+
+
+def test_cli_exit_from_config_and_flag(tmp_path, model_path):
+    config = tmp_path / "tinyloop.toml"
+    config.write_text('[exit]\nrule = "argmax_stable"\npatience = 2\n', encoding="utf-8")
+    report = last_json(run("generate", model_path, "Hi", "--max-tokens", 3, "--config", config, "--json"))
+    assert report["exit"] == "argmax_stable:2"
+    report = last_json(run("generate", model_path, "Hi", "--max-tokens", 3, "--config", config,
+                           "--exit", "fixed", "--json"))
+    assert report["exit"] == "fixed" and report["depths"] == [DEPTH] * 3
+    bench = last_json(run("bench", model_path, "--prompt-tokens", 4, "--new-tokens", 4, "--repeat", 1,
+                          "--config", config, "--json"))
+    assert bench["exit"] == "argmax_stable:2" and 1 <= bench["mean_depth"] <= DEPTH
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "score", "bench", "serve"])
+def test_cli_bad_exit_is_a_usage_error(model_path, command):
+    args = {"generate": [model_path, "Hi"], "score": [model_path, "f.txt"]}.get(command, [model_path])
+    proc = run(command, *args, "--exit", "kl:-1", check=False)
+    assert proc.returncode == 2
+    assert "argument --exit: threshold: must be a finite number >= 0" in proc.stderr
+
+
+def test_speculative_modes_leave_a_generation_with_an_exit_rule_alone():
+    from tinyloop_plugins import add_drafts
+    for rule in ("kl:1e-3", ExitRule("argmax_stable")):
+        options = {"max_tokens": 4, "exit": rule}
+        add_drafts(options, draft_depth=1, n_draft=3)
+        assert "draft_depth" not in options
+    for rule in (None, "fixed"):   # no rule, or one that never exits early: drafts as before
+        options = {"max_tokens": 4, "exit": rule}
+        add_drafts(options, draft_depth=1, n_draft=3)
+        assert options["draft_depth"] == 1
