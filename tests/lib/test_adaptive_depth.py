@@ -177,6 +177,29 @@ def test_streams_stepped_together_exit_as_they_would_alone(files, name):
         assert list(depths_alone) == depths_batch
 
 
+@pytest.mark.parametrize("options,ring", [({"kv_page_size": 4, "prefill_chunk": 5}, None),
+                                          ({"kv_policy": "share_last"}, 1), ({"kv_policy": "ring", "kv_ring_slots": 2}, 2)],
+                         ids=["paged", "share_last", "ring2"])
+def test_exits_under_paged_and_shared_kv(files, options, ring):
+    """The skipped slots are filled through a page table, and under a policy that shares
+    loop slots the exited token's last K/V stands in the slots its later iterations map to;
+    decoding a sequence is a call per token (docs/model.md)."""
+    name = "base"
+    config = case_config(name)
+    depth = config["max_depth"]
+    prompt = case_tokens(config)[:6]
+    with tinyloop.Model(files.path(name), device=DEVICE, **options) as model:
+        tokens, depths, _ = generate(model, prompt, depth, RULES[2], 10)
+        _, prompt_depths = score(model, prompt, depth, RULES[2])
+        sequence = np.concatenate([prompt, tokens[:-1]])
+        given = np.concatenate([prompt_depths[:-1], depths])
+    calls = [len(prompt)] + [1] * (len(tokens) - 1) if "prefill_chunk" not in options else \
+        [5, 1] + [1] * (len(tokens) - 1)
+    logits = files.reference(name).logits(sequence, depth, kv_ring=ring, calls=calls if ring else None,
+                                          depths=given)
+    assert list(np.argmax(logits[len(prompt) - 1:], axis=1)) == list(tokens)
+
+
 def test_bad_rules_are_refused_by_name(files):
     config = case_config("base")
     tokens = case_tokens(config)[:8]
