@@ -422,6 +422,12 @@ void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act
     launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width, kv_pages_of(k_cache, v_cache));
 }
 
+void cuda_kv_copy(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos, int width) {
+    if (bind(ex)) return;
+    launch_kv_copy(ex, P(k_dst), P(v_dst), kv_pages_of(k_dst, v_dst), P(k_src), P(v_src), kv_pages_of(k_src, v_src),
+                   pos, width);
+}
+
 // The device form of a fused matmul's input.
 static matmul_in_args matmul_in_of(const tl_matmul_in *in) {
     matmul_in_args a = {};
@@ -703,6 +709,7 @@ const tl_backend_ops cuda_ops = {
     .logprobs = cuda_logprobs,
     .argmax = cuda_argmax,
     .kv_store = cuda_kv_store,
+    .kv_copy = cuda_kv_copy,
     .matmul_in = cuda_matmul_in,
     .rope_store = cuda_rope_store,
     .step_begin = cuda_step_begin,

@@ -366,6 +366,8 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
                        float sigma, float truncation);
 void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
                      const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
+void launch_kv_copy(tl_exec *ex, float *k_dst, float *v_dst, const kv_pages &dst_pg, const float *k_src,
+                    const float *v_src, const kv_pages &src_pg, int pos, int width);
 // RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's
 // table when paged): one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,

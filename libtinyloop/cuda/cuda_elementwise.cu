@@ -270,6 +270,19 @@ __global__ void kv_store_kernel(float *k_cache, float *v_cache, kv_pages pg, con
     }
 }
 
+// Row `pos` of a slot's keys and values copied into another slot's (an exited token's
+// last iteration standing in for those it skipped; either slot paged or contiguous).
+__global__ void kv_copy_kernel(float *k_dst, float *v_dst, kv_pages dst_pg, const float *k_src,
+                               const float *v_src, kv_pages src_pg, int pos, int width) {
+    pdl_wait();
+    pdl_trigger();
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < 2 * width; e += gridDim.x * blockDim.x) {
+        const int plane = e >= width, col = plane ? e - width : e;
+        const float *src = kv_row(plane ? v_src : k_src, src_pg, plane, pos, (size_t)width);
+        kv_row(plane ? v_dst : k_dst, dst_pg, plane, pos, (size_t)width)[col] = src[col];
+    }
+}
+
 __global__ void page_table_set_kernel(const float **table, int index, const float *page) {
     pdl_wait();
     pdl_trigger();
@@ -438,6 +451,13 @@ void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, in
     }
     launch(ex, "rope + kv store", rope_store_kernel, (int)((count + 255) / 256), 256, 0, q, k, v, n, pos0, pairs,
            p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache, pg);
+}
+
+void launch_kv_copy(tl_exec *ex, float *k_dst, float *v_dst, const kv_pages &dst_pg, const float *k_src,
+                    const float *v_src, const kv_pages &src_pg, int pos, int width) {
+    if (width <= 0) return;
+    launch(ex, "kv_copy", kv_copy_kernel, (2 * width + 255) / 256, 256, 0, k_dst, v_dst, dst_pg, k_src, v_src,
+           src_pg, pos, width);
 }
 
 void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page) {

@@ -280,10 +280,41 @@ TL_API tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logpro
 TL_API tl_status tl_context_append_batch(tl_context *const *contexts, const int32_t *tokens,
                                          size_t n, float *logits);
 
+/* ---- adaptive depth ---------------------------------------------------------- */
+/* When a token's loop stops before the depth of its sequence (docs/model.md, "Adaptive
+ * depth"): after each iteration it >= min_depth (and before the last) the rule looks at
+ * the token and stops its loop when it has converged. The iterations it skipped are not
+ * computed; their K/V slots hold its last iteration's K/V. */
+typedef enum tl_exit_kind {
+    TL_EXIT_FIXED = 0,          /* every token runs the full depth (the default)       */
+    TL_EXIT_KL = 1,             /* KL(p_it || p_it-1) < threshold (nats), p the next-token
+                                   distribution of the state after iteration it (coda and
+                                   head on a copy; over the draft vocabulary when the model
+                                   has one)                                            */
+    TL_EXIT_ENTROPY_DELTA = 2,  /* |H(p_it) - H(p_it-1)| < threshold (nats)            */
+    TL_EXIT_LATENT_DELTA = 3,   /* |s_it - s_it-1| / |s_it| < threshold (the loop state) */
+    TL_EXIT_ARGMAX_STABLE = 4,  /* the same most likely token for `patience` iterations */
+    TL_EXIT_GATE = 5,           /* the model's learned exit gate (loop.exit_gate): the
+                                   first iteration whose exit CDF >= threshold          */
+} tl_exit_kind;
+
+typedef struct tl_exit_rule {
+    tl_exit_kind kind;
+    float threshold;            /* see the kinds; finite, >= 0 (gate: in (0, 1])        */
+    int32_t min_depth;          /* no exit before this iteration; 0 = 1                 */
+    int32_t patience;           /* ARGMAX_STABLE: iterations, >= 1; 0 = 2                */
+} tl_exit_rule;
+
 /* ---- scoring ---------------------------------------------------------------- */
 typedef struct tl_score_options {
     uint32_t struct_size;
-    int32_t depth;             /* 0 = model default */
+    int32_t depth;             /* 0 = model default                                    */
+    tl_exit_rule exit;         /* adaptive depth per position; kind 0 = fixed (default) */
+    const int32_t *given_depths; /* or each position's depth given, n_tokens values in
+                                  1..depth (e.g. those a generation reported); NULL = none.
+                                  Not with an exit rule                                 */
+    int32_t *depths;           /* out, or NULL: the depth each position ran, n_tokens values
+                                  (logprobs[i] is of position i's pass)                 */
 } tl_score_options;
 
 TL_API void tl_score_options_default(tl_score_options *opts);
@@ -413,6 +444,10 @@ typedef struct tl_generate_options {
     const tl_grammar *grammar;     /* tokens constrained to this grammar (docs/api.md,
                                       "Grammars"); NULL = none (default). On the host;
                                       not with draft_depth                             */
+    tl_exit_rule exit;             /* adaptive depth per token, the prompt's too; kind 0 =
+                                      fixed (default). Not with draft_depth            */
+    int32_t *token_depths;         /* out, or NULL: token_depths[k] = the depth of the pass
+                                      that chose generated token k (capacity: max_tokens) */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
@@ -425,6 +460,7 @@ typedef struct tl_generate_result {
     uint32_t n_drafted;            /* speculative: draft tokens verified               */
     uint32_t n_accepted;           /* speculative: of them, kept                       */
     uint32_t n_cached_tokens;      /* prompt tokens loaded from a prefix cache / pool  */
+    double mean_depth;             /* mean loop depth of the passes that chose the tokens */
 } tl_generate_result;
 
 /* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
@@ -467,6 +503,10 @@ TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *r
  * for a stream without logprobs or before its first token. */
 TL_API tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int32_t *top_ids,
                                     float *top_logprobs);
+/* The loop depth of the pass that chose the token tl_stream_next returned last (the
+ * stream's depth, or where opts->exit stopped it). TL_ERR_INVALID_ARGUMENT before the
+ * first token. */
+TL_API tl_status tl_stream_token_depth(const tl_stream *stream, int32_t *depth);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 
 /* One result per prompt (array stride = results[0].struct_size). Prompts run one after

@@ -23,7 +23,7 @@
  * and of those a backend reads (model.h, tensor.h, sample_math.h). Bump this with every
  * change to any of them: each side checks the other's version and struct sizes at load
  * and refuses a mismatch (tl_backend_check_ops, tl_backend_interface_mismatch). */
-#define TL_BACKEND_INTERFACE_VERSION 1
+#define TL_BACKEND_INTERFACE_VERSION 2
 
 typedef struct tl_buf tl_buf;     /* backend-owned float storage (host or device) */
 typedef struct tl_exec tl_exec;   /* per-context execution state: threads, scratch */
@@ -164,6 +164,10 @@ typedef struct tl_backend_ops {
      * pos0.. of a cache slot whose row 0 is k_cache / v_cache. */
     void (*kv_store)(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
                      int pos0, int width);
+    /* Optional (NULL: no adaptive depth, TL_ERR_UNSUPPORTED): copy the key and value rows
+     * at `pos` of one cache slot (k_src / v_src, row 0 as kv_store takes it) into another
+     * slot: an exited token's last iteration serving the iterations it skipped. */
+    void (*kv_copy)(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos, int width);
 
     /* Optional fused forms (NULL = not offered). forward.c composes them from the ops
      * above when a backend does not offer them or returns 0 for a call (e.g. a shape
