@@ -81,19 +81,27 @@ def _open_model(args, config=None):
 
     The model is MODEL (or -m), else the config's [model] path, else the default model;
     `args.default_model` is set to the DefaultModel used, or None."""
-    from .model import Model
     config = config if config is not None else _load_config(args)
-    path = args.model or config.load_options().get("path")
-    args.default_model = None
+    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
+                 if getattr(args, flag, None) is not None}
+    model, args.default_model = open_model(args.model, config, **overrides)
+    return model
+
+
+def open_model(name_or_path, config, **overrides):
+    """(model, the DefaultModel used or None): `name_or_path` (a path, the package's
+    model or a pulled name), else the config's [model] path, else the default model,
+    loaded with the config's settings and modes and the keyword overrides."""
+    from .model import Model
+    path = name_or_path or config.load_options().get("path")
+    default = None
     if path:
         path = resolve_model(path)
     else:
         from .default_model import resolve_default_model
-        args.default_model = resolve_default_model()
-        path = str(args.default_model.path)
-    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
-                 if getattr(args, flag, None) is not None}
-    return Model.from_config(config, path=path, **overrides)
+        default = resolve_default_model()
+        path = str(default.path)
+    return Model.from_config(config, path=path, **overrides), default
 
 
 def _peak_rss_mb() -> float:
