@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ray import serve
 
@@ -356,6 +357,38 @@ def application(spec: ReplicaSpec, *, replicas: int = 1, autoscaling: dict | Non
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=settings["max_ongoing_requests"] * 4,
         graceful_shutdown_timeout_s=options.drain_timeout)
     return relay.bind(engine, options)
+
+
+_APP_KEYS = ("replicas", "autoscaling", "num_cpus", "num_gpus", "max_ongoing_requests", "prefix_routing",
+             "router_options", "deployment_options")
+_LISTS = ("cors_origins", "allowed_hosts")   # ServerOptions' tuples, lists in YAML
+
+
+def parse_args(args: dict) -> tuple:
+    """(ReplicaSpec, application()'s keywords) of a config file's `args`: ReplicaSpec's
+    fields, application()'s keywords, and `options`, ServerOptions' fields (its api_key,
+    when not given, from $TINYLOOP_API_KEY where the application is built)."""
+    args = dict(args or {})
+    spec_keys = {f.name for f in fields(ReplicaSpec)}
+    unknown = sorted(set(args) - spec_keys - set(_APP_KEYS))
+    if unknown:
+        raise ValueError(f"unknown tinyloop Ray Serve args: {', '.join(unknown)} (docs/scale-out.md)")
+    options = dict(args.pop("options", None) or {})
+    for key in _LISTS:
+        if options.get(key) is not None:
+            options[key] = tuple(options[key])
+    if options.get("api_key") is None:
+        options["api_key"] = os.environ.get("TINYLOOP_API_KEY") or None
+    spec = ReplicaSpec(options=ServerOptions(**options),
+                       **{k: args.pop(k) for k in list(args) if k in spec_keys})
+    return spec, args
+
+
+def build(args: dict):
+    """The application of a Ray Serve config file or a KubeRay RayService
+    (`import_path: tinyloop.server.ray_serve:build`, its `args` as parse_args reads them)."""
+    spec, app_options = parse_args(args)
+    return application(spec, **app_options)
 
 
 def run(spec: ReplicaSpec, *, port: int = 8000, address: str | None = None, name: str = "tinyloop",
