@@ -58,18 +58,6 @@ def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A model file path, the package's model by its name, or the cached file of a name
-    `tinyloop pull` fetched."""
-    if Path(name_or_path).exists():
-        return name_or_path
-    from .default_model import DEFAULT_MODEL_NAME, packaged_model_path
-    if name_or_path == DEFAULT_MODEL_NAME:
-        return str(packaged_model_path())
-    from .convert.pull import resolve_model_name
-    return str(resolve_model_name(name_or_path))
-
-
 def _load_config(args):
     from .config import Config, load_config
     return load_config(args.config) if getattr(args, "config", None) else Config()
@@ -81,27 +69,20 @@ def _open_model(args, config=None):
 
     The model is MODEL (or -m), else the config's [model] path, else the default model;
     `args.default_model` is set to the DefaultModel used, or None."""
-    config = config if config is not None else _load_config(args)
-    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
-                 if getattr(args, flag, None) is not None}
-    model, args.default_model = open_model(args.model, config, **overrides)
-    return model
-
-
-def open_model(name_or_path, config, **overrides):
-    """(model, the DefaultModel used or None): `name_or_path` (a path, the package's
-    model or a pulled name), else the config's [model] path, else the default model,
-    loaded with the config's settings and modes and the keyword overrides."""
+    from .default_model import resolve_model
     from .model import Model
-    path = name_or_path or config.load_options().get("path")
-    default = None
+    config = config if config is not None else _load_config(args)
+    path = args.model or config.load_options().get("path")
+    args.default_model = None
     if path:
         path = resolve_model(path)
     else:
         from .default_model import resolve_default_model
-        default = resolve_default_model()
-        path = str(default.path)
-    return Model.from_config(config, path=path, **overrides), default
+        args.default_model = resolve_default_model()
+        path = str(args.default_model.path)
+    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
+                 if getattr(args, flag, None) is not None}
+    return Model.from_config(config, path=path, **overrides)
 
 
 def _peak_rss_mb() -> float:

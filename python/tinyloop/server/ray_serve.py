@@ -74,16 +74,21 @@ class ReplicaSpec:
 
 
 def _open(spec: ReplicaSpec):
+    """The replica's model, loaded as `tinyloop serve` loads it, and its names."""
     from dataclasses import replace
     from pathlib import Path
 
-    from ..cli import open_model
     from ..config import Config, load_config
+    from ..default_model import resolve_model
+    from ..model import Model
     config = load_config(spec.config) if spec.config else Config()
     if spec.verify_checksums:
         config = replace(config, model=replace(config.model, verify_checksums=True))
     overrides = {k: v for k, v in (("threads", spec.threads), ("device", spec.device)) if v is not None}
-    model, _ = open_model(spec.model, config, **overrides)
+    path = spec.model or config.load_options().get("path")
+    if path:   # else Model.from_config loads the default model
+        overrides["path"] = resolve_model(path)
+    model = Model.from_config(config, **overrides)
     return model, spec.names or [Path(model.path).stem]
 
 
@@ -321,20 +326,22 @@ def prefix_router() -> str:
             return path
         except (ImportError, AttributeError):
             continue
-    raise RuntimeError("this Ray has no PrefixCacheAffinityRouter (Ray Serve 2.47 or later has it)")
+    raise RuntimeError("this Ray has no PrefixCacheAffinityRouter: prefix routing needs a Ray Serve "
+                       "with request routers (docs/scale-out.md)")
 
 
 def application(spec: ReplicaSpec, *, replicas: int = 1, autoscaling: dict | None = None,
                 num_cpus: float = 1, num_gpus: float = 0, max_ongoing_requests: int | None = None,
-                prefix_routing: bool = False, router_options: dict | None = None,
+                prefix_routing: bool = False, router_options: dict | None = None, relay_replicas: int = 1,
                 deployment_options: dict | None = None):
     """The Ray Serve application: `replicas` engine replicas (or, with `autoscaling`, a
     dict of Ray's AutoscalingConfig fields such as min_replicas, max_replicas and
     target_ongoing_requests, as many as it says), each with `num_cpus` / `num_gpus` of
     Ray's resources and at most `max_ongoing_requests` requests at once (default: its
     slots and their queue, so that its own 429s still speak); `prefix_routing` puts the
-    relay ingress before them, routing by prompt prefix (`router_options`: the router's
-    keywords); `deployment_options` goes to Ray's Deployment.options as it is."""
+    relay ingress before them (`relay_replicas` of it, no CPUs), routing by prompt prefix
+    (`router_options`: the router's keywords); `deployment_options` goes to the engine
+    deployment's Deployment.options as it is."""
     options = spec.options
     settings = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
                 "max_ongoing_requests": max_ongoing_requests or spec.parallel + options.max_waiting,
@@ -345,7 +352,11 @@ def application(spec: ReplicaSpec, *, replicas: int = 1, autoscaling: dict | Non
     else:
         settings["num_replicas"] = replicas
     if prefix_routing:
-        from ray.serve.config import RequestRouterConfig
+        try:
+            from ray.serve.config import RequestRouterConfig
+        except ImportError:
+            raise RuntimeError("this Ray Serve has no request routers: prefix routing needs a newer "
+                               "Ray (docs/scale-out.md)") from None
         settings["request_router_config"] = RequestRouterConfig(
             request_router_class=prefix_router(), request_router_kwargs=dict(router_options or {}))
     settings.update(deployment_options or {})
@@ -353,14 +364,17 @@ def application(spec: ReplicaSpec, *, replicas: int = 1, autoscaling: dict | Non
                               name="tinyloop-engine").options(**settings).bind(spec)
     if not prefix_routing:
         return engine
+    # the relay holds each of its requests while an engine replica runs it: room for all
+    most = (autoscaling or {}).get("max_replicas", replicas)
     relay = serve.deployment(Relay, name="tinyloop-ingress").options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=settings["max_ongoing_requests"] * 4,
+        num_replicas=relay_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=settings["max_ongoing_requests"] * most // relay_replicas + 1,
         graceful_shutdown_timeout_s=options.drain_timeout)
     return relay.bind(engine, options)
 
 
 _APP_KEYS = ("replicas", "autoscaling", "num_cpus", "num_gpus", "max_ongoing_requests", "prefix_routing",
-             "router_options", "deployment_options")
+             "router_options", "relay_replicas", "deployment_options")
 _LISTS = ("cors_origins", "allowed_hosts")   # ServerOptions' tuples, lists in YAML
 
 
