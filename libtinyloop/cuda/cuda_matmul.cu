@@ -95,6 +95,7 @@ struct gemv_rope {
     int head_dim;
     rope_freqs freqs;
     kv_pages pg;       // table nullptr: contiguous caches
+    int kv_half;       // the caches hold fp16 elements (y[1], y[2] point to halves)
 };
 
 // The weight row (and output dim) of logical row `row` of member j.
@@ -107,14 +108,24 @@ __device__ __forceinline__ int rope_row(const gemv_rope &rope, int j, int row) {
 // Where output `out_row` of input row out_i of member j goes: row out_i of y[j], or
 // with EPI_ROPE k and v (j > 0) to the cache rows of their positions, found by kv_row:
 // one epilogue for contiguous and paged slots, the page read from the device table
-// (a recorded step replays against the pages current then).
+// (a recorded step replays against the pages current then). An fp16 cache's element is
+// returned as its address cast to float * (out_store writes it).
 template <int EPI>
 __device__ __forceinline__ float *out_elem(const matrix_set &set, const gemv_rope &rope, int j, int pos, int out_i,
                                            int out_row) {
     float *const y = set_out(set, j);
     const size_t ld = set_ld(set, j);
+    if (EPI == EPI_ROPE && j > 0 && rope.kv_half)
+        return reinterpret_cast<float *>(kv_row(reinterpret_cast<__half *>(y), rope.pg, j - 1, pos + out_i, ld) +
+                                         out_row);
     if (EPI == EPI_ROPE && j > 0) return kv_row(y, rope.pg, j - 1, pos + out_i, ld) + out_row;
     return y + (size_t)out_i * ld + out_row;
+}
+
+template <int EPI>
+__device__ __forceinline__ void out_store(const gemv_rope &rope, int j, float *dst, float s) {
+    if (EPI == EPI_ROPE && j > 0 && rope.kv_half) kv_put(reinterpret_cast<__half *>(dst), s);
+    else *dst = s;
 }
 
 // Where float4 k (0..7) of chunk c of an activation row sits in shared memory. The
@@ -711,7 +722,7 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
                 asm volatile("cp.async.wait_all;" ::: "memory");   // resid (the regs path has not waited)
                 s += resid[warp][lane];
             }
-            *dst = s;
+            out_store<EPI>(rope, j, dst, s);
         }
         if (next >= tiles) break;
         __syncthreads();   // red and resid are the next tile's
@@ -1053,8 +1064,8 @@ int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight 
 }
 
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
-                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache, const kv_pages &pg) {
+                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, void *k_cache,
+                             void *v_cache, const kv_pages &pg, bool half) {
     if (n <= 0) return 1;
     const int dt = ws[0]->dtype, pairs = p.rope_dims / 2;
     if (!gemv_fits(ex, ws, 3, n) || dt == TL_DTYPE_F32 || ws[1]->dtype != dt || ws[2]->dtype != dt ||
@@ -1063,10 +1074,11 @@ int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const mat
         return 0;   // f32 has one row per group; 4 divides every other dtype's rows per group
     matrix_set set = {};
     set.n_mats = 3;
-    const float *ys[3] = { q, k_cache, v_cache };
+    // an fp16 cache's address travels as a float * (out_elem casts it back)
+    float *ys[3] = { q, static_cast<float *>(k_cache), static_cast<float *>(v_cache) };
     for (int j = 0; j < 3; j++) {
         set.w[j] = *ws[j];
-        set.y[j] = const_cast<float *>(ys[j]);
+        set.y[j] = ys[j];
         set.ldy[j] = j == 0 ? ldq : (size_t)ws[1]->rows;
     }
     gemv_rope rope = {};
@@ -1076,6 +1088,7 @@ int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const mat
     rope.head_dim = head_dim;
     rope.freqs = rope_frequencies(p);
     rope.pg = pg;
+    rope.kv_half = half;
     DISPATCH_DTYPE(dt, gemv_dt, ex, set, gemv_input_of(a), n, &rope);
     return 1;
 }

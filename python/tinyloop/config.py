@@ -6,6 +6,7 @@
     threads = 0                             # 0 = all cores
     max_seq_len = 0                         # 0 = the model's
     depth = 0                               # loop depth; 0 = the model's default
+    kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
 
     [sampling]
     temperature = 0.8
@@ -51,6 +52,8 @@ MODEL_OPTIONS = (
            maximum=_INT32_MAX),
     Option("depth", int, 0, "loop depth; 0 = the model's default", minimum=0,
            maximum=_INT32_MAX),
+    Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
+           choices=("default", "f32", "f16")),
 )
 
 SAMPLING_OPTIONS = (
@@ -74,6 +77,7 @@ class ModelConfig:
     threads: int = 0
     max_seq_len: int = 0
     depth: int = 0
+    kv_dtype: str = "default"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ class Config:
         options = {"path": self.model_path(), "device": self.model.device,
                    "threads": self.model.threads, "max_seq_len": self.model.max_seq_len,
                    "default_depth": self.model.depth}
+        if self.model.kv_dtype != "default":   # else the backend's (Model's default)
+            options["kv_dtype"] = self.model.kv_dtype
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:
