@@ -36,9 +36,9 @@ SHAPE = dict(vocab=32000, d=2048, n_head=16, n_kv_head=4, head_dim=128, ffn=5632
 class Decoder:
     """Weights and caches of the unrolled decoder; step() is what gets compiled."""
 
-    def __init__(self, torch, batch, max_len, shape, seed=0):
+    def __init__(self, torch, batch, max_len, shape, seed=0, device="cuda", dtype=None):
         self.torch, self.B, self.max_len, self.s = torch, batch, max_len, shape
-        s, dev, dt = shape, "cuda", torch.bfloat16
+        s, dev, dt = shape, device, dtype or torch.bfloat16
         g = torch.Generator(device=dev).manual_seed(seed)
         qd, kvd = s["n_head"] * s["head_dim"], s["n_kv_head"] * s["head_dim"]
 
@@ -178,6 +178,26 @@ def measure(torch, batch, prompt_tokens, new_tokens, repeat, shape):
             "peak_device_bytes": peak}
 
 
+def check(torch, device="cuda", steps=4, compiled=True):
+    """The decode step against the prefill of the longer sequence, on a small shape in
+    f32: the same greedy tokens, eagerly and (every other step, with `compiled`) compiled;
+    a wrong cache write or mask would change them. Returns the steps' tokens."""
+    shape = dict(SHAPE, vocab=97, d=64, n_head=4, n_kv_head=2, head_dim=16, ffn=96, depth=3)
+    model = Decoder(torch, 3, 32, shape, seed=1, device=device, dtype=torch.float32)
+    prompt = torch.randint(0, shape["vocab"], (3, 9), device=device, generator=torch.Generator(device).manual_seed(2))
+    step = torch.compile(model.step, fullgraph=True) if compiled else model.step
+    with torch.inference_mode():
+        seq, token = prompt, model.prefill(prompt)
+        for i in range(steps):
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            fn = model.step if i % 2 == 0 else step
+            token = fn(token, torch.tensor([seq.shape[1] - 1], device=device))
+            again = Decoder(torch, 3, 32, shape, seed=1, device=device, dtype=torch.float32).prefill(seq)
+            if not torch.equal(token, again):
+                raise AssertionError(f"step {i}: decode {token.tolist()} != prefill {again.tolist()}")
+    return seq[:, prompt.shape[1]:].tolist()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,64,256")
@@ -185,11 +205,16 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--check", metavar="DEVICE", help="only check the decoder on a small shape (cpu or cuda)")
     args = ap.parse_args(argv)
     import torch
+    if args.check:
+        print("decode matches prefill:", check(torch, args.check))
+        return 0
     out = {"peer": "plain PyTorch decoder of loop-1b's shape, bf16, static KV cache, SDPA, torch.compile + CUDA graphs",
            "torch": torch.__version__, "device": torch.cuda.get_device_name(0), "shape": SHAPE,
            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": []}
+    out["check"] = check(torch, compiled=False)   # the compiled step: --check (a compile of its own)
     for b in [int(x) for x in args.batches.split(",")]:
         torch.cuda.reset_peak_memory_stats()
         try:
