@@ -476,13 +476,10 @@ def _rows_alone(model, tokens, setup):
     return np.array(out, dtype=np.float64).transpose(1, 0, 2)
 
 
-def _check_batched_steps(model_dir, name, kv, rows):
+def _check_batched_steps(path, config, setup, kv, label):
     page_size, kv_dtype = kv
-    config = {**SMALL, **DTYPES[name]}
-    path = _model(model_dir, name, SMALL, DTYPES[name])
-    setup = BATCH_SETUPS[rows]
-    tokens = _tokens(70 + rows, SMALL["vocab_size"], 40)
-    label = f"{name}, {rows} rows, pages {page_size}, kv {kv_dtype}"
+    tokens = _tokens(70 + len(setup), config["vocab_size"], 40)
+    label = f"{label}, {len(setup)} rows, pages {page_size}, kv {kv_dtype}"
     with tinyloop.Model(path, device=CUDA, kv_page_size=page_size, kv_dtype=kv_dtype) as gpu:
         assert gpu.info.kv_dtype == kv_dtype
         batched = _batched_rows(gpu, tokens, setup)
@@ -506,7 +503,8 @@ def test_batched_steps_match_one_row_cpu_and_scoring(model_dir, name, kv):
     """Five sequences at different positions and depths, three batched steps (padded to
     eight rows, recorded, then replayed), for every weight dtype: each row equals the
     sequence stepped alone, the CPU and full-sequence scoring."""
-    _check_batched_steps(model_dir, name, kv, 5)
+    path = _model(model_dir, name, SMALL, DTYPES[name])
+    _check_batched_steps(path, {**SMALL, **DTYPES[name]}, BATCH_SETUPS[5], kv, name)
 
 
 @pytest.mark.parametrize("kv", BATCH_KV_ALL, ids=_kv_id)
@@ -514,7 +512,19 @@ def test_batched_steps_match_one_row_cpu_and_scoring(model_dir, name, kv):
 def test_batched_steps_of_many_rows(model_dir, name, kv):
     """Eleven rows (projections on the GEMM, padded to sixteen), contiguous and paged,
     f32 and fp16 KV."""
-    _check_batched_steps(model_dir, name, kv, 11)
+    path = _model(model_dir, name, SMALL, DTYPES[name])
+    _check_batched_steps(path, {**SMALL, **DTYPES[name]}, BATCH_SETUPS[11], kv, name)
+
+
+@pytest.mark.parametrize("dtype", ["q4", "f16"])
+def test_batched_steps_on_wide_rows(model_dir, dtype):
+    """Eight-row GEMVs whose activations need more than the default shared memory: one
+    kernel serves rows of 1536 floats (q/k/v, the head) and of 2048 (down), and a recorded
+    step launches both when it ends, so the kernel's opt-in must allow the larger."""
+    overrides = dict(d_model=1536, ffn_dim=2048, dtype=dtype, group_size=64 if dtype == "q4" else 32)
+    path = _model(model_dir, f"wide-batch-{dtype}", WIDE_FFN, overrides)
+    setup = [(2, 9), (1, 3), (2, 20), (1, 14), (2, 6)]
+    _check_batched_steps(path, {**WIDE_FFN, **overrides}, setup, (0, "f32"), f"wide {dtype}")
 
 
 def _common_prefix(a, b):

@@ -827,14 +827,22 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
+// Shared memory one GEMV block may use for activation rows (its static shared memory,
+// the per-warp sums and norm statistics, comes on top). The integer path's records
+// replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
+size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - GEMV_STATIC_SMEM; }
+
 template <int DT, int NR, bool INT_DOT, int EPI, bool WALK = false>
 void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid,
                         size_t smem, const gemv_rope &rope) {
     // Without the opt-in a block gets 48 KB of static and dynamic shared memory together:
     // eight 1536-wide rows (48 KB of activations) plus the static sums failed to launch.
+    // The opt-in is the kernel's, not the launch's, and a recorded step launches when it
+    // ends: one kernel kept for rows of 2048 and 5632 floats must find the larger size
+    // allowed, so the opt-in is the most any launch may take.
     if (smem + GEMV_STATIC_SMEM > SMEM_DEFAULT &&
         exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI, WALK>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gemv_smem_max(ex)),
                    "matmul (gemv shared memory size)"))
         return;
     launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, EPI, WALK>, WALK ? grid : set.first[set.n_mats],
@@ -877,11 +885,6 @@ void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n
     }
     gemv_launch_epilogue<DT, NR, false>(ex, set, in, n, split, grid, smem, rope);
 }
-
-// Shared memory one GEMV block may use for activation rows (its static shared memory,
-// the per-warp sums and norm statistics, comes on top). The integer path's records
-// replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
-size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - GEMV_STATIC_SMEM; }
 
 // Whether the GEMV takes these matrices: n <= GEMV_MAX_ROWS rows whose activations fit
 // one block's shared memory (one row at least).

@@ -177,15 +177,18 @@ def cmd_batch(args):
             for b in [int(x) for x in args.batches.split(",")]:
                 prompts = [_tokens(args.prompt_tokens, vocab, 100 + i) for i in range(b)]
                 options = dict(temperature=0.0, eos=False)
-                model.generate_batch(prompts, max_tokens=8, **options)   # warm-up
-                t0 = time.monotonic()
-                results = model.generate_batch(prompts, max_tokens=args.new_tokens, **options)
-                wall = time.monotonic() - t0
-                steps = sum(len(r.tokens) - 1 for r in results)
-                decode = max(r.decode_seconds for r in results)
-                row = {"batch": b, "decode_tok_s": steps / decode, "decode_s": decode, "wall_s": wall,
-                       "tok_s_with_prefill": sum(len(r.tokens) for r in results) / wall,
-                       "kv_cache_bytes": model.memory_report()["kv_cache_bytes"]}
+                try:   # a failing size is recorded, the others still run
+                    model.generate_batch(prompts, max_tokens=8, **options)   # warm-up
+                    t0 = time.monotonic()
+                    results = model.generate_batch(prompts, max_tokens=args.new_tokens, **options)
+                    wall = time.monotonic() - t0
+                except tinyloop.TinyLoopError as e:
+                    row = {"batch": b, "error": f"{type(e).__name__}: {e}"}
+                else:
+                    steps = sum(len(r.tokens) - 1 for r in results)
+                    decode = max(r.decode_seconds for r in results)
+                    row = {"batch": b, "decode_tok_s": steps / decode, "decode_s": decode, "wall_s": wall,
+                           "tok_s_with_prefill": sum(len(r.tokens) for r in results) / wall}
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 with open(args.out, "w") as f:   # what is measured so far survives a time-out

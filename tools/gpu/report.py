@@ -66,6 +66,7 @@ def _batch_peer_lines(pair, num):
     for b, (a, p) in sorted(rows.items()):
         ratio = a["decode_tok_s"] / p["decode_tok_s"] if a.get("decode_tok_s") and p.get("decode_tok_s") else None
         lines.append(f"| {b} | {num(a.get('decode_tok_s'))} | {num(p.get('decode_tok_s'))} | {num(ratio, '{:.2f}')} |"
+                     + (f" error: {a['error'][:120]}" if a.get("error") else "")
                      + (f" peer error: {p['error'][:120]}" if p.get("error") else ""))
     if ours.get("error"):
         lines.append(f"TinyLoop error: {ours['error'][:300]}")
