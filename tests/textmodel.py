@@ -21,6 +21,10 @@ DIMS = dict(vocab_size=VOCAB, d_model=32, n_head=4, n_kv_head=2, head_dim=8, ffn
             n_pre=1, n_core=1, n_post=1, default_depth=2, max_depth=MAX_DEPTH,
             max_seq_len=MAX_SEQ_LEN)
 
+# a chat template in ChatML's shape, with the model's own <s> and </s> around each turn
+CHATML = ("{% for message in messages %}{{'<s>' + message['role'] + '\n' + message['content'] "
+          "+ '</s>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+
 
 def byte_level_tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -50,12 +54,13 @@ def _byte_chars() -> list[str]:
 
 
 def make_text_model(path, *, seed: int = 7, add_bos: bool = True,
-                    chat_template: str | None = None, tokenizer_json: str | None = None) -> None:
+                    chat_template: str | None = None, tokenizer_json: str | None = None,
+                    max_seq_len: int = MAX_SEQ_LEN) -> None:
     """Write a random model with the byte-level tokenizer (or `tokenizer_json`, one of
     VOCAB tokens with <s> and </s> at BOS and EOS; and a chat template, when given) to
     `path`."""
     plain = f"{path}.plain"
-    make_random_model(plain, seed=seed, dtype="f32", **DIMS)
+    make_random_model(plain, seed=seed, dtype="f32", **dict(DIMS, max_seq_len=max_seq_len))
     with read_file(plain) as src:
         writer = TinyLoopWriter(dict(src.dims))
         for key, value in src.metadata.items():

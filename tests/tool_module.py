@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def load_tool(relative_path: str, name: str):

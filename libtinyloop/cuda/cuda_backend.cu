@@ -1,6 +1,6 @@
 // cuda_backend.cu — entry points of libtinyloop_cuda.so and its tl_backend_ops table.
 // The core dlopen()s this library only when a CUDA device is requested
-// (src/backend_loader.c). Nothing here aborts: synchronous failures return a
+// (src/backend/backend_loader.c). Nothing here aborts: synchronous failures return a
 // tl_status with the message in a thread-local buffer (tl_cuda_last_error()), and
 // failures of the asynchronous ops are recorded in the tl_exec and reported by
 // ops->status(). All ops of one context run in order on that context's stream;
@@ -34,6 +34,29 @@ tl_status cuda_fail(tl_status st, const char *fmt, ...) {
 }
 
 const char *cuda_error_text() { return error_text; }
+
+// ---- the core's services ------------------------------------------------------------------
+
+namespace {
+// Set by tl_cuda_backend_open before it creates a backend; the core's table is static.
+std::atomic<const tl_backend_host *> host_services{nullptr};
+}
+
+void cuda_log(tl_log_level level, const char *fmt, ...) {
+    const tl_backend_host *host = host_services.load();
+    if (!host) return;
+    char text[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(text, sizeof text, fmt, args);
+    va_end(args);
+    host->log(level, "%s", text);
+}
+
+int cuda_switch(tl_debug_flag flag) {
+    const tl_backend_host *host = host_services.load();
+    return host ? host->debug_switch(flag) : 1;
+}
 
 int exec_check(tl_exec *ex, cudaError_t err, const char *what) {
     if (err == cudaSuccess) return 0;
@@ -119,15 +142,6 @@ void cuda_exec_destroy(tl_exec *ex) {
     delete ex;
 }
 
-// Features a context uses unless their variable is "0" (read per context):
-// TINYLOOP_CUDA_PDL (programmatic dependent launch), TINYLOOP_CUDA_TC (tensor cores),
-// TINYLOOP_CUDA_DP4A (integer dot products in the quantized GEMV), TINYLOOP_CUDA_CHAIN
-// (greedy decode steps chained on the device, generate.c's one step ahead).
-int env_allows(const char *name) {
-    const char *env = getenv(name);
-    return !(env && strcmp(env, "0") == 0);
-}
-
 // n_threads is a CPU notion: the device needs no host workers.
 tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int max_seq, tl_exec **out) {
     cuda_backend *impl = impl_of(be);
@@ -151,10 +165,14 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     ex->smem_per_sm = smem_sm > 0 ? (size_t)smem_sm : 48 * 1024;
     int cc_major = 0;
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, impl->device);
-    ex->pdl = cc_major >= 9 && env_allows("TINYLOOP_CUDA_PDL");
-    ex->tensor_cores = cc_major >= 8 && env_allows("TINYLOOP_CUDA_TC");
-    ex->gemv_int_dot = env_allows("TINYLOOP_CUDA_DP4A");
-    ex->chain = env_allows("TINYLOOP_CUDA_CHAIN");
+    // Features a context uses unless their switch (debug_flags.h) is "0", read per
+    // context: programmatic dependent launch, tensor cores, integer dot products in the
+    // quantized GEMV, greedy decode steps chained on the device (generate.c's one step
+    // ahead).
+    ex->pdl = cc_major >= 9 && cuda_switch(TL_FLAG_CUDA_PDL);
+    ex->tensor_cores = cc_major >= 8 && cuda_switch(TL_FLAG_CUDA_TC);
+    ex->gemv_int_dot = cuda_switch(TL_FLAG_CUDA_DP4A);
+    ex->chain = cuda_switch(TL_FLAG_CUDA_CHAIN);
     if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
@@ -425,6 +443,12 @@ void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act
                     (uint64_t)width });
     launch_kv_store(ex, KVP(k_cache), KVP(v_cache), P(k), P(v), n, pos, width, kv_pages_of(k_cache, v_cache),
                     kv_half(k_cache));
+}
+
+void cuda_kv_copy(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos, int width) {
+    if (bind(ex)) return;
+    launch_kv_copy(ex, KVP(k_dst), KVP(v_dst), kv_pages_of(k_dst, v_dst), KVP(k_src), KVP(v_src),
+                   kv_pages_of(k_src, v_src), pos, width, kv_half(k_dst));
 }
 
 // The device form of a fused matmul's input.
@@ -752,54 +776,59 @@ void cuda_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *
         exec_check(ex, cudaStreamSynchronize(ex->stream), "logprobs (or a kernel before it)");
 }
 
+// Designated initializers: C++20's, accepted as an extension in this C++17 build (nvcc
+// and g++ alike); in C++ they must follow the order of the fields.
 const tl_backend_ops cuda_ops = {
-    /* prepare_model */ cuda_prepare_model,
-    /* destroy */ cuda_destroy,
-    /* memory */ cuda_memory,
-    /* exec_create */ cuda_exec_create,
-    /* exec_destroy */ cuda_exec_destroy,
-    /* exec_bytes */ cuda_exec_bytes,
-    /* status */ cuda_status,
-    /* buf_alloc */ cuda_buf_alloc,
-    /* buf_free */ cuda_buf_free,
-    /* upload */ cuda_upload,
-    /* download */ cuda_download,
-    /* copy_rows */ cuda_copy_rows,
-    /* fill */ cuda_fill,
-    /* fill_noise */ cuda_fill_noise,
-    /* embed */ cuda_embed,
-    /* matmul */ cuda_matmul,
-    /* matmul_multi */ cuda_matmul_multi,
-    /* add_bias */ cuda_add_bias,
-    /* add */ cuda_add,
-    /* norm */ cuda_norm,
-    /* rope */ cuda_rope,
-    /* gated_act */ cuda_gated_act,
-    /* attention */ cuda_attention,
-    /* logprobs */ cuda_logprobs,
-    /* argmax */ cuda_argmax,
-    /* kv_store */ cuda_kv_store,
-    /* matmul_in */ cuda_matmul_in,
-    /* rope_store */ cuda_rope_store,
-    /* step_begin */ cuda_step_begin,
-    /* step_end */ cuda_step_end,
-    /* sample */ cuda_sample,
-    /* matmul_gated */ cuda_matmul_gated,
-    /* matmul_rope_store */ cuda_matmul_rope_store,
-    /* chain_available */ cuda_chain_available,
-    /* argmax_chained */ cuda_argmax_chained,
-    /* chained_token */ cuda_chained_token,
-    /* step_token_on_device */ cuda_step_token_on_device,
-    /* rope_tree */ cuda_rope_tree,
-    /* tree_attention */ cuda_tree_attention,
-    /* page_table_create */ cuda_page_table_create,
-    /* page_table_set */ cuda_page_table_set,
-    /* page_table_free */ cuda_page_table_free,
-    /* buf_alloc_f16 */ cuda_buf_alloc_f16,
-    /* rope_store_rows */ cuda_rope_store_rows,
-    /* attention_rows */ cuda_attention_rows,
-    /* batch_step_begin */ cuda_batch_step_begin,
-    /* argmax_rows */ cuda_argmax_rows,
+    .version = TL_BACKEND_INTERFACE_VERSION,
+    .struct_size = sizeof(tl_backend_ops),
+    .prepare_model = cuda_prepare_model,
+    .destroy = cuda_destroy,
+    .memory = cuda_memory,
+    .exec_create = cuda_exec_create,
+    .exec_destroy = cuda_exec_destroy,
+    .exec_bytes = cuda_exec_bytes,
+    .status = cuda_status,
+    .buf_alloc = cuda_buf_alloc,
+    .buf_free = cuda_buf_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .copy_rows = cuda_copy_rows,
+    .fill = cuda_fill,
+    .fill_noise = cuda_fill_noise,
+    .embed = cuda_embed,
+    .matmul = cuda_matmul,
+    .matmul_multi = cuda_matmul_multi,
+    .add_bias = cuda_add_bias,
+    .add = cuda_add,
+    .norm = cuda_norm,
+    .rope = cuda_rope,
+    .gated_act = cuda_gated_act,
+    .attention = cuda_attention,
+    .logprobs = cuda_logprobs,
+    .argmax = cuda_argmax,
+    .kv_store = cuda_kv_store,
+    .kv_copy = cuda_kv_copy,
+    .matmul_in = cuda_matmul_in,
+    .rope_store = cuda_rope_store,
+    .step_begin = cuda_step_begin,
+    .step_end = cuda_step_end,
+    .sample = cuda_sample,
+    .matmul_gated = cuda_matmul_gated,
+    .matmul_rope_store = cuda_matmul_rope_store,
+    .chain_available = cuda_chain_available,
+    .argmax_chained = cuda_argmax_chained,
+    .chained_token = cuda_chained_token,
+    .step_token_on_device = cuda_step_token_on_device,
+    .rope_tree = cuda_rope_tree,
+    .tree_attention = cuda_tree_attention,
+    .page_table_create = cuda_page_table_create,
+    .page_table_set = cuda_page_table_set,
+    .page_table_free = cuda_page_table_free,
+    .buf_alloc_f16 = cuda_buf_alloc_f16,
+    .rope_store_rows = cuda_rope_store_rows,
+    .attention_rows = cuda_attention_rows,
+    .batch_step_begin = cuda_batch_step_begin,
+    .argmax_rows = cuda_argmax_rows,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -833,10 +862,37 @@ TL_CUDA_API int tl_cuda_probe(int *device_count, char *msg, size_t msg_len) {
     return 0;
 }
 
-// Creates the backend on device `device_index` (-1 = device 0). Returns 0 and *out, or
-// non-zero with the reason in msg.
-TL_CUDA_API int tl_cuda_backend_create(int device_index, tl_backend **out, char *msg, size_t msg_len) {
+// This library's side of the handshake: the core reads the version and size of the
+// table before it calls anything else here (backend_loader.c).
+TL_CUDA_API const tl_backend_ops *tl_cuda_backend_ops(void) { return &cuda_ops; }
+
+// The entry point of the cores before the handshake: they get a reason, not a backend.
+TL_CUDA_API int tl_cuda_backend_create(int, tl_backend **out, char *msg, size_t msg_len) {
     *out = nullptr;
+    return write_msg(msg, msg_len, "this libtinyloop_cuda.so needs the libtinyloop.so of its own build "
+                     "(the one here predates the backend interface check); rebuild them together");
+}
+
+// Creates the backend on device `device_index` (-1 = device 0) for the core whose
+// services `host` are. Returns 0 and *out; 2 when host comes from another build, 1
+// when no device serves, with the reason in msg.
+TL_CUDA_API int tl_cuda_backend_open(const tl_backend_host *host, int device_index, tl_backend **out,
+                                     char *msg, size_t msg_len) {
+    *out = nullptr;
+    const char *core = "libtinyloop.so", *self = "libtinyloop_cuda.so";
+    if (!host) {
+        write_msg(msg, msg_len, "tl_cuda_backend_open: no host interface");
+        return 2;
+    }
+    // version and struct_size first: the other fields mean something only when they match
+    if (tl_backend_interface_mismatch(core, self, "tl_backend_host", host->version, host->struct_size,
+                                      sizeof(tl_backend_host), msg, msg_len) ||
+        tl_backend_interface_mismatch(core, self, "tl_backend_ops", host->version, host->ops_size,
+                                      sizeof(tl_backend_ops), msg, msg_len) ||
+        tl_backend_interface_mismatch(core, self, "tl_model", host->version, host->model_size,
+                                      sizeof(struct tl_model), msg, msg_len))
+        return 2;
+    host_services.store(host);
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) return write_msg(msg, msg_len, "CUDA unavailable: %s", cudaGetErrorString(err));
@@ -868,9 +924,7 @@ TL_CUDA_API int tl_cuda_backend_create(int device_index, tl_backend **out, char 
     be->impl = impl;
     be->device_index = device;
     be->prefill_rows = 512;   // more rows per launch fill the device (tensor-core GEMM tiles)
-    // fp16 KV halves the cache and decode attention's reads; TINYLOOP_CUDA_KV_F16=0 (read
-    // when a backend is created) makes f32 the default instead
-    be->kv_dtype = env_allows("TINYLOOP_CUDA_KV_F16") ? TL_KV_DTYPE_F16 : TL_KV_DTYPE_F32;
+    be->kv_dtype = TL_KV_DTYPE_F16;   // half the cache and the bytes decode attention reads
     snprintf(be->name, sizeof be->name, "cuda:%d (%.40s)", device, prop.name);
     *out = be;
     return 0;

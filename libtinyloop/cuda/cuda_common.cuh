@@ -20,7 +20,7 @@
 #include <vector>
 
 extern "C" {
-#include "backend.h"
+#include "backend/backend.h"
 }
 
 #define TL_CUDA_API extern "C" __attribute__((visibility("default")))
@@ -303,6 +303,11 @@ struct tl_exec {
 tl_status cuda_fail(tl_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 // Thread-local message of the last failure (tl_cuda_last_error()).
 const char *cuda_error_text();
+// The core's services, handed over when it opens this library (tl_backend_host): this
+// library writes nothing to stderr and reads no environment variable itself.
+void cuda_log(tl_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// A switch of debug_flags.h (1 = on), as the core reads it now.
+int cuda_switch(tl_debug_flag flag);
 // Record err (if any) as the execution state's first error; returns 1 when err != success.
 int exec_check(tl_exec *ex, cudaError_t err, const char *what);
 // After a kernel launch: record a launch error.
@@ -422,6 +427,8 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
 // Cache arguments are void *: fp16 elements when half, else floats.
 void launch_kv_store(tl_exec *ex, void *k_cache, void *v_cache, const float *k, const float *v, int n,
                      pos_arg pos0, int width, const kv_pages &pg, bool half);
+void launch_kv_copy(tl_exec *ex, void *k_dst, void *v_dst, const kv_pages &dst_pg, const void *k_src,
+                    const void *v_src, const kv_pages &src_pg, int pos, int width, bool half);
 // RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's
 // table when paged): one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
@@ -442,7 +449,7 @@ void launch_rope(tl_exec *ex, float *x, int n, int n_heads, int head_dim, pos_ar
 void launch_gated_act(tl_exec *ex, float *gate, const float *up, size_t count, int gelu);
 void launch_logprobs(tl_exec *ex, const float *logits, int n, int vocab,
                      const int32_t *d_targets, float *d_out);
-// *d_out = the first index of the largest of count floats (sampling.c's argmax), in
+// *d_out = the first index of the largest of count floats (sample_row.c's argmax), in
 // two passes through ex->argmax_partial (argmax_partial_bytes() of device memory)
 size_t argmax_partial_bytes();
 // A chained argmax's extra outputs (cuda_argmax_chained); ring = nullptr: none.

@@ -319,6 +319,20 @@ __global__ void kv_store_kernel(void *k_cache, void *v_cache, kv_pages pg, const
     }
 }
 
+// Row `pos` of a slot's keys and values copied into another slot's (an exited token's
+// last iteration standing in for those it skipped; either slot paged or contiguous).
+template <typename T>
+__global__ void kv_copy_kernel(void *k_dst, void *v_dst, kv_pages dst_pg, const void *k_src,
+                               const void *v_src, kv_pages src_pg, int pos, int width) {
+    pdl_wait();
+    pdl_trigger();
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < 2 * width; e += gridDim.x * blockDim.x) {
+        const int plane = e >= width, col = plane ? e - width : e;
+        const T *src = kv_row(static_cast<const T *>(plane ? v_src : k_src), src_pg, plane, pos, (size_t)width);
+        kv_row(static_cast<T *>(plane ? v_dst : k_dst), dst_pg, plane, pos, (size_t)width)[col] = src[col];
+    }
+}
+
 __global__ void page_table_set_kernel(const float **table, int index, const float *page) {
     pdl_wait();
     pdl_trigger();
@@ -357,7 +371,7 @@ logprobs_kernel(const float *logits, int vocab, const int32_t *targets, float *o
     }
 }
 
-// The first index of the largest value, as sampling.c's argmax: a NaN never wins, except
+// The first index of the largest value, as sample_row.c's argmax: a NaN never wins, except
 // at index 0, where the sequential scan would keep it. (value, index) pairs are ranked
 // by value, then by smaller index, a total order, so any reduction tree gives the
 // sequential scan's answer; bi < 0 means no candidate yet.
@@ -527,6 +541,13 @@ void launch_rope_store_rows(tl_exec *ex, float *q, const float *k, const float *
 void launch_argmax_rows(tl_exec *ex, const float *x, int n, int count, size_t ld, int32_t *d_out) {
     if (n <= 0 || count <= 0) return;
     launch(ex, "argmax (rows)", argmax_rows_kernel, n, ARGMAX_THREADS, 0, x, count, ld, d_out);
+}
+
+void launch_kv_copy(tl_exec *ex, void *k_dst, void *v_dst, const kv_pages &dst_pg, const void *k_src,
+                    const void *v_src, const kv_pages &src_pg, int pos, int width, bool half) {
+    if (width <= 0) return;
+    launch(ex, "kv_copy", half ? kv_copy_kernel<__half> : kv_copy_kernel<float>, (2 * width + 255) / 256, 256, 0,
+           k_dst, v_dst, dst_pg, k_src, v_src, src_pg, pos, width);
 }
 
 void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page) {

@@ -8,7 +8,7 @@
 // from `step.dev`, uploaded before the step runs. At step_end the graph captured
 // earlier for the same key is replayed; a new key is captured (stream capture of the
 // kept closures) and instantiated. Whatever fails there, the step runs eagerly and
-// graphs stay off for the context, with the reason printed once on stderr.
+// graphs stay off for the context, with the reason logged once (a warning).
 //
 // The loop body's weights are read `depth` times per token: an access-policy window
 // over them (persisting hits, streaming misses) keeps them in L2 when they fit; when
@@ -36,13 +36,8 @@ void graphs_off(tl_exec *ex, graph_cache &c, const char *why, cudaError_t err) {
     c.off = 1;
     snprintf(c.reason, sizeof c.reason, "%s%s%s", why, err != cudaSuccess ? ": " : "",
              err != cudaSuccess ? cudaGetErrorString(err) : "");
-    fprintf(stderr, "tinyloop cuda: %s run without CUDA graphs (%s)\n",
-            &c == &ex->step.batched ? "batched decode steps" : "decode steps", c.reason);
-}
-
-int graphs_allowed() {
-    const char *env = getenv("TINYLOOP_CUDA_GRAPHS");
-    return !(env && strcmp(env, "0") == 0);
+    cuda_log(TL_LOG_WARN, "cuda: %s run without CUDA graphs (%s)",
+             &c == &ex->step.batched ? "batched decode steps" : "decode steps", c.reason);
 }
 
 void run_work(tl_exec *ex) {
@@ -207,7 +202,7 @@ tl_status step_init(tl_exec *ex) {
     s.dev_pos = -1;
     s.one.limit = STEP_GRAPHS;
     s.batched.limit = BATCH_GRAPHS;
-    if (!graphs_allowed())
+    if (!cuda_switch(TL_FLAG_CUDA_GRAPHS))
         for (graph_cache *c : { &s.one, &s.batched }) {
             c->off = 1;
             snprintf(c->reason, sizeof c->reason, "TINYLOOP_CUDA_GRAPHS=0");

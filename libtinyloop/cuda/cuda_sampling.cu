@@ -2,7 +2,7 @@
 // that a decode step with any sampler settings copies back one token id. The host
 // prepares the step (the penalty's tokens, the random number from sampling.c's
 // generator); the scalar math is sample_math.h's, shared with the host, and the
-// thresholds and the draw are computed here to the same definition as sampling.c's
+// thresholds and the draw are computed here to the same definition as sample_row.c's
 // tl_sample_row: the same token for the same logits, bit for bit.
 //
 // One block of 1024 threads serves the row, reading it from global memory (it stays
@@ -18,7 +18,7 @@
 // the last one needed, typically after two or three passes.
 #include "cuda_common.cuh"
 
-#include "sample_math.h"
+#include "base/sample_math.h"
 
 #include <cmath>
 
@@ -51,7 +51,7 @@ struct sample_args {
 };
 
 // Which tokens a pass counts and with what mass: keys >= lower, and when weighted,
-// weights >= min_weight (sampling.c's candidates); mass 1 when only counting.
+// weights >= min_weight (sample_row.c's candidates); mass 1 when only counting.
 struct token_set {
     uint64_t lower;
     int weighted;
@@ -150,7 +150,7 @@ __device__ float block_max(float v, sample_shared &sh) {
     return m;
 }
 
-// sampling.c's argmax: (value, index) ranked by value, then smaller index, NaN never a
+// sample_row.c's argmax: (value, index) ranked by value, then smaller index, NaN never a
 // candidate, so any reduction order gives the sequential scan's first maximum.
 __device__ __forceinline__ void offer(float &best_v, int &best_i, float v, int i) {
     if (i >= 0 && !isnan(v) && (best_i < 0 || v > best_v || (v == best_v && i < best_i))) {
@@ -226,7 +226,7 @@ __device__ void histogram_pass(const float *logits, int vocab, const token_set &
     }
 }
 
-// sampling.c's select_threshold, over the set's members as the row gives them:
+// sample_row.c's select_threshold, over the set's members as the row gives them:
 // walking them from the largest rank key down, the key where the running sum of their
 // masses first reaches need, 8 key bits per pass. Returns T with the members of key
 // >= T exactly those walked, and their mass in *kept (0 if need exceeded the set's

@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from . import _log
 from .errors import LibraryNotFoundError, error_for_status
 
 _CDEF_BEGIN = "/* TL_CDEF_BEGIN */"
@@ -116,6 +117,7 @@ class Native:
             raise LibraryNotFoundError(
                 f"{library} has ABI version {got}, but the header {header} declares "
                 f"{want}; the library and the Python package do not match")
+        self.log_forwarder = _log.install(self.ffi, self.lib)
 
     def last_error(self) -> str:
         return self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace")

@@ -20,8 +20,9 @@ class ChatTemplateUnavailable(ChatTemplateError):
 
 
 def load_chat_template(model) -> Callable[..., str] | None:
-    """A function (messages, add_generation_prompt=True) -> prompt text, or None when the
-    model has no template. It raises ChatTemplateError when it cannot render."""
+    """A function (messages, add_generation_prompt=True, **variables) -> prompt text, or
+    None when the model has no template; variables (e.g. `tools`) go to the template as
+    Hugging Face passes them. It raises ChatTemplateError when it cannot render."""
     source = model.info.metadata.get("tokenizer.chat_template")
     if not source:
         return None
@@ -47,10 +48,12 @@ def load_chat_template(model) -> Callable[..., str] | None:
     bos = tok.decode([tok.bos_id], skip_special_tokens=False) if tok.bos_id >= 0 else ""
     eos = tok.decode([tok.eos_id], skip_special_tokens=False) if tok.eos_id >= 0 else ""
 
-    def render(messages: list, add_generation_prompt: bool = True) -> str:
+    def render(messages: list, add_generation_prompt: bool = True, **variables) -> str:
         try:
             return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=bos, eos_token=eos)
+                                   bos_token=bos, eos_token=eos, **variables)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
+    # whether the template renders a `tools` variable (function calling, tinyloop.server.tools)
+    render.reads_tools = "tools" in source
     return render

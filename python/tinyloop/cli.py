@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -352,16 +354,41 @@ def _delegated(name: str):
 _DELEGATED = ("convert", "quantize", "pull")
 
 
+def _api_key(args) -> str | None:
+    """The API key: --api-key, else the first line of --api-key-file, else $TINYLOOP_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise CommandError("give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    if key is None:
+        key = os.environ.get("TINYLOOP_API_KEY") or None
+    if key is not None and not (key.isascii() and key.isprintable() and key.strip() == key and key):
+        raise CommandError("the API key must be printable ASCII without spaces around it")
+    return key
+
+
 def cmd_serve(args) -> dict:
-    from .server import serve
+    from .server import ServerOptions, serve
     if args.port > 65535:
         raise CommandError(f"--port {args.port} is out of range (0-65535)")
-    with _open_model(args) as model:
-        name = args.name or Path(model.path).stem
-        serve(model, host=args.host, port=args.port, name=name, parallel=args.parallel,
+    options = ServerOptions(api_key=_api_key(args), metrics_need_key=not args.public_metrics,
+                            cors_origins=tuple(args.cors_origin or ()),
+                            allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
+                            max_waiting=args.max_waiting, max_tokens=args.max_tokens_cap,
+                            request_timeout=args.request_timeout, strict=args.strict,
+                            max_connections=args.max_connections, drain_timeout=args.drain_timeout,
+                            json_logs=args.log_json)
+    config = _load_config(args)
+    if args.verify_checksums:
+        config = replace(config, model=replace(config.model, verify_checksums=True))
+    with _open_model(args, config) as model:
+        names = args.names or [Path(model.path).stem]
+        serve(model, host=args.host, port=args.port, name=names, parallel=args.parallel,
               prompt_cache=args.prompt_cache, batch_decode=args.batch_decode,
-              log=lambda line: print(line, file=sys.stderr, flush=True))
-    return {"model": model.path, "name": name}
+              log=lambda line: print(line, file=sys.stderr, flush=True), options=options)
+    return {"model": model.path, "name": names[0], "names": names}
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -456,6 +483,19 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _seconds(minimum_excluded: bool):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value == value or value < 0 or (minimum_excluded and value == 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds "
+                                             f"{'> 0' if minimum_excluded else '>= 0'}, got {text}")
+        return value
+    return parse
+
+
+_positive_float, _non_negative_float = _seconds(True), _seconds(False)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -563,9 +603,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p, "as -m MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=_non_negative, default=8080, help="port (8080; 0 = any free)")
-    p.add_argument("--name", help="model name clients send (default: the file's stem)")
+    p.add_argument("--name", "--served-model-name", dest="names", nargs="+", action="extend",
+                   metavar="NAME", help="model name(s) clients send; the first is the main one, the "
+                                        "others aliases (default: the file's stem)")
     p.add_argument("--parallel", type=_positive, default=1,
                    help="generations at once; others wait (1)")
+    p.add_argument("--max-waiting", type=_non_negative, default=64, metavar="N",
+                   help="requests waiting for a slot at most; more get a 429 with Retry-After (64)")
+    p.add_argument("--max-tokens-cap", type=_positive, default=None, metavar="N",
+                   help="max_tokens above N is refused; a request without max_tokens gets at most N")
+    p.add_argument("--request-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds a generation request may take, waiting included (default: no limit)")
+    p.add_argument("--max-connections", type=_positive, default=1024, metavar="N",
+                   help="open connections at most; more get a 503 (1024)")
+    p.add_argument("--drain-timeout", type=_non_negative_float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds running requests get to finish (30)")
+    p.add_argument("--api-key", help="the key clients must send (Authorization: Bearer KEY); "
+                                     "prefer --api-key-file or $TINYLOOP_API_KEY")
+    p.add_argument("--api-key-file", metavar="PATH", help="a file whose first line is the API key")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="GET /metrics answers without the API key")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="an origin browser pages may call from (repeatable; * = any)")
+    p.add_argument("--allowed-host", action="append", metavar="HOST",
+                   help="a Host header accepted (repeatable; * = any; default: the loopback names "
+                        "for a loopback --host, else any)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse OpenAI fields TinyLoop ignores (store, metadata, ...) with a 400")
+    p.add_argument("--log-json", action="store_true", help="access log lines as JSON objects")
+    p.add_argument("--verify-checksums", action="store_true",
+                   help="check every tensor's CRC-32 when loading the model")
     p.add_argument("--prompt-cache", type=_non_negative, default=None, metavar="N",
                    help="sequences kept between requests; a request continues the one sharing the "
                         "longest start with its prompt (default: --parallel; 0 = off)")

@@ -6,6 +6,7 @@
     threads = 0                             # 0 = all cores
     max_seq_len = 0                         # 0 = the model's
     depth = 0                               # loop depth; 0 = the model's default
+    verify_checksums = false                # check every tensor's CRC-32 when loading
     kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
 
     [sampling]
@@ -52,6 +53,7 @@ MODEL_OPTIONS = (
            maximum=_INT32_MAX),
     Option("depth", int, 0, "loop depth; 0 = the model's default", minimum=0,
            maximum=_INT32_MAX),
+    Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
     Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
            choices=("default", "f32", "f16")),
 )
@@ -77,6 +79,7 @@ class ModelConfig:
     threads: int = 0
     max_seq_len: int = 0
     depth: int = 0
+    verify_checksums: bool = False
     kv_dtype: str = "default"
 
 
@@ -112,6 +115,8 @@ class Config:
         options = {"path": self.model_path(), "device": self.model.device,
                    "threads": self.model.threads, "max_seq_len": self.model.max_seq_len,
                    "default_depth": self.model.depth}
+        if self.model.verify_checksums:   # only when asked: load hooks see the option then
+            options["verify_checksums"] = True
         if self.model.kv_dtype != "default":   # else the backend's (Model's default)
             options["kv_dtype"] = self.model.kv_dtype
         return apply_load_hooks(self.modes, options)

@@ -75,6 +75,28 @@ class ModelInfo:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _metadata_int(native, handle, key) -> int:
+    value = native.ffi.new("int64_t *")
+    native.check(native.lib.tl_model_get_metadata_int(handle, key, value))
+    return int(value[0])
+
+
+def _metadata_float(native, handle, key) -> float:
+    value = native.ffi.new("double *")
+    native.check(native.lib.tl_model_get_metadata_float(handle, key, value))
+    return float(value[0])
+
+
+def _metadata_str(native, handle, key) -> str:
+    value, length = native.ffi.new("const char **"), native.ffi.new("size_t *")
+    native.check(native.lib.tl_model_get_metadata_string(handle, key, value, length))
+    return bytes(native.ffi.buffer(value[0], length[0])).decode("utf-8")
+
+
+#: tl_metadata_type (tinyloop.h, the file's type codes) -> its getter
+_METADATA_GETTERS = {1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model's distribution at that step
@@ -732,11 +754,28 @@ class Model(_Scoring, NativeHandle):
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
     def _file_metadata(self) -> dict:
-        # the ABI reads string metadata by key only, so the full (typed) table comes
-        # from the Python reader of the same file
-        from .fileformat.tinyloop_file import read_file
-        with read_file(self.path) as f:
-            return {k: v for k, v in f.metadata.items() if k != "tokenizer.json"}
+        return {k: v for k, v in self.metadata().items() if k != "tokenizer.json"}
+
+    def metadata(self) -> dict:
+        """Every metadata entry of the file, key -> int, float or str, in key order
+        (docs/format.md lists the keys; unknown ones are included)."""
+        native, ffi = self._native, self._native.ffi
+        lib, handle = native.lib, self._require_open()
+        if not hasattr(lib, "tl_model_metadata_count"):
+            # a library older than the metadata calls (tools/gpu/ab.py runs old builds)
+            from .fileformat.tinyloop_file import read_file
+            with read_file(self.path) as f:
+                return dict(sorted(f.metadata.items()))
+        count, key, kind = ffi.new("size_t *"), ffi.new("const char **"), ffi.new("tl_metadata_type *")
+        native.check(lib.tl_model_metadata_count(handle, count))
+        out = {}
+        for i in range(count[0]):
+            native.check(lib.tl_model_metadata_key(handle, i, key, kind))
+            name = ffi.string(key[0]).decode("utf-8")
+            value = _METADATA_GETTERS.get(int(kind[0]))
+            if value is not None:   # a type code of a later format: skipped
+                out[name] = value(native, handle, key[0])
+        return out
 
     def metadata_string(self, key: str) -> str | None:
         """A string metadata value of the file, or None when the key is absent."""
@@ -766,17 +805,14 @@ class Model(_Scoring, NativeHandle):
         """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
         kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
-        held (body_bytes, part of weights); kv_dtype, the element type of the KV bytes ("f32"
-        or "f16")."""
+        held (body_bytes, part of weights). The KV bytes are of info.kv_dtype's elements."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
-        report = {name: int(getattr(c_report, name)) for name in (
+        return {name: int(getattr(c_report, name)) for name in (
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
             "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
             "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes")}
-        report["kv_dtype"] = {v: k for k, v in KV_DTYPES.items()}[int(c_report.kv_dtype)]
-        return report
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")
@@ -851,6 +887,18 @@ class Model(_Scoring, NativeHandle):
         native.check(native.lib.tl_score_logit_lens(
             self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids), ffi.NULL, max_depth,
             ffi.from_buffer("float[]", out, require_writable=True)))
+        return out
+
+    def embed(self, tokens, depth: int = 0) -> np.ndarray:
+        """An embedding of the tokens (float32, [d_model]): the mean over the positions of
+        the head's input (the final norm's output) at loop depth `depth` (0 = the
+        default), the tokens run as a fresh sequence (C: tl_embed)."""
+        ids = _args.token_array(tokens, self.info.vocab_size)
+        native, ffi = self._native, self._native.ffi
+        opts = self._score_options(depth)
+        out = np.empty(self.info.d_model, dtype=np.float32)
+        native.check(native.lib.tl_embed(self._require_open(), ffi.from_buffer("int32_t[]", ids), len(ids),
+                                         opts, ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
     def score_with_consistency_escalation(self, tokens, min_depth: int = 1, max_depth: int = 0,

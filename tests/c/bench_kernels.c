@@ -15,9 +15,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/tensor.h"
 #include "cpu/kernels.h"
 #include "cpu/threadpool.h"
-#include "tensor.h"
 
 enum { D = 576, KV = 192, FFN = 1536, VOCAB = 49152, LAYERS = 30, PREFILL = 128 };
 

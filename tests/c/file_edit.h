@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "format.h"
+#include "model/format.h"
 
 /* Header field offsets (docs/format.md). */
 enum {

@@ -12,10 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "file_edit.h"
-#include "format.h"
-#include "model.h"
+#include "model/format.h"
+#include "model/model.h"
 
 static uint64_t rng_state;
 
@@ -208,9 +208,11 @@ int main(int argc, char **argv)
     in.n_meta = walk_metadata(good, in.meta, 256);
 
     /* the unmutated file must load, or the mutations prove nothing */
+    tl_load_options opts;
+    tl_load_options_default(&opts);
     tl_file *f = NULL;
     tl_model *m = NULL;
-    if (tl_file_open_memory(good, in.size, 1, &f) != TL_OK || tl_model_from_file(f, NULL, &m) != TL_OK) {
+    if (tl_file_open_memory(good, in.size, 1, &f) != TL_OK || tl_model_from_file(f, &opts, &m) != TL_OK) {
         fprintf(stderr, "fuzz_loader: %s does not load: %s\n", argv[1], tl_error_message());
         return 1;
     }
@@ -229,7 +231,7 @@ int main(int argc, char **argv)
         tl_status st = tl_file_open_memory(buf, size, verify, &f);
         if (st == TL_OK) {
             sink += touch_views(f);
-            st = tl_model_from_file(f, NULL, &m);
+            st = tl_model_from_file(f, &opts, &m);
             if (st == TL_OK)
                 tl_model_destroy(m);
             else

@@ -1,7 +1,8 @@
 /* test_api.c — the public C ABI on real model files: scoring equals cached decode,
  * chunked prefill equals one-shot, generation is deterministic and stops where it
  * should, the stream iterator and callbacks behave, bad input gives clear errors,
- * and one model serves two threads with identical results.
+ * one model serves two threads with identical results, metadata enumerates, log
+ * messages reach the callback, and a backend of another build is refused.
  *
  * usage: test_api MODEL.tinyloop [MODEL.tinyloop ...]
  * Last line: "test_api: N passed, M failed". */
@@ -13,6 +14,9 @@
 #include <string.h>
 
 #include "tinyloop/tinyloop.h"
+/* internal: the log (tl_log) and the backend handshake */
+#include "backend.h"
+#include "log.h"
 
 static int n_passed, n_failed;
 static const char *current_model;
@@ -1699,6 +1703,144 @@ static int open_fixture(fixture *f, const char *path, int32_t page_size) {
     return 1;
 }
 
+/* ---- metadata, log messages, the backend handshake ------------------------------ */
+
+/* Every entry enumerates in strict key order with a known type whose getter reads it,
+ * the other getters refuse it, and bad indexes, keys and pointers are errors. */
+static void test_metadata(fixture *f) {
+    size_t n = 0;
+    CHECK_OK(tl_model_metadata_count(f->model, &n));
+    CHECK(n > 0, "a random model has metadata (general.name at least)");
+    const char *prev = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const char *key = NULL;
+        tl_metadata_type type = 0;
+        CHECK_OK(tl_model_metadata_key(f->model, i, &key, &type));
+        if (!key) continue;
+        CHECK(!prev || strcmp(prev, key) < 0, "metadata keys in byte order: %s then %s", prev, key);
+        prev = key;
+        int64_t iv;
+        double fv;
+        const char *sv;
+        size_t len;
+        tl_status want_int = type == TL_METADATA_INT ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        tl_status want_float = type == TL_METADATA_FLOAT ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        tl_status want_string = type == TL_METADATA_STRING ? TL_OK : TL_ERR_INVALID_ARGUMENT;
+        CHECK(type >= TL_METADATA_INT && type <= TL_METADATA_STRING, "%s: type %d", key, (int)type);
+        CHECK_STATUS(tl_model_get_metadata_int(f->model, key, &iv), want_int);
+        CHECK_STATUS(tl_model_get_metadata_float(f->model, key, &fv), want_float);
+        CHECK_STATUS(tl_model_get_metadata_string(f->model, key, &sv, &len), want_string);
+        if (strcmp(key, "general.name") == 0)
+            CHECK(type == TL_METADATA_STRING && len == strlen(f->info.name) && memcmp(sv, f->info.name, len) == 0,
+                  "general.name is the info's name");
+    }
+    const char *key = NULL;
+    CHECK_OK(tl_model_metadata_key(f->model, 0, &key, NULL));   /* the type is optional */
+    CHECK_STATUS(tl_model_metadata_key(f->model, n, &key, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "out of range") != NULL, "index error: %s", tl_last_error());
+    int64_t iv;
+    CHECK_STATUS(tl_model_get_metadata_int(f->model, "no.such.key", &iv), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "no.such.key") != NULL, "the missing key is named: %s", tl_last_error());
+    CHECK_STATUS(tl_model_get_metadata_int(f->model, "general.name", &iv), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "is a string, not an int") != NULL, "type error: %s", tl_last_error());
+    CHECK_STATUS(tl_model_metadata_count(NULL, &n), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_metadata_count(f->model, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_metadata_key(f->model, 0, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_model_get_metadata_float(f->model, NULL, NULL), TL_ERR_INVALID_ARGUMENT);
+}
+
+typedef struct log_record {
+    int n;
+    tl_log_level levels[32];
+    char texts[32][64];
+    pthread_mutex_t lock;
+} log_record;
+
+static void record_log(tl_log_level level, const char *message, void *user_data) {
+    log_record *r = user_data;
+    pthread_mutex_lock(&r->lock);
+    if (r->n < 32) {
+        r->levels[r->n] = level;
+        snprintf(r->texts[r->n], sizeof r->texts[r->n], "%s", message);
+    }
+    r->n++;
+    pthread_mutex_unlock(&r->lock);
+}
+
+static void *log_from_thread(void *arg) {
+    for (int i = 0; i < 200; i++) tl_log(TL_LOG_DEBUG, "thread %d", i);
+    return arg;
+}
+
+/* Messages reach the callback with their level; without one, the newest 16 warnings and
+ * errors wait for the next callback and the rest are dropped; long messages are cut;
+ * threads may log while the callback is replaced. */
+static void test_log(void) {
+    log_record r = {.n = 0};
+    pthread_mutex_init(&r.lock, NULL);
+    CHECK_OK(tl_log_set(NULL, NULL));
+    for (int i = 0; i < 20; i++) tl_log(i % 2 ? TL_LOG_ERROR : TL_LOG_WARN, "kept %d", i);
+    tl_log(TL_LOG_INFO, "dropped: info without a callback");
+    CHECK_OK(tl_log_set(record_log, &r));
+    CHECK(r.n == 16, "the backlog holds the last 16 warnings and errors, got %d", r.n);
+    CHECK(strcmp(r.texts[0], "kept 4") == 0 && strcmp(r.texts[15], "kept 19") == 0 &&
+              r.levels[0] == TL_LOG_WARN && r.levels[15] == TL_LOG_ERROR,
+          "backlog oldest first: %s .. %s", r.texts[0], r.texts[15]);
+    r.n = 0;
+    CHECK_OK(tl_log_set(record_log, &r));
+    CHECK(r.n == 0, "the backlog is delivered once, got %d more", r.n);
+    tl_log(TL_LOG_DEBUG, "value %d of %s", 42, "x");
+    CHECK(r.n == 1 && r.levels[0] == TL_LOG_DEBUG && strcmp(r.texts[0], "value 42 of x") == 0,
+          "a debug message with its arguments: %d, %s", r.n, r.texts[0]);
+    char *long_text = malloc(3 * TL_LOG_MESSAGE_MAX);
+    memset(long_text, 'a', 3 * TL_LOG_MESSAGE_MAX - 1);
+    long_text[3 * TL_LOG_MESSAGE_MAX - 1] = '\0';
+    tl_log(TL_LOG_WARN, "%s", long_text);   /* cut, without overrunning anything (ASan) */
+    free(long_text);
+    CHECK(r.n == 2, "the long message arrived");
+
+    pthread_t threads[2];
+    r.n = 0;
+    for (int t = 0; t < 2; t++) pthread_create(&threads[t], NULL, log_from_thread, NULL);
+    for (int i = 0; i < 50; i++) CHECK_OK(tl_log_set(i % 2 ? NULL : record_log, &r));
+    CHECK_OK(tl_log_set(record_log, &r));
+    for (int t = 0; t < 2; t++) pthread_join(threads[t], NULL);
+    CHECK(r.n <= 400, "no message twice: %d", r.n);
+    CHECK_OK(tl_log_set(NULL, NULL));
+    pthread_mutex_destroy(&r.lock);
+}
+
+/* The core refuses a backend library's ops table of another interface version or size,
+ * with a message naming it, and takes its own CPU table; the shared check refuses a
+ * host table of another build the same way. */
+static void test_backend_handshake(void) {
+    tl_backend *be = NULL;
+    CHECK_OK(tl_backend_cpu_create(&be));
+    if (!be) return;
+    CHECK_OK(tl_backend_check_ops(be->ops, "cpu"));
+    tl_backend_ops ops = *be->ops;
+    tl_backend_close(be);
+    ops.version = TL_BACKEND_INTERFACE_VERSION + 1;
+    CHECK_STATUS(tl_backend_check_ops(&ops, "old/libtinyloop_cuda.so"), TL_ERR_UNSUPPORTED);
+    CHECK(strstr(tl_last_error(), "old/libtinyloop_cuda.so has backend interface version") != NULL &&
+              strstr(tl_last_error(), "different builds") != NULL,
+          "version mismatch named: %s", tl_last_error());
+    ops.version = TL_BACKEND_INTERFACE_VERSION;
+    ops.struct_size -= 8;   /* a table one op short */
+    CHECK_STATUS(tl_backend_check_ops(&ops, "short"), TL_ERR_UNSUPPORTED);
+    CHECK_STATUS(tl_backend_check_ops(NULL, "none"), TL_ERR_UNSUPPORTED);
+
+    char msg[512] = "";
+    CHECK(tl_backend_interface_mismatch("a", "b", "tl_backend_host", TL_BACKEND_INTERFACE_VERSION,
+                                        sizeof(tl_backend_host), sizeof(tl_backend_host), msg, sizeof msg) == 0 &&
+              msg[0] == '\0',
+          "a matching host passes");
+    CHECK(tl_backend_interface_mismatch("libtinyloop.so", "libtinyloop_cuda.so", "tl_backend_host", 0,
+                                        sizeof(tl_backend_host), sizeof(tl_backend_host), msg, sizeof msg) == 1 &&
+              strstr(msg, "libtinyloop.so has backend interface version 0") != NULL,
+          "an old host refused: %s", msg);
+}
+
 static void run_model(const char *path) {
     current_model = path;
     fixture f;
@@ -1719,6 +1861,7 @@ static void run_model(const char *path) {
     test_stop_conditions(&f);
     test_stream_and_callback(&f);
     test_errors(&f, path);
+    test_metadata(&f);
     test_speculative(&f);
     test_tree_speculative(&f);
     test_draft_vocab(&f, path);
@@ -1849,6 +1992,8 @@ int main(int argc, char **argv) {
     }
     current_model = "-";
     test_version();
+    test_log();
+    test_backend_handshake();
     for (int i = 1; i < argc; i++) {
         run_model(argv[i]);
         run_paged(argv[i]);

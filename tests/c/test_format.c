@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
+#include "base/tensor.h"
 #include "file_edit.h"
-#include "format.h"
-#include "model.h"
-#include "tensor.h"
+#include "model/format.h"
+#include "model/model.h"
 
 static int n_passed, n_failed;
 
@@ -39,8 +39,10 @@ static tl_status load(const uint8_t *buf, size_t size, int verify)
     tl_status st = tl_file_open_memory(buf, size, verify, &file);
     if (st != TL_OK)
         return st;
+    tl_load_options opts;
+    tl_load_options_default(&opts);
     tl_model *model = NULL;
-    st = tl_model_from_file(file, NULL, &model);
+    st = tl_model_from_file(file, &opts, &model);
     if (st != TL_OK) {
         tl_file_close(file);
         return st;
@@ -113,8 +115,10 @@ static void check_valid_file(const char *path)
     if (name)
         check(name->type == TL_META_STRING && name->s_len > 0, "general.name is a string");
 
+    tl_load_options opts;
+    tl_load_options_default(&opts);
     tl_model *m = NULL;
-    st = tl_model_from_file(f, NULL, &m);
+    st = tl_model_from_file(f, &opts, &m);
     check(st == TL_OK, "%s: model: %s", path, tl_error_message());
     if (st != TL_OK) {
         tl_file_close(f);

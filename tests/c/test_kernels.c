@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/tensor.h"
 #include "cpu/kernels.h"
 #include "cpu/threadpool.h"
-#include "tensor.h"
 
 static int n_passed, n_failed;
 

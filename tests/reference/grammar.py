@@ -6,7 +6,7 @@ proper prefix of some match (so the text could still go on).
 Text made of tokens is bytes and may end inside a character: the *_bytes methods split
 bytes with Python's own UTF-8 decoder into whole characters and, at the end, an
 incomplete one, which stands for the set of code points that can complete it (found by
-trying completions, an interval: tests/test_grammar.py checks that on every prefix); the
+trying completions, an interval: tests/lib/test_grammar.py checks that on every prefix); the
 text is then a prefix of a sentence when the characters are and the next character the
 grammar takes can be one of that set.
 

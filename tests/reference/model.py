@@ -33,6 +33,11 @@ class _KeyValueStore:
             return ("core", (iteration - 1) % self.kv_ring, block)
         return layer
 
+    def read(self, layer, position):
+        """The key and value rows of `position` in the layer's slot, as last written."""
+        k, v = self._slots[self._slot(layer)]
+        return k[position], v[position]
+
     def write(self, layer, positions, k, v):
         """Store rows `positions` of the layer's slot; return its rows 0..positions[-1]."""
         slot, rows = self._slot(layer), int(positions[-1]) + 1
@@ -78,13 +83,24 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ public API
 
-    def logits(self, tokens, depth: int = 0, kv_ring: int | None = None, calls=None) -> np.ndarray:
+    def logits(self, tokens, depth: int = 0, kv_ring: int | None = None, calls=None,
+               depths=None) -> np.ndarray:
         """Logits [n, V] of every position of `tokens` at loop depth `depth` (0 = default).
 
         kv_ring = N: the approximate KV policy with N loop slots per core block (1 =
         share_last; None = exact); calls: the lengths of the forward calls the sequence
-        went through (None = one call), on which such a policy's result depends."""
-        return self._forward(tokens, depth, kv_ring, calls)[0]
+        went through (None = one call), on which such a policy's result depends.
+        depths: each position's own depth, 1..depth (adaptive depth, docs/model.md
+        "Adaptive depth"): position p leaves the loop after iteration depths[p], and its
+        K/V of that iteration serves the iterations it skipped."""
+        return self._forward(tokens, depth, kv_ring, calls, depths=depths)[0]
+
+    def iteration_states(self, tokens, depth: int = 0, depths=None) -> np.ndarray:
+        """Loop states [depth + 1, n, d]: the initial state, then s after each iteration
+        (a position past its own depth keeps its last state)."""
+        trace = []
+        self._forward(tokens, depth, depths=depths, trace=trace)
+        return np.concatenate(trace, axis=1)
 
     def final_states(self, tokens, depth: int = 0) -> np.ndarray:
         """Loop states s [n, d] after the last iteration (before the coda)."""
@@ -105,7 +121,7 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ forward pass
 
-    def _forward(self, tokens, depth, kv_ring=None, calls=None, gates=None):
+    def _forward(self, tokens, depth, kv_ring=None, calls=None, gates=None, depths=None, trace=None):
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0 or tokens.size > cfg.max_seq_len:
@@ -117,6 +133,11 @@ class ReferenceModel:
             raise ValueError(f"kv_ring must be >= 1 (or None: exact), got {kv_ring!r}")
         kv = _KeyValueStore(kv_ring)
         positions = np.arange(tokens.size)
+        if depths is None:
+            depths = np.full(tokens.size, depth, dtype=np.int64)
+        depths = np.asarray(depths, dtype=np.int64).reshape(-1)
+        if cfg.n_core and (depths.size != tokens.size or depths.min() < 1 or depths.max() > depth):
+            raise ValueError(f"depths must give each of {tokens.size} positions a depth in 1..{depth}")
         spans = _call_spans(tokens.size, calls)
         if cfg.state_init == "warm":
             # position p starts its loop from position p-1's final state: one at a time,
@@ -125,8 +146,11 @@ class ReferenceModel:
         logits, states, previous = [], [], None
         for start, stop in spans:
             span_gates = [] if gates is not None else None
+            span_trace = [] if trace is not None else None
             lg, s = self._forward_span(tokens[start:stop], positions[start:stop], depth, kv, previous,
-                                       span_gates)
+                                       span_gates, depths[start:stop], span_trace)
+            if trace is not None:
+                trace.append(np.stack(span_trace))
             if gates is not None:
                 gates.append(np.stack(span_gates, axis=1) if span_gates else np.zeros((stop - start, 0)))
             logits.append(lg)
@@ -134,7 +158,8 @@ class ReferenceModel:
             previous = s[-1]
         return np.concatenate(logits), np.concatenate(states)
 
-    def _forward_span(self, tokens, positions, depth, kv, previous_state, gates=None):
+    def _forward_span(self, tokens, positions, depth, kv, previous_state, gates=None, depths=None,
+                      trace=None):
         """Positions `positions` (one call: contiguous, after those already in `kv`) through
         the model."""
         cfg, w = self.config, self.weights
@@ -143,12 +168,21 @@ class ReferenceModel:
             h = self._block(f"pre.{b}.", h, positions, kv, layer=("pre", b))
         e = h
         s = self._initial_state(e, positions, previous_state)
+        if trace is not None:
+            trace.append(s)
         if cfg.n_core:
             for i in range(1, depth + 1):
+                # positions whose depth is reached keep their state, and their last
+                # iteration's K/V stands in for this one's (docs/model.md, "Adaptive depth")
+                done = depths < i
+                fill = {r: ("core", int(depths[r])) for r in np.flatnonzero(done)}
                 u = self._inject(s, e)
                 for c in range(cfg.n_core):
-                    u = self._block(f"core.{c}.", u, positions, kv, layer=("core", i, c))
-                s = self._norm("loop_norm", u) if cfg.loop_norm else u
+                    u = self._block(f"core.{c}.", u, positions, kv, layer=("core", i, c), fill=fill)
+                u = self._norm("loop_norm", u) if cfg.loop_norm else u
+                s = np.where(done[:, None], s, u)
+                if trace is not None:
+                    trace.append(s)
                 if gates is not None:
                     gates.append(self._linear("exit_gate.weight", s)[:, 0] + w["exit_gate.bias"][0])
         final_state = s
@@ -201,11 +235,11 @@ class ReferenceModel:
             return ops.layernorm(x, w[f"{name}.weight"], w[f"{name}.bias"], cfg.norm_eps)
         raise ValueError(f"unknown norm type {cfg.norm_type!r}")
 
-    def _block(self, prefix, x, positions, kv, layer):
+    def _block(self, prefix, x, positions, kv, layer, fill=None):
         placement = self.config.norm_placement
 
         def attn(n):
-            return self._attention(prefix, n, positions, kv, layer)
+            return self._attention(prefix, n, positions, kv, layer, fill)
 
         def norm(name, v):
             return self._norm(prefix + name, v)
@@ -232,7 +266,7 @@ class ReferenceModel:
         bias = self.weights.get(f"{name}.bias")
         return y if bias is None else y + bias
 
-    def _attention(self, prefix, n, positions, kv, layer):
+    def _attention(self, prefix, n, positions, kv, layer, fill=None):
         cfg = self.config
         rows = n.shape[0]
         q = self._projection(prefix + "attn.q", n).reshape(rows, cfg.n_head, cfg.head_dim)
@@ -240,6 +274,9 @@ class ReferenceModel:
         v = self._projection(prefix + "attn.v", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
         q = ops.rope(q, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
         k = ops.rope(k, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
+        for r, (kind, iteration) in (fill or {}).items():
+            # a position past its depth: its K/V of its last iteration, same block
+            k[r], v[r] = kv.read((kind, iteration, layer[2]), int(positions[r]))
         k_all, v_all = kv.write(layer, positions, k, v)
         o = ops.attention(q, k_all, v_all, positions, np.arange(k_all.shape[0]),
                           cfg.attn_scale, cfg.sliding_window)

@@ -8,7 +8,7 @@ tokens per verification pass (the configs' order rotates from round to round). G
 default), every run is also checked to give the same tokens as the others; with
 --temperature > 0 (the library's other sampling defaults: top-k 40, top-p 0.95, min-p
 0.05; seed = the round) the runs sample, and that their tokens follow plain sampling's
-distribution is the tests' job (tests/test_speculative.py). Beside them: the time of one
+distribution is the tests' job (tests/lib/test_speculative.py). Beside them: the time of one
 decode step at each draft depth and at the full depth (a context stepping one token at a
 time), which bounds what a draft can save.
 

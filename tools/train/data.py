@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_tokenizer import tokenizer_json  # noqa: E402
-from gguf_weights import GGUFWeights  # noqa: E402
-from pieces import sha256  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "python"))
+from pieces import sha256  # noqa: E402
+from tinyloop.convert.gguf_reader import GGUFFile  # noqa: E402
+from tinyloop.convert.gguf_tokenizer import tokenizer_json_from_gguf  # noqa: E402
 
 SOURCES = {
     "shakespeare": {
@@ -178,8 +178,8 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     from tokenizers import Tokenizer
-    meta = GGUFWeights(args.gguf).metadata
-    tok_json = tokenizer_json(meta)
+    with GGUFFile(args.gguf) as g:
+        tok_json = tokenizer_json_from_gguf(g.metadata, g.path)
     tokenizer = Tokenizer.from_str(tok_json)
     sep = tokenizer.token_to_id(DOC_SEPARATOR)
     if sep is None:

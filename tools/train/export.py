@@ -23,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "python"))
-from gguf_tokenizer import special_ids, tokenizer_json  # noqa: E402
-from gguf_weights import GGUFWeights  # noqa: E402
 from qat import QMAX, split_grid  # noqa: E402
+from tinyloop.convert import from_gguf  # noqa: E402
+from tinyloop.convert.gguf_reader import GGUFFile  # noqa: E402
 from tinyloop.fileformat.quantize import QTensor, pack_codes, quantize  # noqa: E402
 from tinyloop.fileformat.tinyloop_file import TinyLoopWriter, read_file  # noqa: E402
 
@@ -72,21 +72,16 @@ def quantize_on_grid(w: np.ndarray, scale: np.ndarray, vmin: np.ndarray, group: 
     return QTensor("q4", (rows, cols), group, pack_codes("q4", q), s16, m16)
 
 
-def tokenizer_metadata(gguf_meta: dict, teacher_tinyloop: str | None) -> dict:
+def tokenizer_metadata(gguf: GGUFFile, teacher_tinyloop: str | None) -> dict:
     """tokenizer.* keys: copied from a converted teacher file when given, else built from
-    the GGUF vocabulary."""
+    the GGUF vocabulary as the converter builds them."""
     if teacher_tinyloop:
         with read_file(teacher_tinyloop) as f:
             meta = {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
         if "tokenizer.json" not in meta:
             raise SystemExit(f"{teacher_tinyloop} has no tokenizer.json metadata")
         return meta
-    ids = special_ids(gguf_meta)
-    meta = {"tokenizer.json": tokenizer_json(gguf_meta), "tokenizer.bos_id": ids["bos_id"],
-            "tokenizer.eos_id": ids["eos_id"], "tokenizer.add_bos": ids["add_bos"]}
-    if "tokenizer.chat_template" in gguf_meta:
-        meta["tokenizer.chat_template"] = str(gguf_meta["tokenizer.chat_template"])
-    return meta
+    return from_gguf.tokenizer_metadata(gguf, verify=False)
 
 
 def main(argv=None) -> None:
@@ -119,9 +114,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"{args.weights}: learned q4 grids for some block matrices but not for "
                          f"{unquantized[:3]}: a weights folder has them for all or none")
     dims, cfg = info["dims"], info["student"]
-    gguf = GGUFWeights(args.gguf)
+    gguf = GGUFFile(args.gguf)
     if not info.get("embed_trained"):
-        state["embed.weight"] = gguf.tensor("token_embd.weight")
+        state["embed.weight"] = from_gguf.decode_tensor(gguf, "token_embd.weight")
     if usable_embed_grid(embed_grid, state["embed.weight"].shape[1], args.embed_dtype, args.embed_group_size):
         grids["embed.weight"] = embed_grid
     default_depth = args.default_depth or cfg["default_depth"]
@@ -145,7 +140,7 @@ def main(argv=None) -> None:
                           f"(HuggingFaceTB) by tools/train, step {info.get('step')}",
         "general.license": "apache-2.0",
         "general.converter": "tools/train/export.py",
-        **tokenizer_metadata(gguf.metadata, args.teacher_tinyloop),
+        **tokenizer_metadata(gguf, args.teacher_tinyloop),
     }
     for key, value in meta.items():
         writer.add_metadata(key, value)

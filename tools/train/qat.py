@@ -32,7 +32,7 @@ piecewise constant in both), to a weight straight through unless its code is cli
 rounds to 0 would freeze its group), and a constant group starts at the matrix's median
 scale. LSQ's scale gradient (code - x inside, x = (w - min) / scale) was the other
 candidate; on a layer's output error with the weights held it removed 4 % of the rtn
-error where the codes-held gradient removed 9 % (tests/test_train_qat.py has the
+error where the codes-held gradient removed 9 % (tests/tools/test_train_qat.py has the
 plain-error version). rtn puts the grid on every group's extremes; a learned grid may clip
 an outlier to place the other weights' levels better, which is what the last 0.02 nats of
 rtn QAT could not reach.
@@ -197,7 +197,7 @@ class QAT:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 32)
             # keep the f16 round trips of weights, scales and mins inside a fused kernel,
             # which inductor may otherwise drop; on an H200 the check below still falls back
-            # to eager with it (tools/train/README.md 3j), so the check stays the guard
+            # to eager with it (docs/models.md, "The runs on the GPU machine", 3j), so the check stays the guard
             self._on_grid = torch.compile(fake_quant_q4_on_grid, dynamic=False,
                                           options={"emulate_precision_casts": True})
         self.group, self.embed_group = group, embed_group
@@ -408,7 +408,7 @@ def _check(argv=None) -> int:
     state, grids = split_grid(state)
     worst, n_diff, n_total = 0.0, 0, 0
     for name, t in state.items():
-        if t.ndim != 2 or name in grids:  # learned grids: tests/test_train_qat.py
+        if t.ndim != 2 or name in grids:  # learned grids: tests/tools/test_train_qat.py
             continue
         ours = fake_quant_q4_values(t.float(), args.group).double()
         ref = torch.from_numpy(quantize(t.float().numpy(), "q4", args.group, "rtn").dequantize())

@@ -6,12 +6,19 @@ stores them (permuted for interleaved RoPE), so interleaved RoPE reproduces llam
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 
-from gguf_weights import GGUFWeights
 from layers import GGUF_BLOCK_NAMES, Block, Dims, RMSNorm, rope_tables
+
+# the package's GGUF reader (numpy only: it needs no built library)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+from tinyloop.convert.from_gguf import decode_tensor  # noqa: E402
+from tinyloop.convert.gguf_reader import GGUFFile  # noqa: E402
 
 
 def dims_from_gguf(meta: dict) -> Dims:
@@ -59,18 +66,18 @@ class Teacher(nn.Module):
 
 def load_teacher(path: str) -> tuple[Teacher, dict]:
     """Teacher with float32 weights (dequantized) and the GGUF metadata."""
-    g = GGUFWeights(path)
-    dims = dims_from_gguf(g.metadata)
-    n_layers = int(g.metadata["llama.block_count"])
-    model = Teacher(dims, n_layers)
-    state = {"embed.weight": g.tensor("token_embd.weight"),
-             "final_norm.weight": g.tensor("output_norm.weight")}
-    for i in range(n_layers):
-        for src, dst in GGUF_BLOCK_NAMES.items():
-            state[f"layers.{i}.{dst}"] = g.tensor(f"blk.{i}.{src}")
-    if "output.weight" in g.shapes:
-        model.output = nn.Linear(dims.d, dims.vocab, bias=False)
-        state["output.weight"] = g.tensor("output.weight")
+    with GGUFFile(path) as g:
+        dims = dims_from_gguf(g.metadata)
+        n_layers = int(g.metadata["llama.block_count"])
+        model = Teacher(dims, n_layers)
+        state = {"embed.weight": decode_tensor(g, "token_embd.weight"),
+                 "final_norm.weight": decode_tensor(g, "output_norm.weight")}
+        for i in range(n_layers):
+            for src, dst in GGUF_BLOCK_NAMES.items():
+                state[f"layers.{i}.{dst}"] = decode_tensor(g, f"blk.{i}.{src}")
+        if "output.weight" in g.tensors:
+            model.output = nn.Linear(dims.d, dims.vocab, bias=False)
+            state["output.weight"] = decode_tensor(g, "output.weight")
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()})
     model.requires_grad_(False)
     return model.eval(), g.metadata

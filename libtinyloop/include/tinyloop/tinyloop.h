@@ -72,6 +72,26 @@ TL_API const char *tl_version_string(void);
 TL_API const char *tl_last_error(void);          /* thread-local, never NULL */
 TL_API const char *tl_status_name(tl_status status);
 
+/* ---- log messages (docs/api.md, "Log messages") -------------------------------------
+ * What the library has to say beyond a status (a setting it ignored, a fallback it took)
+ * goes to one process-wide callback; the library itself never prints. message is one
+ * line of UTF-8 without a trailing newline, valid during the call only. The callback may
+ * run on any thread that calls into the library, several at once; it must not call
+ * tl_log_set. Without a callback (the default, and after tl_log_set(NULL, NULL)) messages
+ * are dropped, but the last 16 warnings and errors are kept and handed to the next
+ * callback set, before tl_log_set returns. tl_log_set returns once no call of the
+ * callback it replaces is running, so its user_data may be freed then. */
+typedef enum tl_log_level {
+    TL_LOG_ERROR = 0,
+    TL_LOG_WARN = 1,
+    TL_LOG_INFO = 2,
+    TL_LOG_DEBUG = 3
+} tl_log_level;
+
+typedef void (*tl_log_callback)(tl_log_level level, const char *message, void *user_data);
+
+TL_API tl_status tl_log_set(tl_log_callback callback, void *user_data);
+
 /* ---- lifecycle ----------------------------------------------------------- */
 /* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies"). Every
  * policy but TL_KV_EXACT is approximate by design: within one forward call rows see each
@@ -177,9 +197,28 @@ typedef struct tl_model_info {
 TL_API void tl_model_info_default(tl_model_info *info);
 TL_API tl_status tl_model_get_info(const tl_model *model, tl_model_info *info);
 
-/* String metadata stored in the file (e.g. "tokenizer.json", "tokenizer.chat_template",
- * "general.name"). *value points into the model and lives as long as it; it is not
- * NUL-terminated: use *len. TL_ERR_INVALID_ARGUMENT names a missing key. */
+/* ---- metadata (docs/api.md, "Metadata") -----------------------------------------
+ * The file's typed key/value entries (docs/format.md, "Metadata keys"), unknown keys
+ * included. Enumerate with tl_model_metadata_count and tl_model_metadata_key (index
+ * 0..count-1, keys in byte order), then read each value with the getter of its type.
+ * The type codes are the file's; a later format version may add codes, which a caller
+ * skips. Keys and string values point into the model and live as long as it (never
+ * free them). A missing key, an index out of range or a getter of another type is
+ * TL_ERR_INVALID_ARGUMENT naming the key. */
+typedef enum tl_metadata_type {
+    TL_METADATA_INT = 1,       /* int64_t  */
+    TL_METADATA_FLOAT = 2,     /* double   */
+    TL_METADATA_STRING = 3     /* UTF-8 bytes, not NUL-terminated */
+} tl_metadata_type;
+
+TL_API tl_status tl_model_metadata_count(const tl_model *model, size_t *count);
+/* *key: NUL-terminated; *type (may be NULL): the entry's tl_metadata_type. */
+TL_API tl_status tl_model_metadata_key(const tl_model *model, size_t index, const char **key,
+                                       tl_metadata_type *type);
+TL_API tl_status tl_model_get_metadata_int(const tl_model *model, const char *key, int64_t *value);
+TL_API tl_status tl_model_get_metadata_float(const tl_model *model, const char *key, double *value);
+/* A string (e.g. "tokenizer.json", "tokenizer.chat_template", "general.name"): *value is
+ * not NUL-terminated: use *len. */
 TL_API tl_status tl_model_get_metadata_string(const tl_model *model, const char *key,
                                               const char **value, size_t *len);
 
@@ -257,10 +296,41 @@ TL_API tl_status tl_context_deepen(tl_context *ctx, int32_t depth, float *logpro
 TL_API tl_status tl_context_append_batch(tl_context *const *contexts, const int32_t *tokens,
                                          size_t n, float *logits);
 
+/* ---- adaptive depth ---------------------------------------------------------- */
+/* When a token's loop stops before the depth of its sequence (docs/model.md, "Adaptive
+ * depth"): after each iteration it >= min_depth (and before the last) the rule looks at
+ * the token and stops its loop when it has converged. The iterations it skipped are not
+ * computed; their K/V slots hold its last iteration's K/V. */
+typedef enum tl_exit_kind {
+    TL_EXIT_FIXED = 0,          /* every token runs the full depth (the default)       */
+    TL_EXIT_KL = 1,             /* KL(p_it || p_it-1) < threshold (nats), p the next-token
+                                   distribution of the state after iteration it (coda and
+                                   head on a copy; over the draft vocabulary when the model
+                                   has one)                                            */
+    TL_EXIT_ENTROPY_DELTA = 2,  /* |H(p_it) - H(p_it-1)| < threshold (nats)            */
+    TL_EXIT_LATENT_DELTA = 3,   /* |s_it - s_it-1| / |s_it| < threshold (the loop state) */
+    TL_EXIT_ARGMAX_STABLE = 4,  /* the same most likely token for `patience` iterations */
+    TL_EXIT_GATE = 5,           /* the model's learned exit gate (loop.exit_gate): the
+                                   first iteration whose exit CDF >= threshold          */
+} tl_exit_kind;
+
+typedef struct tl_exit_rule {
+    tl_exit_kind kind;
+    float threshold;            /* see the kinds; finite, >= 0 (gate: in (0, 1])        */
+    int32_t min_depth;          /* no exit before this iteration; 0 = 1                 */
+    int32_t patience;           /* ARGMAX_STABLE: iterations, >= 1; 0 = 2                */
+} tl_exit_rule;
+
 /* ---- scoring ---------------------------------------------------------------- */
 typedef struct tl_score_options {
     uint32_t struct_size;
-    int32_t depth;             /* 0 = model default */
+    int32_t depth;             /* 0 = model default                                    */
+    tl_exit_rule exit;         /* adaptive depth per position; kind 0 = fixed (default) */
+    const int32_t *given_depths; /* or each position's depth given, n_tokens values in
+                                  1..depth (e.g. those a generation reported); NULL = none.
+                                  Not with an exit rule                                 */
+    int32_t *depths;           /* out, or NULL: the depth each position ran, n_tokens values
+                                  (logprobs[i] is of position i's pass)                 */
 } tl_score_options;
 
 TL_API void tl_score_options_default(tl_score_options *opts);
@@ -301,6 +371,11 @@ TL_API tl_status tl_context_score_last_token(tl_context *ctx, const int32_t *tok
 TL_API tl_status tl_score_logit_lens(tl_model *model, const int32_t *tokens, size_t n_tokens,
                                      const tl_score_options *opts, int32_t max_depth,
                                      float *logits_per_depth);
+/* An embedding of the tokens, run as a fresh sequence at opts->depth (0 = the default):
+ * the mean over the positions of the head's input (the final norm's output; the last
+ * layer's states for a model without a final norm), d_model floats. */
+TL_API tl_status tl_embed(tl_model *model, const int32_t *tokens, size_t n_tokens,
+                          const tl_score_options *opts, float *embedding);
 
 /* The exit gate of a model whose file has one (metadata loop.exit_gate: Ouro's early-exit
  * gate; docs/model.md, "Exit gate"): lambda[i * depth + t] = sigmoid(gate) on the loop state
@@ -385,6 +460,10 @@ typedef struct tl_generate_options {
     const tl_grammar *grammar;     /* tokens constrained to this grammar (docs/api.md,
                                       "Grammars"); NULL = none (default). On the host;
                                       not with draft_depth                             */
+    tl_exit_rule exit;             /* adaptive depth per token, the prompt's too; kind 0 =
+                                      fixed (default). Not with draft_depth            */
+    int32_t *token_depths;         /* out, or NULL: token_depths[k] = the depth of the pass
+                                      that chose generated token k (capacity: max_tokens) */
 } tl_generate_options;
 
 typedef struct tl_generate_result {
@@ -397,6 +476,7 @@ typedef struct tl_generate_result {
     uint32_t n_drafted;            /* speculative: draft tokens verified               */
     uint32_t n_accepted;           /* speculative: of them, kept                       */
     uint32_t n_cached_tokens;      /* prompt tokens loaded from a prefix cache / pool  */
+    double mean_depth;             /* mean loop depth of the passes that chose the tokens */
 } tl_generate_result;
 
 /* Return non-zero to stop generation (stop_reason = TL_STOP_ABORTED; status TL_OK). */
@@ -439,6 +519,10 @@ TL_API tl_status tl_stream_result(const tl_stream *stream, tl_generate_result *r
  * for a stream without logprobs or before its first token. */
 TL_API tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int32_t *top_ids,
                                     float *top_logprobs);
+/* The loop depth of the pass that chose the token tl_stream_next returned last (the
+ * stream's depth, or where opts->exit stopped it). TL_ERR_INVALID_ARGUMENT before the
+ * first token. */
+TL_API tl_status tl_stream_token_depth(const tl_stream *stream, int32_t *depth);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 
 /* One result per prompt (array stride = results[0].struct_size). Prompts run one after

@@ -7,13 +7,14 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend.h"
-#include "kernels.h"
-#include "kernels_impl.h"
+#include "backend/backend.h"
+#include "base/debug_flags.h"
+#include "base/log.h"
+#include "cpu/kernels.h"
+#include "cpu/kernels_impl.h"
 
 /* ---- path selection ------------------------------------------------------ */
 
@@ -47,20 +48,23 @@ tl_cpu_level tl_cpu_built_level(void) {
 static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 static atomic_int current_level = TL_CPU_GENERIC;
 
-/* The best level, capped by TINYLOOP_CPU (a level name; another value is reported on
- * stderr once and ignored, so that a benchmark meant for one path never silently runs
- * another unnoticed). */
+/* TINYLOOP_CPU (base/debug_flags.c): the level it names, or -1 when unset; another
+ * value is a warning, since a benchmark meant for one path must not silently run another. */
+static int level_cap(void) {
+    const char *value = tl_debug_value(TL_FLAG_CPU);
+    if (!value) return -1;
+    for (int level = TL_CPU_GENERIC; level <= TL_CPU_AVX512VNNI; level++)
+        if (strcmp(value, tl_cpu_level_name((tl_cpu_level)level)) == 0) return level;
+    tl_log(TL_LOG_WARN, "%s=%s is not one of %s: ignored", tl_debug_flag_name(TL_FLAG_CPU), value,
+           tl_debug_flag_values(TL_FLAG_CPU));
+    return -1;
+}
+
+/* The best level, capped by TINYLOOP_CPU. */
 static void detect(void) {
-    const char *env = getenv("TINYLOOP_CPU");
-    tl_cpu_level level = tl_cpu_best_level(), cap = TL_CPU_AVX512VNNI;
-    if (env && *env) {
-        if (strcmp(env, "generic") == 0) cap = TL_CPU_GENERIC;
-        else if (strcmp(env, "avx2") == 0) cap = TL_CPU_AVX2;
-        else if (strcmp(env, "avx512vnni") != 0)
-            fprintf(stderr, "tinyloop: TINYLOOP_CPU=%s is not one of generic, avx2, avx512vnni: "
-                            "ignored\n", env);
-    }
-    atomic_store(&current_level, level < cap ? level : cap);
+    tl_cpu_level level = tl_cpu_best_level();
+    int cap = level_cap();
+    atomic_store(&current_level, cap >= 0 && (tl_cpu_level)cap < level ? (tl_cpu_level)cap : level);
 }
 
 tl_cpu_level tl_cpu_features(void) {

@@ -9,8 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../tensor.h"
-#include "threadpool.h"
+#include "base/tensor.h"
+#include "cpu/threadpool.h"
 
 /* Ordered: a CPU that runs a level runs every level below it. */
 typedef enum { TL_CPU_GENERIC = 0, TL_CPU_AVX2 = 1, TL_CPU_AVX512VNNI = 2 } tl_cpu_level;

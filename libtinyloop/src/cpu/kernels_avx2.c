@@ -6,7 +6,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "kernels_impl.h"
+#include "cpu/kernels_impl.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 

@@ -2,7 +2,7 @@
  * The reference for what kernels_avx2.c computes; see cpu/kernels_impl.h. */
 #include <math.h>
 
-#include "kernels_impl.h"
+#include "cpu/kernels_impl.h"
 
 /* Input rows handled together: each weight block is decoded once per this many. */
 #define GENERIC_INPUT_TILE 16

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../tensor.h"
+#include "base/tensor.h"
 
 /* Activations are quantized to int16 in blocks of this many values (docs/cpu-backend.md). */
 #define TL_QBLOCK 32

@@ -15,7 +15,7 @@
  * for the count to drain; a worker that finds the job closed leaves without touching
  * it. */
 #define _GNU_SOURCE
-#include "threadpool.h"
+#include "cpu/threadpool.h"
 
 #include <pthread.h>
 #include <sched.h>

@@ -101,17 +101,28 @@ def _architecture(g: GGUFFile) -> dict:
     }
 
 
-def _tokenizer_metadata(g: GGUFFile, writer: TinyLoopWriter, verify: bool) -> None:
+def tokenizer_metadata(g: GGUFFile, verify: bool = True) -> dict:
+    """The .tinyloop tokenizer.* keys built from the GGUF vocabulary; `verify` round-trips
+    sample text through the built tokenizer first."""
     tok_json = tokenizer_json_from_gguf(g.metadata, g.path)
     if verify:
         check_round_trip(tok_json, ROUND_TRIP_SAMPLES)
-    writer.add_metadata("tokenizer.json", tok_json)
-    writer.add_metadata("tokenizer.bos_id", int(g.get("tokenizer.ggml.bos_token_id", -1)))
-    writer.add_metadata("tokenizer.eos_id", int(g.get("tokenizer.ggml.eos_token_id", -1)))
-    writer.add_metadata("tokenizer.add_bos", int(bool(g.get("tokenizer.ggml.add_bos_token", False))))
+    meta = {
+        "tokenizer.json": tok_json,
+        "tokenizer.bos_id": int(g.get("tokenizer.ggml.bos_token_id", -1)),
+        "tokenizer.eos_id": int(g.get("tokenizer.ggml.eos_token_id", -1)),
+        "tokenizer.add_bos": int(bool(g.get("tokenizer.ggml.add_bos_token", False))),
+    }
     template = g.get("tokenizer.chat_template")
     if isinstance(template, str):
-        writer.add_metadata("tokenizer.chat_template", template)
+        meta["tokenizer.chat_template"] = template
+    return meta
+
+
+def decode_tensor(g: GGUFFile, name: str):
+    """One tensor of the GGUF decoded to float32, shape outermost-first ([out, in])."""
+    t = g.tensors[name]
+    return ggml_blocks.decode_to_f32(g.data(name), t.ggml_type, t.shape)
 
 
 def convert_gguf(src, dst, *, fallback_dtype: str = "f32", verify_tokenizer: bool = True,
@@ -148,7 +159,8 @@ def convert_gguf(src, dst, *, fallback_dtype: str = "f32", verify_tokenizer: boo
             ("loop.injection", "none"),
         ]:
             writer.add_metadata(key, value)
-        _tokenizer_metadata(g, writer, verify_tokenizer)
+        for key, value in tokenizer_metadata(g, verify_tokenizer).items():
+            writer.add_metadata(key, value)
         for gguf_key, key in [("general.name", "general.name"), ("general.license", "general.license")]:
             if isinstance(g.get(gguf_key), str):
                 writer.add_metadata(key, g.get(gguf_key))
@@ -166,7 +178,7 @@ def convert_gguf(src, dst, *, fallback_dtype: str = "f32", verify_tokenizer: boo
                     writer.add_tensor(ours, _LazyBlocks(g, name, dtype, t.shape, 32))
                 counts[dtype] += 1
             else:
-                values = ggml_blocks.decode_to_f32(g.data(name), t.ggml_type, t.shape)
+                values = decode_tensor(g, name)
                 # norms and biases stay f32: they are tiny and feed every token
                 dtype = fallback_dtype if values.ndim == 2 else "f32"
                 writer.add_tensor(ours, values, dtype)

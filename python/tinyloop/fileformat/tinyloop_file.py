@@ -3,7 +3,7 @@
 The layout is specified in docs/format.md. The writer streams tensors to disk one by
 one (in bounded chunks for large float arrays), so a multi-GB model never needs a full
 second copy in memory. The reader mmaps the file and applies the same structural checks
-as the C loader (libtinyloop/src/format.c).
+as the C loader (libtinyloop/src/model/format.c).
 """
 
 from __future__ import annotations

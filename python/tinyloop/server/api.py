@@ -7,6 +7,7 @@ OpenAI's error body naming the field (`param`); nothing is generated for it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import secrets
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from ..chat_template import ChatTemplateError, ChatTemplateUnavailable
 from ..errors import InvalidArgumentError
 from ..grammar import SchemaError, json_object_grammar, json_schema_to_gbnf, request_grammar
+from . import tools
+from .errors import RequestError
 
 # what both endpoints accept; each maps to a check below
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -25,23 +28,18 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed",
                   "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft",
                   "draft_p_min", "response_format", "grammar"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-_ROLES = ("system", "user", "assistant")
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                "tools", "tool_choice", "parallel_tool_calls"}
+#: OpenAI's fields that change nothing here (storage, billing, other modalities): accepted
+#: and ignored, named in the response's Warning header; a 400 with `strict`
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "reasoning_effort", "modalities",
+                            "audio", "prediction", "web_search_options", "safety_identifier",
+                            "prompt_cache_key", "verbosity"})
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_STOPS = 4
 _MAX_TOP_LOGPROBS = 20   # the library's limit (TL_MAX_TOP_LOGPROBS), OpenAI's for chat
 MAX_CHOICES = 16         # n
 MAX_PROMPTS = 32         # prompts in one completions request
-
-
-class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass
@@ -67,6 +65,10 @@ class GenerationRequest:
     #: this choice's place in the response (choices[].index), and its prompt's
     index: int = 0
     prompt_index: int = 0
+    #: chat: the request's tools (tools.ToolCalling), None without
+    tool_calling: object = None
+    #: OpenAI fields accepted and ignored (IGNORED_FIELDS)
+    ignored: list = field(default_factory=list)
 
     @property
     def prompts(self) -> list:
@@ -132,28 +134,39 @@ def _stops(body) -> list:
     return stops
 
 
-def check_fields(body, allowed: set) -> None:
-    """A JSON object with none but the `allowed` fields."""
+def check_fields(body, allowed: set, strict: bool = True) -> list:
+    """A JSON object with none but the `allowed` fields; unless `strict`, OpenAI's
+    IGNORED_FIELDS pass too, and are returned (sorted)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
+    extra = set(body) - allowed
+    ignored = [] if strict else sorted(extra & IGNORED_FIELDS)
+    unknown = sorted(extra - set(ignored))
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r} (accepted: {', '.join(sorted(allowed))})",
                            unknown[0])
+    return ignored
 
 
-def check_model(body: dict, served_name: str) -> None:
-    """The request's `model`, when given, is the served one (else a 404)."""
+def _names(served) -> list:
+    return [served] if isinstance(served, str) else list(served)
+
+
+def check_model(body: dict, served) -> str:
+    """The request's `model`, when given, is one of the served names (else a 404); the
+    name the answer carries (the request's, else the first served name)."""
+    names = _names(served)
     name = body.get("model")
-    if name is not None and name != served_name:
-        raise RequestError(f"model {name!r} is not served here (this server runs {served_name!r})",
-                           "model", status=404, code="model_not_found")
+    if name is not None and name not in names:
+        raise RequestError(f"model {name!r} is not served here (this server runs "
+                           f"{', '.join(map(repr, names))})", "model", status=404, code="model_not_found")
+    return names[0] if name is None else name
 
 
-def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_tokens",
-            min_tokens=1) -> dict:
-    check_fields(body, allowed)
-    check_model(body, served_name)
+def _common(body, model, served, allowed: set, max_tokens_name="max_tokens",
+            min_tokens=1, strict=True, max_tokens_cap=None) -> dict:
+    ignored = check_fields(body, allowed, strict)
+    name = check_model(body, served)
     n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     best_of = _number(body, "best_of", None, lo=1, hi=MAX_CHOICES, integer=True)
     if best_of is not None and best_of != n:
@@ -165,7 +178,8 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
     info = model.info
     seed = body.get("seed")
     options = dict(
-        max_tokens=_number(body, max_tokens_name, None, lo=min_tokens, hi=2**31 - 1, integer=True),
+        max_tokens=_number(body, max_tokens_name, None, lo=min_tokens, hi=max_tokens_cap or 2**31 - 1,
+                           integer=True),
         temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
         top_k=_number(body, "top_k", 0, lo=0, hi=info.vocab_size, integer=True),
@@ -184,7 +198,7 @@ def _common(body, model, served_name: str, allowed: set, max_tokens_name="max_to
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
-    return options, n, seed is not None
+    return options, n, seed is not None, name, ignored
 
 
 def _grammar(body, model):
@@ -273,15 +287,16 @@ def _stream_flags(body) -> tuple:
     return stream, usage
 
 
-def _fit(options: dict, prompt_ids: list, model, param: str) -> None:
-    """Default max_tokens to what the context holds; a prompt that does not fit is refused."""
+def _fit(options: dict, prompt_ids: list, model, param: str, cap=None) -> None:
+    """Default max_tokens to what the context holds (at most `cap`); a prompt that does not
+    fit is refused."""
     room = model.info.max_seq_len - len(prompt_ids)
     if room < 0:   # a prompt that fills the context still gives one token
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens and the model's context is "
                            f"{model.info.max_seq_len}: nothing can be generated", param,
                            code="context_length_exceeded")
     if options["max_tokens"] is None:
-        options["max_tokens"] = room + 1   # generation stops when the context is full
+        options["max_tokens"] = min(room + 1, cap or room + 1)   # stops when the context is full
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -292,13 +307,16 @@ def _ask_logprobs(options: dict, top: int | None) -> int | None:
     return top
 
 
-def completion_request(body, model, served_name: str) -> GenerationRequest:
+def completion_request(body, model, served, *, strict=True, max_tokens_cap=None) -> GenerationRequest:
+    """A completions request; `served` is the served name or names, `strict` refuses
+    IGNORED_FIELDS too, `max_tokens_cap` bounds max_tokens."""
     echo = flag_field(body, "echo") if isinstance(body, dict) else False
     # with echo, max_tokens 0 scores the prompt alone (as evaluation harnesses ask)
-    options, n, seeded = _common(body, model, served_name, COMPLETION_FIELDS,
-                                 min_tokens=0 if echo else 1)
+    options, n, seeded, name, ignored = _common(body, model, served, COMPLETION_FIELDS,
+                                                min_tokens=0 if echo else 1, strict=strict,
+                                                max_tokens_cap=max_tokens_cap)
     if options["max_tokens"] is None:
-        options["max_tokens"] = 16            # OpenAI's default for completions
+        options["max_tokens"] = min(16, max_tokens_cap or 16)   # OpenAI's default for completions
     top = _ask_logprobs(options, _number(body, "logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS,
                                          integer=True))
     _only(body, "suffix", ("",), "no insertion")
@@ -310,9 +328,9 @@ def completion_request(body, model, served_name: str) -> GenerationRequest:
                         else model.tokenizer.decode(prompt_ids)))
     stream, usage = _stream_flags(body)
     (prompt_ids, prompt_text), *more = prompts
-    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, name,
                              top_logprobs=top, echo=echo, prompt_text=prompt_text, n=n,
-                             more_prompts=more, seeded=seeded)
+                             more_prompts=more, seeded=seeded, ignored=ignored)
 
 
 def _is_token_list(value) -> bool:
@@ -357,35 +375,56 @@ def _encode(model, text: str, param: str, add_bos) -> list:
         raise RequestError(f"{param} is not valid text: {e}", param) from None
 
 
-def chat_request(body, model, served_name: str, template) -> GenerationRequest:
+def chat_request(body, model, served, template, *, strict=True, max_tokens_cap=None) -> GenerationRequest:
+    """A chat request (as completion_request), its tools checked and rendered (tools.py)."""
     name = "max_tokens"
     if isinstance(body, dict) and "max_completion_tokens" in body:
         if "max_tokens" in body:
             raise RequestError("give max_tokens or max_completion_tokens, not both",
                                "max_completion_tokens")
         name = "max_completion_tokens"
-    options, n, seeded = _common(body, model, served_name, CHAT_FIELDS, name)
+    options, n, seeded, model_name, ignored = _common(body, model, served, CHAT_FIELDS, name, strict=strict,
+                                                      max_tokens_cap=max_tokens_cap)
+    calling = tools.parse_tools(body)
+    if tools.constrained(calling):
+        if options["grammar"] is not None:
+            raise RequestError("tool_choice that requires a call excludes response_format and grammar",
+                               "tool_choice")
+        try:
+            options["grammar"] = request_grammar(model, json_schema_to_gbnf(calling.schema()))
+        except SchemaError as e:
+            raise RequestError(f"tools: a parameter schema the grammar cannot follow: {e}", "tools") from None
+        except InvalidArgumentError as e:
+            raise RequestError(str(e), "tools") from None
     wanted = flag_field(body, "logprobs")
     top = _number(body, "top_logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS, integer=True)
     if top is not None and not wanted:
         raise RequestError("top_logprobs needs logprobs = true", "top_logprobs")
     top = _ask_logprobs(options, (top or 0) if wanted else None)
-    prompt_ids = chat_prompt_ids(body, model, template)
-    _fit(options, prompt_ids, model, "messages")
+    prompt_ids = chat_prompt_ids(body, model, template, calling=calling)
+    _fit(options, prompt_ids, model, "messages", max_tokens_cap)
     stream, usage = _stream_flags(body)
-    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, served_name,
-                             top_logprobs=top, n=n, seeded=seeded)
+    return GenerationRequest(prompt_ids, options, _stops(body), stream, usage, model_name,
+                             top_logprobs=top, n=n, seeded=seeded, tool_calling=calling, ignored=ignored)
 
 
-def chat_prompt_ids(body: dict, model, template, add_generation_prompt: bool = True) -> list:
+def chat_prompt_ids(body: dict, model, template, add_generation_prompt: bool = True,
+                    calling=None) -> list:
     """The token ids of body["messages"] rendered through the model's chat template (no
-    BOS beyond what the template writes)."""
+    BOS beyond what the template writes); with `calling` (tools.ToolCalling) the tools
+    too, in the template's `tools` or else in a system message before the others."""
     if template is None:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use "
                            "/v1/completions", "messages")
     messages = _messages(body.get("messages"))
+    extra = {}
+    if calling is not None:
+        if getattr(template, "reads_tools", False):
+            extra["tools"] = calling.tools
+        else:
+            messages = [tools.tools_message(calling)] + messages
     try:
-        text = template(messages, add_generation_prompt)
+        text = template(messages, add_generation_prompt, **extra)
     except ChatTemplateUnavailable as e:
         raise RequestError(str(e), "messages", status=501, kind="server_error") from None
     except ChatTemplateError as e:
@@ -394,6 +433,9 @@ def chat_prompt_ids(body: dict, model, template, add_generation_prompt: bool = T
 
 
 def _messages(messages) -> list:
+    """The messages as the template gets them: content parts joined; `developer` (OpenAI's
+    newer name of the system role) as `system`; an assistant's `tool_calls` (with null
+    content) and a tool message's `tool_call_id` and `name` kept."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     out = []
@@ -402,6 +444,20 @@ def _messages(messages) -> list:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise RequestError(f"{where} must be an object with role one of {', '.join(_ROLES)}",
                                where)
+        role = "system" if m["role"] == "developer" else m["role"]
+        entry = {"role": role}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(m["tool_calls"], where)
+            if m.get("content") is None:
+                entry["content"] = ""
+                out.append(entry)
+                continue
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(f"{where}: a tool message needs its tool_call_id (a string)", where)
+            entry["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                entry["name"] = m["name"]
         content = m.get("content")
         if isinstance(content, list):   # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -410,7 +466,28 @@ def _messages(messages) -> list:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string", where)
-        out.append({"role": m["role"], "content": content})
+        entry["content"] = content
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list:
+    """An assistant message's tool_calls, their arguments parsed from JSON text into
+    objects, as chat templates expect them."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list", where)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise RequestError(f"{where}.tool_calls: each needs a function with a name", where)
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise RequestError(f"{where}.tool_calls: arguments are not JSON", where) from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -448,10 +525,11 @@ def completion_body(rid, model_name, choices: list, usage_: dict) -> dict:
 
 
 def chat_body(rid, model_name, choices: list, usage_: dict) -> dict:
+    """`choices` holds (message, finish_reason, logprobs): the message a dict, or its text."""
     return dict(_envelope(rid, model_name, "chat.completion", [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-         "logprobs": logprobs}
-        for i, (text, finish, logprobs) in enumerate(choices)]), usage=usage_)
+        {"index": i, "message": message if isinstance(message, dict) else {"role": "assistant", "content": message},
+         "finish_reason": finish, "logprobs": logprobs}
+        for i, (message, finish, logprobs) in enumerate(choices)]), usage=usage_)
 
 
 # -- log-probabilities ----------------------------------------------------------------------

@@ -40,7 +40,7 @@ class Histogram:
 
 class ServerMetrics:
     """What the server records: responses by route and status, tokens, finish reasons,
-    requests waiting for a slot and running, time to the first text piece and whole
+    requests waiting for a slot and running, requests refused by a limit, time to the first text piece and whole
     request durations of the generation endpoints."""
 
     def __init__(self):
@@ -49,6 +49,7 @@ class ServerMetrics:
         self.finished: dict = {}           # finish_reason -> choices
         self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self.waiting = self.running = 0
+        self.rejections: dict = {}         # reason -> requests refused before any work
         self.ttft = Histogram(TTFT_BUCKETS)
         self.duration = Histogram(REQUEST_BUCKETS)
 
@@ -62,6 +63,12 @@ class ServerMetrics:
         with self._lock:
             self.waiting += waiting
             self.running += running
+
+    def rejected(self, reason: str) -> None:
+        """A request refused by a limit or a check (queue_full, timeout, draining, auth,
+        host, origin)."""
+        with self._lock:
+            self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def first_piece(self, seconds: float) -> None:
         with self._lock:
@@ -107,6 +114,13 @@ class ServerMetrics:
                    [f"tinyloop_requests_waiting {self.waiting}"])
             family("tinyloop_requests_running", "gauge", "Generation requests holding a slot.",
                    [f"tinyloop_requests_running {self.running}"])
+            family("tinyloop_queue_length", "gauge",
+                   "Generation requests waiting for a slot (the same as tinyloop_requests_waiting).",
+                   [f"tinyloop_queue_length {self.waiting}"])
+            family("tinyloop_requests_rejected_total", "counter",
+                   "Requests refused by a limit or a check, by reason.",
+                   [f'tinyloop_requests_rejected_total{{reason="{reason}"}} {count}'
+                    for reason, count in sorted(self.rejections.items())])
             family("tinyloop_time_to_first_piece_seconds", "histogram",
                    "From a generation request's arrival to its first text piece.",
                    self.ttft.lines("tinyloop_time_to_first_piece_seconds"))

@@ -13,13 +13,13 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_gen
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
-def tokenize(body, model, served_name: str, template) -> dict:
+def tokenize(body, model, served, template) -> dict:
     """{"count", "max_model_len", "tokens", "token_strs"} for a `prompt` (a string, or token
     ids checked against the vocabulary) or chat `messages` rendered as the chat endpoint
     renders them. add_special_tokens (true) adds the BOS the tokenizer adds by default to a
     prompt string; add_generation_prompt (true) ends messages with the assistant's turn."""
     check_fields(body, TOKENIZE_FIELDS)
-    check_model(body, served_name)
+    check_model(body, served)
     if ("prompt" in body) == ("messages" in body):
         raise RequestError("give prompt or messages, exactly one of them",
                            "messages" if "messages" in body else "prompt")
@@ -38,11 +38,11 @@ def tokenize(body, model, served_name: str, template) -> dict:
             "token_strs": [token_text(model.tokenizer, t)[0] for t in ids] if strs else None}
 
 
-def detokenize(body, model, served_name: str) -> dict:
+def detokenize(body, model, served) -> dict:
     """{"prompt": the text of `tokens`} (token ids of the vocabulary; special tokens are
     left out of the text, as the completion endpoints' text leaves them out)."""
     check_fields(body, DETOKENIZE_FIELDS)
-    check_model(body, served_name)
+    check_model(body, served)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                for t in tokens):

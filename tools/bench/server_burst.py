@@ -1,0 +1,79 @@
+"""A burst of concurrent streaming completions against a running `tinyloop serve` on
+loopback (docs/benchmarks.md, "The server under a burst"): N clients, released together,
+each POSTs one streamed completion on its own connection; the summary counts the
+answered streams (ending in [DONE]), the 429s (with Retry-After), other statuses and the
+connections reset or failed, with the time to the first event (p50, p99) of the answered.
+
+    python tools/bench/server_burst.py --port 8080 --clients 256 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import threading
+import time
+
+
+def one(port: int, body: bytes, barrier: threading.Barrier, out: list, timeout: float) -> None:
+    barrier.wait()
+    started = time.monotonic()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            response.read()
+            out.append({"status": response.status, "retry_after": response.getheader("Retry-After")})
+            return
+        first, last = None, None
+        while line := response.readline():
+            if line.startswith(b"data: "):
+                first = first if first is not None else time.monotonic() - started
+                last = line.strip()
+        out.append({"status": 200, "ttft": first, "done": last == b"data: [DONE]"})
+        conn.close()
+    except Exception as e:   # a reset, a refused connection, a timeout
+        out.append({"status": None, "error": type(e).__name__})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt", default="The sea")
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args()
+    body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    out: list = []
+    barrier = threading.Barrier(args.clients)
+    threads = [threading.Thread(target=one, args=(args.port, body, barrier, out, args.timeout))
+               for _ in range(args.clients)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ttfts = sorted(r["ttft"] for r in out if r["status"] == 200 and r["ttft"] is not None)
+
+    def pct(q):
+        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 3) if ttfts else None
+
+    errors: dict = {}
+    for r in out:
+        if r["status"] is None:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    print(json.dumps({
+        "clients": args.clients, "wall_s": round(time.monotonic() - started, 2),
+        "answered": sum(1 for r in out if r["status"] == 200 and r["done"]),
+        "streams_cut": sum(1 for r in out if r["status"] == 200 and not r["done"]),
+        "429_with_retry_after": sum(1 for r in out if r["status"] == 429 and r["retry_after"]),
+        "other_status": sorted({r["status"] for r in out if r["status"] not in (None, 200, 429)}),
+        "failed": errors, "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99)}))
+
+
+if __name__ == "__main__":
+    main()
