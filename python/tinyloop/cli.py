@@ -296,7 +296,7 @@ def cmd_info(args) -> dict:
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
-               "body_dtype": info.body_dtype, "kv_per_token": kv_cost_rows(info)}
+               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info)}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -320,12 +320,13 @@ def cmd_info(args) -> dict:
         print("drafts:       " + (f"score the {info.draft_vocab} most frequent tokens (draft_vocab)"
                                    if info.draft_vocab else "score every token"))
         print(f"loop body:    {info.body_dtype} ({memory['body_bytes'] / mib:.1f} MiB)")
+        print(f"kv dtype:     {info.kv_dtype}")
         for row in payload["kv_per_token"]:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
                   f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
-                                           for k, v in memory.items()))
+                                           for k, v in memory.items() if k.endswith("_bytes")))
         if default is not None:
             _print_card(payload)
     return payload

@@ -444,8 +444,10 @@ static void cpu_kv_copy(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, t
     memcpy(cache_row(v_dst, pos, width), cache_row(v_src, pos, width), (size_t)width * sizeof(float));
 }
 
+/* f16 never comes: the CPU offers no buf_alloc_f16, so kv_dtype f16 is refused at load. */
 static tl_status cpu_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
-                                       tl_buf **k_view, tl_buf **v_view) {
+                                       int f16, tl_buf **k_view, tl_buf **v_view) {
+    (void)f16;
     cpu_page_table *t = calloc(1, sizeof *t);
     if (t) t->pages = calloc((size_t)n_entries, sizeof *t->pages);
     if (!t || !t->pages) {
@@ -524,6 +526,7 @@ tl_status tl_backend_cpu_create(tl_backend **out) {
     be->impl = impl;
     be->device_index = -1;
     be->prefill_rows = 256;   /* a chunk's activations stay in the caches */
+    be->kv_dtype = TL_KV_DTYPE_F32;
     snprintf(be->name, sizeof be->name, "cpu (%s)", tl_cpu_level_name(tl_cpu_features()));
     *out = be;
     return TL_OK;

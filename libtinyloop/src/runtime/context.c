@@ -120,7 +120,8 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
     if (st == TL_OK) st = alloc_buffers(ctx);
     if (st == TL_OK)
         st = tl_kv_cache_init(&ctx->kv, ctx->be, model->kv_pool, tl_kv_slot_count(hp, ctx->loop_slots),
-                              ctx->max_seq, hp->n_kv_head * hp->head_dim);
+                              ctx->max_seq, hp->n_kv_head * hp->head_dim,
+                              model->load_opts.kv_dtype == TL_KV_DTYPE_F16);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
         tl_context_close(ctx);
