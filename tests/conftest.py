@@ -1,8 +1,15 @@
 """What the test layers share: the helper modules beside this file (textmodel, serving,
 device, build_tools), importable from every folder below, and the model fixtures more than
 one test module uses. A fixture keeps the scope it had in its module: a module-scoped one
-is still made once per test module."""
+is still made once per test module.
 
+On CUDA the KV cache defaults to fp16 (docs/api.md, "KV dtype"). The suites that hold a
+device to the float64 oracle at the float tolerance run on the f32 cache, which is exact
+to fp32 rounding: here a Model that is not given kv_dtype gets "f32" (the CPU's default
+anyway). lib/test_cuda_backend.py loads f16 (and "default") explicitly and holds f16 to
+the f32 path within KV_F16_TOLERANCE."""
+
+import functools
 import sys
 from pathlib import Path
 
@@ -13,6 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import textmodel  # noqa: E402
 import tinyloop  # noqa: E402
 from serving import Running  # noqa: E402
+
+_model_init = tinyloop.Model.__init__
+
+
+@functools.wraps(_model_init)
+def _f32_kv_unless_asked(self, *args, kv_dtype="f32", **kwargs):
+    _model_init(self, *args, kv_dtype=kv_dtype, **kwargs)
+
+
+tinyloop.Model.__init__ = _f32_kv_unless_asked
 
 
 @pytest.fixture(scope="module")

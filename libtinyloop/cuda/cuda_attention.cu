@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -37,7 +39,8 @@ constexpr int SPLIT_MAX_ROWS = 8;   // decode-sized calls
 constexpr int MAX_SPLITS = 128;     // bounds the scratch; longer sequences get longer splits
 
 struct attn_args {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;   // the cache's elements: float, or __half (the kernels' T)
     float *out;
     pos_arg pos0;
     int n, n_head, n_kv_head, head_dim, window;
@@ -69,7 +72,7 @@ __device__ __host__ __forceinline__ int split_keys(int keys, int splits) {
 
 // ---- prefill ---------------------------------------------------------------------------
 
-template <int DPL>
+template <int DPL, typename T>
 __global__ void __launch_bounds__(ATT_WARPS * 32) attention_kernel(attn_args a) {
     pdl_wait();
     pdl_trigger();
@@ -107,8 +110,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) attention_kernel(attn_args a) 
         for (int e = threadIdx.x; e < tile * hd; e += blockDim.x) {
             int j = e / hd, d = e % hd;
             size_t col = (size_t)kvh * hd + d;
-            ks[j * ld + d] = kv_row(a.k, a.pg, 0, t0 + j, kvd)[col];
-            vs[j * ld + d] = kv_row(a.v, a.pg, 1, t0 + j, kvd)[col];
+            ks[j * ld + d] = kv_get(kv_row(static_cast<const T *>(a.k), a.pg, 0, t0 + j, kvd)[col]);
+            vs[j * ld + d] = kv_get(kv_row(static_cast<const T *>(a.v), a.pg, 1, t0 + j, kvd)[col]);
         }
         __syncthreads();
         if (!active || t0 > my_hi || t0 + tile - 1 < my_lo) continue;
@@ -174,6 +177,43 @@ __device__ __forceinline__ void load_dims(const float *p, int lane, int hd, int 
     }
 #pragma unroll
     for (int k = 0; k < DPL; k++) v[k] = d0 + k < hd ? p[d0 + k] : 0.0f;
+}
+
+// load_dims of a cache row: floats, or fp16 elements widened to floats (vec: DPL halves
+// in one load).
+template <int DPL>
+__device__ __forceinline__ void load_kv(const float *p, int lane, int hd, int vec, float (&v)[DPL]) {
+    load_dims<DPL>(p, lane, hd, vec, v);
+}
+template <int DPL>
+__device__ __forceinline__ void load_kv(const __half *p, int lane, int hd, int vec, float (&v)[DPL]) {
+    const int d0 = lane * DPL;
+    if constexpr (DPL >= 2) {
+        if (vec) {   // hd % DPL == 0: a lane's dims are all in or all out
+            __half2 h[DPL / 2];
+            if (d0 >= hd) {
+#pragma unroll
+                for (int k = 0; k < DPL / 2; k++) h[k] = __float2half2_rn(0.0f);
+            } else if constexpr (DPL == 2) {
+                h[0] = *reinterpret_cast<const __half2 *>(p + d0);
+            } else if constexpr (DPL == 4) {
+                const uint2 u = *reinterpret_cast<const uint2 *>(p + d0);
+                memcpy(h, &u, sizeof u);
+            } else {
+                const uint4 u = *reinterpret_cast<const uint4 *>(p + d0);
+                memcpy(h, &u, sizeof u);
+            }
+#pragma unroll
+            for (int k = 0; k < DPL / 2; k++) {
+                const float2 f = __half22float2(h[k]);
+                v[2 * k] = f.x;
+                v[2 * k + 1] = f.y;
+            }
+            return;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < DPL; k++) v[k] = d0 + k < hd ? __half2float(p[d0 + k]) : 0.0f;
 }
 
 template <int DPL>
@@ -269,53 +309,63 @@ __device__ void merge_splits(const decode_args &d, float *st, int used, int item
     store_dims<DPL>(a.out + ((size_t)row * a.n_head + head) * hd, lane, hd, acc);
 }
 
-template <int DPL>
-__global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode_args d) {
-    extern __shared__ float st[];   // DEC_WARPS x DEC_ITEMS states of hd + 2 floats
+// The keys and items one decode block serves: query rows of one sequence whose cache is
+// k / v (pg: its page table), the union of their key ranges [key_lo, key_hi], items
+// item0 .. item0 + DEC_ITEMS - 1 (those below n_items), the row of item i being i / group
+// at position row_pos0 + i / group, and keys from new_from on written by the previous
+// kernel (the earlier ones are requested before the wait).
+template <typename T>
+struct decode_block {
+    const T *k, *v;
+    kv_pages pg;
+    int key_lo, key_hi, new_from;
+    int item0, n_items, row_pos0;
+};
+
+// One split of a decode block (blockIdx.x: the KV head, blockIdx.z: the split of gridDim.z):
+// its keys' online softmax for the block's items, combined over the warps, then written
+// as the split's state (or, with one split, as the output), the last split block of the
+// (tile, KV head) merging every split's state. Returns at once for a split past the
+// block's last key.
+template <int DPL, typename T>
+__device__ __forceinline__ void decode_split(const decode_args &d, const decode_block<T> &b, float *st) {
     const attn_args &a = d.a;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hd = a.head_dim, group = a.n_head / a.n_kv_head, kvh = blockIdx.x;
     const int kvd = a.n_kv_head * hd, qd = a.n_head * hd;
-    const int n_items = a.n * group;
-    // The position is a step parameter, set before the step (uploaded, or advanced by
-    // the previous step's chained argmax, its last kernel) and not changed during it:
-    // read before the wait, so that splits past the last key (most of a grid sized for
-    // max_seq) leave without waiting for the previous kernel.
-    const int pos0 = pos_value(a.pos0);
-    const int lo_all = first_key(pos0, a.window);
-    const int keys = pos0 + a.n - lo_all;
+    const int keys = b.key_hi + 1 - b.key_lo;
     const int per = split_keys(keys, gridDim.z);
     if ((int)blockIdx.z * per >= keys) return;   // a split past the last key (the whole block)
-    const int s_lo = lo_all + (int)blockIdx.z * per;
-    const int s_hi = min(pos0 + a.n - 1, s_lo + per - 1);
+    const int s_lo = b.key_lo + (int)blockIdx.z * per;
+    const int s_hi = min(b.key_hi, s_lo + per - 1);
     const size_t col = (size_t)kvh * hd;
-    // The warp's first keys: rows before pos0 were written by earlier steps, so they are
-    // requested before the wait (their latency overlaps the previous kernel); rows from
-    // pos0 on come from the previous kernel and are read after it.
+    // The warp's first keys: rows before new_from were written by earlier steps, so they
+    // are requested before the wait (their latency overlaps the previous kernel); rows
+    // from new_from on come from the previous kernel and are read after it.
     float kr[DEC_KEYS][DPL], vr[DEC_KEYS][DPL];
     const int first0 = s_lo + warp * DEC_KEYS;
 #pragma unroll
     for (int j = 0; j < DEC_KEYS; j++) {
         const int key = min(first0 + j, s_hi);   // past the split: a valid row, scored -inf below
-        if (key >= pos0) continue;
-        load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
-        load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
+        if (key >= b.new_from) continue;
+        load_kv<DPL>(kv_row(b.k, b.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+        load_kv<DPL>(kv_row(b.v, b.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
     }
     pdl_wait();
     pdl_trigger();
 #pragma unroll
     for (int j = 0; j < DEC_KEYS; j++) {
         const int key = min(first0 + j, s_hi);
-        if (key < pos0) continue;
-        load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
-        load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
+        if (key < b.new_from) continue;
+        load_kv<DPL>(kv_row(b.k, b.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+        load_kv<DPL>(kv_row(b.v, b.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
     }
 
     float q[DEC_ITEMS][DPL], acc[DEC_ITEMS][DPL], m[DEC_ITEMS], l[DEC_ITEMS];
     int lo[DEC_ITEMS], hi[DEC_ITEMS];
 #pragma unroll
     for (int t = 0; t < DEC_ITEMS; t++) {
-        const int item = blockIdx.y * DEC_ITEMS + t;
+        const int item = b.item0 + t;
         m[t] = -INFINITY;
         l[t] = 0.0f;
 #pragma unroll
@@ -324,13 +374,13 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
         hi[t] = 0;   // empty
 #pragma unroll
         for (int k = 0; k < DPL; k++) q[t][k] = 0.0f;
-        if (item < n_items) {
+        if (item < b.n_items) {
             const int row = item / group, head = kvh * group + item % group;
             load_dims<DPL>(a.q + (size_t)row * qd + (size_t)head * hd, lane, hd, d.vec, q[t]);
 #pragma unroll
             for (int k = 0; k < DPL; k++) q[t][k] *= a.scale;
-            lo[t] = max(first_key(pos0 + row, a.window), s_lo);
-            hi[t] = min(pos0 + row, s_hi);
+            lo[t] = max(first_key(b.row_pos0 + row, a.window), s_lo);
+            hi[t] = min(b.row_pos0 + row, s_hi);
         }
     }
 
@@ -339,8 +389,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
 #pragma unroll
             for (int j = 0; j < DEC_KEYS; j++) {
                 const int key = min(key0 + j, s_hi);
-                load_dims<DPL>(kv_row(a.k, a.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
-                load_dims<DPL>(kv_row(a.v, a.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
+                load_kv<DPL>(kv_row(b.k, b.pg, 0, key, kvd) + col, lane, hd, d.vec, kr[j]);
+                load_kv<DPL>(kv_row(b.v, b.pg, 1, key, kvd) + col, lane, hd, d.vec, vr[j]);
             }
         }
 #pragma unroll
@@ -377,8 +427,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
 #pragma unroll
     for (int t = 0; t < DEC_ITEMS; t++) keep_warp_state<DPL>(st, DEC_ITEMS, t, warp, lane, hd, m[t], l[t], acc[t]);
     __syncthreads();
-    const int item = blockIdx.y * DEC_ITEMS + warp;
-    const bool own = warp < DEC_ITEMS && item < n_items;   // warp t finishes item t
+    const int item = b.item0 + warp;
+    const bool own = warp < DEC_ITEMS && item < b.n_items;   // warp t finishes item t
     const int row = item / group, head = kvh * group + item % group;
     if (own) {
         float mb, lb, accb[DPL];
@@ -412,31 +462,106 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode
     __syncthreads();
     if (!last) return;
     __threadfence();
-    merge_splits<DPL>(d, st, (keys + per - 1) / per, blockIdx.y * DEC_ITEMS, n_items, group, kvh);
+    merge_splits<DPL>(d, st, (keys + per - 1) / per, b.item0, b.n_items, group, kvh);
+}
+
+// n query rows at consecutive positions of one sequence; a block serves DEC_ITEMS items
+// (blockIdx.y: the item tile) of any of them.
+template <int DPL, typename T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) attention_decode_kernel(decode_args d) {
+    extern __shared__ float st[];   // DEC_WARPS x DEC_ITEMS states of hd + 2 floats
+    const attn_args &a = d.a;
+    const int group = a.n_head / a.n_kv_head;
+    // The position is a step parameter, set before the step (uploaded, or advanced by
+    // the previous step's chained argmax, its last kernel) and not changed during it:
+    // read before the wait, so that splits past the last key (most of a grid sized for
+    // max_seq) leave without waiting for the previous kernel.
+    const int pos0 = pos_value(a.pos0);
+    const decode_block<T> b = { static_cast<const T *>(a.k), static_cast<const T *>(a.v), a.pg,
+                                first_key(pos0, a.window), pos0 + a.n - 1, pos0,
+                                (int)blockIdx.y * DEC_ITEMS, a.n * group, pos0 };
+    decode_split<DPL, T>(d, b, st);
+}
+
+// A batched step's rows (the *_rows ops), each of its own sequence: blockIdx.y is row
+// y / tiles and item tile y % tiles of that row's query heads. A row's position and slot
+// come from the step's row table, uploaded before the step (read before the wait, like a
+// step parameter); a padding row (position -1) writes zeros.
+struct rows_args {
+    const int32_t *pos;
+    const row_slot *slots;
+    int tiles;   // item tiles per row
+};
+
+template <int DPL, typename T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) attention_rows_kernel(decode_args d, rows_args r) {
+    extern __shared__ float st[];
+    const attn_args &a = d.a;
+    const int group = a.n_head / a.n_kv_head;
+    const int row = (int)blockIdx.y / r.tiles, tile = (int)blockIdx.y % r.tiles;
+    const int pos = r.pos[row];
+    const int item0 = row * group + tile * DEC_ITEMS, n_items = (row + 1) * group;
+    if (pos < 0) {
+        if (blockIdx.z != 0) return;
+        pdl_wait();
+        pdl_trigger();
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, item = item0 + warp;
+        if (warp < DEC_ITEMS && item < n_items) {
+            float zero[DPL] = {};
+            const int head = blockIdx.x * group + item % group;
+            store_dims<DPL>(a.out + ((size_t)row * a.n_head + head) * a.head_dim, lane, a.head_dim, zero);
+        }
+        return;
+    }
+    const row_slot &slot = r.slots[row];
+    const decode_block<T> b = { static_cast<const T *>(slot.k), static_cast<const T *>(slot.v), slot.pg,
+                                first_key(pos, a.window), pos, pos, item0, n_items, pos - row };
+    decode_split<DPL, T>(d, b, st);
 }
 
 // ---- launch ------------------------------------------------------------------------------
 
-template <int DPL>
+template <int DPL, typename T>
 void prefill_dpl(tl_exec *ex, const attn_args &a) {
     const int tiles = (a.n * (a.n_head / a.n_kv_head) + ATT_WARPS - 1) / ATT_WARPS;
     const size_t smem = (size_t)(2 * ATT_KT * (a.head_dim + 1) + ATT_WARPS * a.head_dim) * sizeof(float);
     if (smem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(attention_kernel<DPL>,
+        cudaError_t err = cudaFuncSetAttribute(attention_kernel<DPL, T>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (exec_check(ex, err, "attention (shared memory size)")) return;
     }
-    launch(ex, "attention", attention_kernel<DPL>, dim3(tiles, a.n_kv_head), ATT_WARPS * 32, smem, a);
+    launch(ex, "attention", attention_kernel<DPL, T>, dim3(tiles, a.n_kv_head), ATT_WARPS * 32, smem, a);
 }
 
-template <int DPL>
+// at most 8 x 4 x 258 floats (33 KB): no opt-in needed
+size_t decode_smem(int head_dim) { return (size_t)DEC_WARPS * DEC_ITEMS * (head_dim + 2) * sizeof(float); }
+
+template <int DPL, typename T>
 void decode_dpl(tl_exec *ex, const decode_args &d, int n_splits) {
     const attn_args &a = d.a;
     const int tiles = (a.n * (a.n_head / a.n_kv_head) + DEC_ITEMS - 1) / DEC_ITEMS;
-    // at most 8 x 4 x 258 floats (33 KB): no opt-in needed
-    const size_t smem = (size_t)DEC_WARPS * DEC_ITEMS * (a.head_dim + 2) * sizeof(float);
-    launch(ex, "attention (decode)", attention_decode_kernel<DPL>, dim3(a.n_kv_head, tiles, n_splits),
-           DEC_WARPS * 32, smem, d);
+    launch(ex, "attention (decode)", attention_decode_kernel<DPL, T>, dim3(a.n_kv_head, tiles, n_splits),
+           DEC_WARPS * 32, decode_smem(a.head_dim), d);
+}
+
+template <int DPL, typename T>
+void rows_dpl(tl_exec *ex, const decode_args &d, const rows_args &r, int n_splits) {
+    launch(ex, "attention (rows)", attention_rows_kernel<DPL, T>, dim3(d.a.n_kv_head, d.a.n * r.tiles, n_splits),
+           DEC_WARPS * 32, decode_smem(d.a.head_dim), d, r);
+}
+
+// f(integral_constant DPL, T{}) for the head size's dims per lane and the cache's type.
+template <class F>
+void dispatch_dpl(int head_dim, bool half, F &&f) {
+    const int dpl = head_dim <= 32 ? 1 : head_dim <= 64 ? 2 : head_dim <= 128 ? 4 : 8;
+    auto by_type = [&](auto d) {
+        if (half) f(d, __half{});
+        else f(d, float{});
+    };
+    if (dpl == 1) by_type(std::integral_constant<int, 1>{});
+    else if (dpl == 2) by_type(std::integral_constant<int, 2>{});
+    else if (dpl == 4) by_type(std::integral_constant<int, 4>{});
+    else by_type(std::integral_constant<int, 8>{});
 }
 
 int max_splits(int max_seq) {
@@ -445,6 +570,22 @@ int max_splits(int max_seq) {
 }
 
 bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
+
+bool bad_geometry(tl_exec *ex, const tl_attn_geom &g) {
+    if (g.head_dim > 0 && g.head_dim <= 32 * ATT_MAX_DPL && g.n_kv_head > 0 && g.n_head % g.n_kv_head == 0)
+        return false;
+    exec_check(ex, cudaErrorInvalidValue, "attention: head_dim above 256 or bad GQA grouping");
+    return true;
+}
+
+// Vector accesses of a lane's dims: head sizes of whole vectors, q and out aligned, and
+// the cache rows (contiguous slots aligned; pages cudaMalloc'd, their rows n_kv_head *
+// head_dim elements apart).
+int vector_dims(const tl_attn_geom &g, const float *q, const float *out, bool caches_aligned) {
+    const int dpl = g.head_dim <= 32 ? 1 : g.head_dim <= 64 ? 2 : g.head_dim <= 128 ? 4 : 8;
+    return dpl >= 2 && g.head_dim % 4 == 0 && g.head_dim % dpl == 0 && aligned16(q) && aligned16(out) &&
+           caches_aligned;
+}
 
 }  // namespace
 
@@ -458,32 +599,22 @@ size_t attention_partial_floats(int n_head, int head_dim, int max_seq) {
     return attention_state_floats(n_head, head_dim, max_seq) + (size_t)SPLIT_MAX_ROWS * n_head;
 }
 
-void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
-                      const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg) {
-    if (n <= 0) return;
-    if (g.head_dim <= 0 || g.head_dim > 32 * ATT_MAX_DPL || g.n_kv_head <= 0 || g.n_head % g.n_kv_head) {
-        exec_check(ex, cudaErrorInvalidValue, "attention: head_dim above 256 or bad GQA grouping");
-        return;
-    }
+void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const void *k_cache, const void *v_cache,
+                      const tl_attn_geom &g, float *out, const kv_pages &pg, bool half) {
+    if (n <= 0 || bad_geometry(ex, g)) return;
     attn_args a = {};
     a.q = q; a.k = k_cache; a.v = v_cache; a.out = out;
     a.n = n; a.pos0 = step_pos(ex, pos0); a.n_head = g.n_head; a.n_kv_head = g.n_kv_head;
     a.head_dim = g.head_dim; a.window = g.window; a.scale = g.scale; a.pg = pg;
-    const int dpl = g.head_dim <= 32 ? 1 : g.head_dim <= 64 ? 2 : g.head_dim <= 128 ? 4 : 8;
 
     if (n > SPLIT_MAX_ROWS) {
-        if (dpl == 1) prefill_dpl<1>(ex, a);
-        else if (dpl == 2) prefill_dpl<2>(ex, a);
-        else if (dpl == 4) prefill_dpl<4>(ex, a);
-        else prefill_dpl<8>(ex, a);
+        dispatch_dpl(g.head_dim, half, [&](auto d, auto t) { prefill_dpl<decltype(d)::value, decltype(t)>(ex, a); });
         return;
     }
 
     decode_args d = {};
     d.a = a;
-    d.vec = dpl >= 2 && g.head_dim % 4 == 0 && g.head_dim % dpl == 0 && aligned16(q) && aligned16(out) &&
-            // pages: cudaMalloc'd, their rows n_kv_head * head_dim floats apart (head_dim % 4 == 0)
-            (pg.table || (aligned16(k_cache) && aligned16(v_cache)));
+    d.vec = vector_dims(g, q, out, pg.table || (aligned16(k_cache) && aligned16(v_cache)));
     const int group = g.n_head / g.n_kv_head;
     const int tiles = (n * group + DEC_ITEMS - 1) / DEC_ITEMS;
     // keys of the rows' union range: now, or at most (a recorded step replays anywhere)
@@ -510,8 +641,34 @@ void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float 
         d.part_ml = ex->attn_partial + states * g.head_dim;
         d.arrivals = reinterpret_cast<int *>(ex->attn_partial + attention_state_floats(g.n_head, g.head_dim, ex->max_seq));
     }
-    if (dpl == 1) decode_dpl<1>(ex, d, splits);
-    else if (dpl == 2) decode_dpl<2>(ex, d, splits);
-    else if (dpl == 4) decode_dpl<4>(ex, d, splits);
-    else decode_dpl<8>(ex, d, splits);
+    dispatch_dpl(g.head_dim, half, [&](auto dd, auto t) { decode_dpl<decltype(dd)::value, decltype(t)>(ex, d, splits); });
+}
+
+// A batched step's rows: one launch, a block per (KV head, row and item tile, split). The
+// splits are fixed by the row count and max_seq (a recorded step replays at any
+// positions; each row's blocks use the splits its keys need): about two blocks per
+// multiprocessor, within the split scratch (the states of SPLIT_MAX_ROWS rows at
+// max_seq's splits), so many rows get one split each.
+void launch_attention_rows(tl_exec *ex, const float *q, int n, const int32_t *pos, const row_slot *slots,
+                           const tl_attn_geom &g, float *out, bool half) {
+    if (n <= 0 || bad_geometry(ex, g)) return;
+    decode_args d = {};
+    d.a.q = q; d.a.out = out; d.a.n = n; d.a.n_head = g.n_head; d.a.n_kv_head = g.n_kv_head;
+    d.a.head_dim = g.head_dim; d.a.window = g.window; d.a.scale = g.scale;
+    // every row's slot is a KV buffer of the model: aligned as contiguous slots are (their
+    // row 0 lies a whole number of rows into a cudaMalloc'd buffer) or paged
+    d.vec = vector_dims(g, q, out, true);
+    const int group = g.n_head / g.n_kv_head;
+    const rows_args r = { pos, slots, (group + DEC_ITEMS - 1) / DEC_ITEMS };
+    const int keys = g.window > 0 ? std::min(ex->max_seq, g.window) : ex->max_seq;
+    const int blocks = g.n_kv_head * n * r.tiles;
+    int splits = std::min(max_splits(keys), std::max(1, (2 * ex->sm_count + blocks - 1) / blocks));
+    splits = std::min(splits, SPLIT_MAX_ROWS * max_splits(ex->max_seq) / n);
+    if (!ex->attn_partial || !ex->step.rows.arrivals || splits < 1) splits = 1;
+    if (splits > 1) {
+        d.part_acc = ex->attn_partial;
+        d.part_ml = ex->attn_partial + (size_t)n * g.n_head * splits * g.head_dim;
+        d.arrivals = ex->step.rows.arrivals;
+    }
+    dispatch_dpl(g.head_dim, half, [&](auto dd, auto t) { rows_dpl<decltype(dd)::value, decltype(t)>(ex, d, r, splits); });
 }

@@ -232,11 +232,12 @@ tl_status cuda_status(tl_exec *ex) {
 
 // ---- buffers and transfers --------------------------------------------------------------
 
-tl_status cuda_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
+// n elements of `elem` bytes (floats, or fp16 for KV caches).
+tl_status buf_alloc_of(tl_backend *be, size_t n, int elem, tl_buf **out) {
     cuda_backend *impl = impl_of(be);
     tl_buf *b = static_cast<tl_buf *>(malloc(sizeof *b));
     if (!b) return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a buffer descriptor");
-    size_t bytes = (n_floats ? n_floats : 1) * sizeof(float);
+    size_t bytes = (n ? n : 1) * (size_t)elem;
     cudaError_t err = cudaSetDevice(impl->device);
     if (err == cudaSuccess) err = cudaMalloc(&b->data, bytes);
     if (err != cudaSuccess) {
@@ -245,19 +246,28 @@ tl_status cuda_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
         return cuda_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of device memory: %s",
                          bytes / 1048576.0, cudaGetErrorString(err));
     }
-    b->n = n_floats;
+    b->n = n;
     b->owner = impl;
     b->table = nullptr;
+    b->elem = elem;
     impl->device_bytes += bytes;
     *out = b;
     return TL_OK;
+}
+
+tl_status cuda_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
+    return buf_alloc_of(be, n_floats, (int)sizeof(float), out);
+}
+
+tl_status cuda_buf_alloc_f16(tl_backend *be, size_t n, tl_buf **out) {
+    return buf_alloc_of(be, n, (int)sizeof(__half), out);
 }
 
 void cuda_buf_free(tl_buf *b) {
     if (!b) return;
     cudaSetDevice(b->owner->device);
     cudaFree(b->data);
-    b->owner->device_bytes -= (b->n ? b->n : 1) * sizeof(float);
+    b->owner->device_bytes -= (b->n ? b->n : 1) * (size_t)b->elem;
     free(b);
 }
 
@@ -286,10 +296,15 @@ uint64_t K(float f) {
     return u;
 }
 
+// Rows of elements of the buffers' own type (floats, or fp16 between two KV buffers).
 void cuda_copy_rows(tl_exec *ex, tl_act dst, size_t ld_dst, tl_act src, size_t ld_src, int n, int width) {
     if (bind(ex)) return;
-    step_note(ex, { 1, K(P(dst)), ld_dst, K(P(src)), ld_src, (uint64_t)n, (uint64_t)width });
-    launch_copy_rows(ex, P(dst), ld_dst, P(src), ld_src, n, width);
+    if (dst.buf->elem != src.buf->elem) {
+        exec_reject(ex, "copy_rows between buffers of different element types");
+        return;
+    }
+    step_note(ex, { 1, K(KVP(dst)), ld_dst, K(KVP(src)), ld_src, (uint64_t)n, (uint64_t)width });
+    launch_copy_rows(ex, KVP(dst), ld_dst, KVP(src), ld_src, n, width, (size_t)dst.buf->elem);
 }
 
 void cuda_fill(tl_exec *ex, tl_act dst, size_t count, float value) {
@@ -320,6 +335,13 @@ int upload_ints(tl_exec *ex, const int32_t *values, int n, const char *what) {
 // a chained step it is already on the device (tokens[0] is a placeholder).
 void cuda_embed(tl_exec *ex, const tl_tensor *table, const int32_t *tokens, int n, float scale, tl_act out) {
     if (bind(ex) || n <= 0) return;
+    if (ex->step.batch) {   // a batched step's tokens travel with its rows
+        const void *d_tokens = row_upload(ex, tokens, (size_t)n * sizeof(int32_t));
+        if (!d_tokens) return;
+        step_note(ex, { 4, K(table), K(scale), K(P(out)), K(d_tokens), (uint64_t)n });
+        launch_embed(ex, *W(table), static_cast<const int32_t *>(d_tokens), n, scale, P(out));
+        return;
+    }
     if ((ex->step.recording || ex->step.device_token) && n == 1) {
         step_note(ex, { 4, K(table), K(scale), K(P(out)) });
         if (!ex->step.device_token) ex->step.host.token = tokens[0];
@@ -395,7 +417,7 @@ void cuda_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache, tl_a
     step_note(ex, { 12, K(P(q)), (uint64_t)n, (uint64_t)step_pos(ex, pos0).base, K(P(k_cache)), K(P(v_cache)),
                     (uint64_t)g->n_head, (uint64_t)g->n_kv_head, (uint64_t)g->head_dim, K(g->scale),
                     (uint64_t)g->window, K(P(out)) });
-    launch_attention(ex, P(q), n, pos0, P(k_cache), P(v_cache), *g, P(out), pg);
+    launch_attention(ex, P(q), n, pos0, KVP(k_cache), KVP(v_cache), *g, P(out), pg, kv_half(k_cache));
 }
 
 // Tree speculation's passes are never inside a recorded step (forward.c brackets only
@@ -409,17 +431,24 @@ void cuda_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, con
 void cuda_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
                          tl_act v_cache, const tl_attn_geom *g, tl_act out) {
     if (bind(ex)) return;
-    launch_tree_attention(ex, P(q), n, *tree, first, P(k_cache), P(v_cache), *g, P(out),
-                          kv_pages_of(k_cache, v_cache));
+    launch_tree_attention(ex, P(q), n, *tree, first, KVP(k_cache), KVP(v_cache), *g, P(out),
+                          kv_pages_of(k_cache, v_cache), kv_half(k_cache));
 }
 
 void cuda_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0,
                    int width) {
     if (bind(ex)) return;
     pos_arg pos = step_pos(ex, pos0);
-    step_note(ex, { 13, K(P(k_cache)), K(P(v_cache)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base,
+    step_note(ex, { 13, K(KVP(k_cache)), K(KVP(v_cache)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base,
                     (uint64_t)width });
-    launch_kv_store(ex, P(k_cache), P(v_cache), P(k), P(v), n, pos, width, kv_pages_of(k_cache, v_cache));
+    launch_kv_store(ex, KVP(k_cache), KVP(v_cache), P(k), P(v), n, pos, width, kv_pages_of(k_cache, v_cache),
+                    kv_half(k_cache));
+}
+
+void cuda_kv_copy(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos, int width) {
+    if (bind(ex)) return;
+    launch_kv_copy(ex, KVP(k_dst), KVP(v_dst), kv_pages_of(k_dst, v_dst), KVP(k_src), KVP(v_src),
+                   kv_pages_of(k_src, v_src), pos, width, kv_half(k_dst));
 }
 
 // The device form of a fused matmul's input.
@@ -477,11 +506,11 @@ int cuda_matmul_rope_store(tl_exec *ex, const tl_tensor *const *ws, const tl_mat
     const dev_weight *dws[3] = { W(ws[0]), W(ws[1]), W(ws[2]) };
     const size_t ldq = (size_t)g->n_head * g->head_dim;
     const pos_arg pos = step_pos(ex, pos0);
-    if (!launch_matmul_rope_store(ex, dws, a, n, P(q), ldq, pos, *p, g->head_dim, P(k_cache), P(v_cache),
-                                  kv_pages_of(k_cache, v_cache)))
+    if (!launch_matmul_rope_store(ex, dws, a, n, P(q), ldq, pos, *p, g->head_dim, KVP(k_cache), KVP(v_cache),
+                                  kv_pages_of(k_cache, v_cache), kv_half(k_cache)))
         return 0;
     note_matmul_in(ex, 18, in, a, n, (uint64_t)pos.base);
-    step_note(ex, { K(ws[0]), K(ws[1]), K(ws[2]), K(P(q)), K(P(k_cache)), K(P(v_cache)), (uint64_t)p->rope_dims,
+    step_note(ex, { K(ws[0]), K(ws[1]), K(ws[2]), K(P(q)), K(KVP(k_cache)), K(KVP(v_cache)), (uint64_t)p->rope_dims,
                     (uint64_t)p->style, K(p->theta), (uint64_t)g->head_dim });
     return 1;
 }
@@ -506,10 +535,84 @@ int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, 
     pos_arg pos = step_pos(ex, pos0);
     step_note(ex, { 15, K(P(q)), K(P(k)), K(P(v)), (uint64_t)n, (uint64_t)pos.base, (uint64_t)p->rope_dims,
                     (uint64_t)p->style, K(p->theta), (uint64_t)g->n_head, (uint64_t)g->n_kv_head,
-                    (uint64_t)g->head_dim, K(P(k_cache)), K(P(v_cache)) });
-    launch_rope_store(ex, P(q), P(k), P(v), n, pos, *p, g->n_head, g->n_kv_head, g->head_dim, P(k_cache),
-                      P(v_cache), kv_pages_of(k_cache, v_cache));
+                    (uint64_t)g->head_dim, K(KVP(k_cache)), K(KVP(v_cache)) });
+    launch_rope_store(ex, P(q), P(k), P(v), n, pos, *p, g->n_head, g->n_kv_head, g->head_dim, KVP(k_cache),
+                      KVP(v_cache), kv_pages_of(k_cache, v_cache), kv_half(k_cache));
     return 1;
+}
+
+// ---- batched steps (backend.h, batch_step_begin and the *_rows ops) ----------------------
+
+// The rows' positions and their slots of this layer into the step's row table (shared
+// by the layer's store and attention, the positions by every layer). Padding rows have
+// no cache (buf NULL). False after an error (recorded).
+bool upload_rows_of(tl_exec *ex, int n, const int32_t *pos, const tl_act *k_caches, const tl_act *v_caches,
+                    const int32_t **d_pos, const row_slot **d_slots, bool *half) {
+    std::vector<row_slot> slots((size_t)n);
+    *half = false;
+    for (int r = 0; r < n; r++) {
+        if (!k_caches[r].buf) continue;
+        slots[(size_t)r] = row_slot{ KVP(k_caches[r]), KVP(v_caches[r]), kv_pages_of(k_caches[r], v_caches[r]) };
+        *half = kv_half(k_caches[r]);
+    }
+    *d_pos = static_cast<const int32_t *>(row_upload(ex, pos, (size_t)n * sizeof(int32_t)));
+    *d_slots = static_cast<const row_slot *>(row_upload(ex, slots.data(), slots.size() * sizeof(row_slot)));
+    return *d_pos && *d_slots;
+}
+
+void cuda_rope_store_rows(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, const int32_t *pos,
+                          const tl_rope_params *p, const tl_attn_geom *g, const tl_act *k_caches,
+                          const tl_act *v_caches) {
+    const int32_t *d_pos;
+    const row_slot *d_slots;
+    bool half;
+    if (bind(ex) || n <= 0 || !upload_rows_of(ex, n, pos, k_caches, v_caches, &d_pos, &d_slots, &half)) return;
+    step_note(ex, { 21, K(P(q)), K(P(k)), K(P(v)), (uint64_t)n, K(d_pos), K(d_slots), (uint64_t)p->rope_dims,
+                    (uint64_t)p->style, K(p->theta), (uint64_t)g->n_head, (uint64_t)g->n_kv_head,
+                    (uint64_t)g->head_dim, (uint64_t)half });
+    launch_rope_store_rows(ex, P(q), P(k), P(v), n, d_pos, d_slots, *p, g->n_head, g->n_kv_head, g->head_dim, half);
+}
+
+void cuda_attention_rows(tl_exec *ex, tl_act q, int n, const int32_t *pos, const tl_act *k_caches,
+                         const tl_act *v_caches, const tl_attn_geom *g, tl_act out) {
+    const int32_t *d_pos;
+    const row_slot *d_slots;
+    bool half;
+    if (bind(ex) || n <= 0 || !upload_rows_of(ex, n, pos, k_caches, v_caches, &d_pos, &d_slots, &half)) return;
+    step_note(ex, { 22, K(P(q)), (uint64_t)n, K(d_pos), K(d_slots), (uint64_t)g->n_head, (uint64_t)g->n_kv_head,
+                    (uint64_t)g->head_dim, K(g->scale), (uint64_t)g->window, K(P(out)), (uint64_t)half });
+    launch_attention_rows(ex, P(q), n, d_pos, d_slots, *g, P(out), half);
+}
+
+int cuda_batch_step_begin(tl_exec *ex, int n, int max_rows, int record) {
+    if (bind(ex)) return n;
+    return batch_begin(ex, n, max_rows, record);
+}
+
+// One kernel for the rows; their indices come back in one copy (inside a recorded step,
+// recorded with it and handed out at step_end).
+void cuda_argmax_rows(tl_exec *ex, tl_act x, int n, int count, size_t ld, int32_t *out) {
+    if (bind(ex) || n <= 0 || count <= 0) return;
+    row_table &t = ex->step.rows;
+    int first = 0;   // after the results still to be handed out
+    for (const row_table::pending &r : t.results) first = std::max(first, r.first + r.n);
+    if (!t.rows || first + n > t.rows) {
+        exec_reject(ex, "argmax of more rows than the batched step holds");
+        return;
+    }
+    step_note(ex, { 20, K(P(x)), (uint64_t)n, (uint64_t)count, ld, (uint64_t)first });
+    int32_t *d_out = t.d_argmax + first, *h_out = t.h_argmax + first;
+    launch_argmax_rows(ex, P(x), n, count, ld, d_out);
+    enqueue(ex, [=](cudaStream_t s) {
+        exec_check(ex, cudaMemcpyAsync(h_out, d_out, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost, s),
+                   "argmax (rows, download)");
+    });
+    if (ex->step.recording) {
+        t.results.push_back(row_table::pending{ out, first, n });
+        return;
+    }
+    if (!exec_check(ex, cudaStreamSynchronize(ex->stream), "argmax (rows, or a kernel before it)"))
+        memcpy(out, h_out, (size_t)n * sizeof(int32_t));
 }
 
 // ---- paged KV (backend.h, page_table_create) ---------------------------------------------
@@ -519,7 +622,7 @@ int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, 
 // The table of a paged KV cache: n_entries page addresses in device memory (read by the
 // kernels, so that recorded steps replay against the current pages), and its two views.
 struct cuda_page_table {
-    tl_buf k_view, v_view;
+    tl_buf k_view, v_view;   // their elem: the pages' (fp16 when the cache is)
     const float **d_table;
     int n_entries, shift;
     size_t plane;   // floats of a page's keys: n_slots * page_size * width
@@ -538,7 +641,7 @@ kv_pages kv_pages_of(tl_act k_cache, tl_act v_cache) {
 
 namespace {
 
-tl_status cuda_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
+tl_status cuda_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width, int f16,
                                  tl_buf **k_view, tl_buf **v_view) {
     cuda_backend *impl = impl_of(be);
     cuda_page_table *t = static_cast<cuda_page_table *>(calloc(1, sizeof *t));
@@ -557,8 +660,9 @@ tl_status cuda_page_table_create(tl_backend *be, int n_entries, int page_size, i
     t->n_entries = n_entries;
     while ((1 << t->shift) < page_size) t->shift++;
     t->plane = (size_t)n_slots * (size_t)page_size * (size_t)width;
-    t->k_view = tl_buf{ nullptr, 0, impl, t };
-    t->v_view = tl_buf{ nullptr, 0, impl, t };
+    const int elem = f16 ? (int)sizeof(__half) : (int)sizeof(float);
+    t->k_view = tl_buf{ nullptr, 0, impl, t, elem };
+    t->v_view = tl_buf{ nullptr, 0, impl, t, elem };
     impl->device_bytes += bytes;
     *k_view = &t->k_view;
     *v_view = &t->v_view;
@@ -703,6 +807,7 @@ const tl_backend_ops cuda_ops = {
     .logprobs = cuda_logprobs,
     .argmax = cuda_argmax,
     .kv_store = cuda_kv_store,
+    .kv_copy = cuda_kv_copy,
     .matmul_in = cuda_matmul_in,
     .rope_store = cuda_rope_store,
     .step_begin = cuda_step_begin,
@@ -719,6 +824,11 @@ const tl_backend_ops cuda_ops = {
     .page_table_create = cuda_page_table_create,
     .page_table_set = cuda_page_table_set,
     .page_table_free = cuda_page_table_free,
+    .buf_alloc_f16 = cuda_buf_alloc_f16,
+    .rope_store_rows = cuda_rope_store_rows,
+    .attention_rows = cuda_attention_rows,
+    .batch_step_begin = cuda_batch_step_begin,
+    .argmax_rows = cuda_argmax_rows,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -814,6 +924,7 @@ TL_CUDA_API int tl_cuda_backend_open(const tl_backend_host *host, int device_ind
     be->impl = impl;
     be->device_index = device;
     be->prefill_rows = 512;   // more rows per launch fill the device (tensor-core GEMM tiles)
+    be->kv_dtype = TL_KV_DTYPE_F16;   // half the cache and the bytes decode attention reads
     snprintf(be->name, sizeof be->name, "cuda:%d (%.40s)", device, prop.name);
     *out = be;
     return 0;

@@ -149,10 +149,45 @@ struct step_graph {
     cudaGraphExec_t exec;
     int replays;
 };
-constexpr int STEP_GRAPHS = 4;     // graphs kept per context (one per depth in use, ...)
+constexpr int STEP_GRAPHS = 4;     // one-row steps: graphs kept per context (one per depth in use, ...)
+constexpr int BATCH_GRAPHS = 16;   // batched steps: one per batch-size bucket (and depth mix) in use
+
+// The graphs of one kind of step, and whether that kind still records.
+struct graph_cache {
+    step_graph graphs[BATCH_GRAPHS];   // the first `limit` are used
+    int limit;
+    int next;                      // slot the next capture replaces
+    int unused;                    // captures in a row that were never replayed
+    int off;                       // graphs disabled for this kind of step (reason below)
+    char reason[256];
+};
+
+// A batched step's per-row data (the rows' tokens, positions and cache slots; backend.h,
+// batch_step_begin): appended to a pinned host table while the step's ops are called and
+// uploaded in one copy to `dev` before the step runs (a replayed graph reads it there),
+// or entry by entry when the step runs as it comes. Entries with the same bytes as an
+// earlier one of the step are shared (every layer's positions, a layer's slots for its
+// store and its attention).
+struct row_table {
+    char *host[2];                 // pinned, `cap` bytes each: steps alternate
+    char *dev;
+    size_t cap, used;
+    int slot;
+    std::vector<std::pair<size_t, size_t>> entries;   // (offset, bytes) of this step's
+    int32_t *h_argmax, *d_argmax;  // argmax_rows: pinned results and their device copy
+    struct pending {
+        int32_t *out;
+        int first, n;
+    };
+    std::vector<pending> results;  // argmax_rows of a recorded step, delivered at step_end
+    int *arrivals;                 // attention_rows' split counters (zero between launches)
+    int rows;                      // rows (max_rows) these were sized for; 0 = not yet
+    size_t bytes;                  // device bytes of the above
+};
 
 struct step_state {
     int recording;                 // inside step_begin/step_end, launches deferred
+    int batch;                     // a batched step (batch_step_begin) is open
     int pos;                       // the step's position
     uint64_t key;                  // hash of the step's ops and arguments
     std::vector<std::function<void(cudaStream_t)>> work;
@@ -167,20 +202,19 @@ struct step_state {
     int dev_pos;                   // dev->pos once the queued work has run (-1: unknown)
     cudaEvent_t *chain_event;      // a chained argmax recorded in the step: its event,
                                    // recorded once the step's work is in the stream
-    step_graph graphs[STEP_GRAPHS];
-    int next_graph;                // slot the next capture replaces
-    int unused_captures;           // captures in a row that were never replayed
-    int off;                       // graphs disabled for this context (reason below)
-    char reason[256];
+    graph_cache one;               // one-row steps
+    graph_cache batched;           // batched steps
+    row_table rows;                // batched steps' rows
 };
 
 struct cuda_page_table;
 
 struct tl_buf {
     float *data;
-    size_t n;
+    size_t n;                 // elements
     cuda_backend *owner;
     cuda_page_table *table;   // a page table's view (data nullptr), else nullptr
+    int elem;                 // bytes of an element: 4, or 2 for fp16 KV (buf_alloc_f16)
 };
 
 // A slot of a paged KV cache as kernels read and write it (kv_cache.h): row r of its
@@ -199,15 +233,32 @@ struct kv_pages {
 // pdl_wait: page_table_set is a kernel of the stream). Every kernel that reads or
 // writes cache rows (attention, the KV stores, the fused RoPE + store epilogues) finds
 // them here, so one kernel serves both layouts; T = float for the writers.
+// T is the cache's element type (float, or __half for fp16 KV; offsets are in elements).
 template <typename T>
 __device__ __forceinline__ T *kv_row(T *flat, const kv_pages &pg, int plane, int row, size_t width) {
     if (!pg.table) return flat + (size_t)row * width;
-    const float *page = pg.table[row >> pg.shift];
-    return const_cast<T *>(page + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width);
+    T *page = (T *)pg.table[row >> pg.shift];
+    return page + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width;
+}
+
+// A cache element to and from fp32: fp16 rounds to nearest even and saturates at
+// +-65504 (NaN stays NaN), so a large value stays large rather than infinite.
+__device__ __forceinline__ float kv_get(float v) { return v; }
+__device__ __forceinline__ float kv_get(__half v) { return __half2float(v); }
+__device__ __forceinline__ void kv_put(float *p, float v) { *p = v; }
+__device__ __forceinline__ void kv_put(__half *p, float v) {
+    *p = __float2half_rn(v != v ? v : fminf(fmaxf(v, -65504.0f), 65504.0f));
 }
 
 // Host side: the kernels' view of a slot (k_cache / v_cache: a table's views at the slot's offset).
 kv_pages kv_pages_of(tl_act k_cache, tl_act v_cache);
+
+// One row's cache slot in a batched step (the *_rows ops), uploaded with the step's rows:
+// k / v as a contiguous slot's row 0, pg its table when paged (kv_row).
+struct row_slot {
+    const void *k, *v;
+    kv_pages pg;
+};
 
 struct tl_exec {
     cuda_backend *be;
@@ -266,6 +317,9 @@ static inline const dev_weight *W(const tl_tensor *t) {
     return static_cast<const dev_weight *>(t->backend_data);
 }
 static inline float *P(tl_act a) { return a.buf->data + a.off; }
+// A position in a KV buffer (f32 or fp16 elements; a page table's view: its offset alone).
+static inline void *KVP(tl_act a) { return (char *)a.buf->data + a.off * (size_t)a.buf->elem; }
+static inline bool kv_half(tl_act a) { return a.buf && a.buf->elem == 2; }
 
 // ---- decode steps (cuda_graph.cu) -------------------------------------------------
 
@@ -300,6 +354,11 @@ void step_note(tl_exec *ex, std::initializer_list<uint64_t> values);
 void step_flush(tl_exec *ex);
 void step_begin(tl_exec *ex, int pos);
 void step_end(tl_exec *ex);
+// A batched step of n rows (backend.h, batch_step_begin): returns the rows it runs.
+int batch_begin(tl_exec *ex, int n, int max_rows, int record);
+// `bytes` of host data for a batched step's kernels (row_table): their device address,
+// valid while the step's work runs. nullptr (and an error recorded) when it does not fit.
+const void *row_upload(tl_exec *ex, const void *data, size_t bytes);
 // Once a chained argmax's work is in the stream (step.chain_event set): record its
 // event, or after an error take its queue entry back (step_end does this for a
 // recorded step).
@@ -346,8 +405,8 @@ int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight 
 // table when paged); 0 (nothing launched) for shapes launch_matmul_in declines, f32
 // weights, mixed dtypes, or head sizes a row group cannot pair.
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
-                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache, const kv_pages &pg);
+                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, void *k_cache,
+                             void *v_cache, const kv_pages &pg, bool half);
 // cuda_gemm_tc.cu: ys[j] = x W_j^T on tensor cores for matrices of q8/q4/q2/f16 weights
 // and one width; 0 (nothing launched) for other dtypes, or when the context has tensor
 // cores off or too little scratch (ex->tc_scratch, gemm_tc_scratch_bytes()).
@@ -359,18 +418,29 @@ void launch_embed(tl_exec *ex, const dev_weight &table, const int32_t *d_tokens,
 void launch_add_bias(tl_exec *ex, float *y, int n, int d, const dev_weight &bias);
 
 // cuda_elementwise.cu
-void launch_copy_rows(tl_exec *ex, float *dst, size_t ld_dst, const float *src, size_t ld_src,
-                      int n, int width);
+// Strides and widths in elements of `elem` bytes.
+void launch_copy_rows(tl_exec *ex, void *dst, size_t ld_dst, const void *src, size_t ld_src, int n, int width,
+                      size_t elem = sizeof(float));
 void launch_fill(tl_exec *ex, float *dst, size_t count, float value);
 void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos_arg pos0,
                        float sigma, float truncation);
-void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k,
-                     const float *v, int n, pos_arg pos0, int width, const kv_pages &pg = {});
+// Cache arguments are void *: fp16 elements when half, else floats.
+void launch_kv_store(tl_exec *ex, void *k_cache, void *v_cache, const float *k, const float *v, int n,
+                     pos_arg pos0, int width, const kv_pages &pg, bool half);
+void launch_kv_copy(tl_exec *ex, void *k_dst, void *v_dst, const kv_pages &dst_pg, const void *k_src,
+                    const void *v_src, const kv_pages &src_pg, int pos, int width, bool half);
 // RoPE on q (in place) and k, then k and v rows into the caches at pos0 (through pg's
 // table when paged): one launch.
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
-                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
-                       float *v_cache, const kv_pages &pg);
+                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, void *k_cache,
+                       void *v_cache, const kv_pages &pg, bool half);
+// The batched form (backend.h, rope_store_rows): row r at pos[r] (device, -1: padding)
+// into its slot slots[r] (device).
+void launch_rope_store_rows(tl_exec *ex, float *q, const float *k, const float *v, int n, const int32_t *pos,
+                            const row_slot *slots, const tl_rope_params &p, int n_head, int n_kv_head,
+                            int head_dim, bool half);
+// out[i] = argmax of row i of n rows of count floats, ld apart (device).
+void launch_argmax_rows(tl_exec *ex, const float *x, int n, int count, size_t ld, int32_t *d_out);
 void launch_add(tl_exec *ex, float *y, const float *x, size_t count);
 void launch_norm(tl_exec *ex, const dev_weight &w, const dev_weight *bias,
                  const tl_norm_params &p, const float *x, int n, int d, float *out);
@@ -396,10 +466,15 @@ size_t attention_partial_floats(int n_head, int head_dim, int max_seq);
 // cuda_tree_attention.cu: tree speculation's RoPE and attention (backend.h, tl_tree)
 void launch_rope_tree(tl_exec *ex, float *x, int n, int n_heads, int head_dim, const tl_tree &tree, int first,
                       const tl_rope_params &p);
-void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const float *k_cache,
-                           const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg = {});
-void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const float *k_cache,
-                      const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg = {});
+void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const void *k_cache,
+                           const void *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg, bool half);
+void launch_attention(tl_exec *ex, const float *q, int n, int pos0, const void *k_cache, const void *v_cache,
+                      const tl_attn_geom &g, float *out, const kv_pages &pg, bool half);
+// The batched form (backend.h, attention_rows): row r at pos[r] (device, -1: padding,
+// output 0) against its slot slots[r] (device); split over the keys when the rows are
+// few (ex->step.rows.arrivals: counters for up to max_rows rows).
+void launch_attention_rows(tl_exec *ex, const float *q, int n, const int32_t *pos, const row_slot *slots,
+                           const tl_attn_geom &g, float *out, bool half);
 // Entry `index` of a device page table := page (nullptr: none), in stream order.
 void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page);
 

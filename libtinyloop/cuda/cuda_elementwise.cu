@@ -208,29 +208,56 @@ __global__ void rope_kernel(float *x, int n, int n_heads, int head_dim, pos_arg 
     rope_rows(x, n, n_heads, head_dim, pairs, style, freqs, rope_consecutive{ pos_value(pos) });
 }
 
+// Where a RoPE + store kernel's rows go: n rows at consecutive positions of one slot (a
+// chunk of a sequence), or each row at its own position into its own slot (a batched
+// step's rows; position -1: padding, nothing stored).
+struct store_consecutive {
+    int pos0;
+    void *k, *v;
+    kv_pages pg;
+    __device__ __forceinline__ int pos(int i) const { return pos0 + i; }
+    template <typename T>
+    __device__ __forceinline__ T *row(int plane, int i, int kvd) const {
+        return kv_row(static_cast<T *>(plane ? v : k), pg, plane, pos0 + i, (size_t)kvd);
+    }
+};
+struct store_rows {
+    const int32_t *positions;
+    const row_slot *slots;
+    __device__ __forceinline__ int pos(int i) const { return positions[i]; }
+    template <typename T>
+    __device__ __forceinline__ T *row(int plane, int i, int kvd) const {
+        const row_slot &s = slots[i];
+        return kv_row(static_cast<T *>(const_cast<void *>(plane ? s.v : s.k)), s.pg, plane, positions[i],
+                      (size_t)kvd);
+    }
+};
+
 // One launch for what follows the q/k/v projections: q rotated in place (a thread per
 // row, head and pair, as rope_kernel), then a thread per element of k (rotated from its
-// pair, read-only) and of v, written to the cache rows pos0 + i (kv_row: contiguous or
-// through the page table).
-__global__ void rope_store_kernel(float *q, const float *k, const float *v, int n, pos_arg pos, int pairs,
-                                  int style, rope_freqs freqs, int n_head, int n_kv_head, int head_dim,
-                                  float *k_cache, float *v_cache, kv_pages pg) {
-    pdl_wait();
-    pdl_trigger();
+// pair, read-only) and of v, written to the rows' cache rows (kv_row: contiguous or
+// through the page table; T: the cache's element type).
+template <typename T, class Dest>
+__device__ __forceinline__ void rope_store_body(float *q, const float *k, const float *v, int n, int pairs,
+                                                int style, const rope_freqs &freqs, int n_head, int n_kv_head,
+                                                int head_dim, const Dest &dest) {
     const int q_items = n * n_head * pairs, kvd = n_kv_head * head_dim, kv_items = n * kvd;
     int e = blockIdx.x * blockDim.x + threadIdx.x;
-    const int pos0 = pos_value(pos);
     if (e < q_items) {
         const int p = e % pairs, rest = e / pairs;
         const int h = rest % n_head, i = rest / n_head;
+        const int pos = dest.pos(i);
+        if (pos < 0) return;
         float s, c;
-        rope_angle(pos0 + i, freqs, p, &s, &c);
+        rope_angle(pos, freqs, p, &s, &c);
         rope_rotate(q + ((size_t)i * n_head + h) * head_dim, p, pairs, style, s, c);
         return;
     }
     e -= q_items;
     if (e < kv_items) {
         const int i = e / kvd, within = e - i * kvd, dim = within % head_dim;
+        const int pos = dest.pos(i);
+        if (pos < 0) return;
         const float *row = k + (size_t)i * kvd + (within - dim);
         float out = row[dim];
         if (dim < 2 * pairs) {
@@ -239,23 +266,44 @@ __global__ void rope_store_kernel(float *q, const float *k, const float *v, int 
             const int ia = style ? 2 * p : p;
             const int ib = style ? ia + 1 : ia + pairs;
             float s, c;
-            rope_angle(pos0 + i, freqs, p, &s, &c);
+            rope_angle(pos, freqs, p, &s, &c);
             const float a = row[ia], b = row[ib];
             out = rope_member(a, b, s, c, dim != ia);
         }
-        kv_row(k_cache, pg, 0, pos0 + i, kvd)[within] = out;
+        kv_put(dest.template row<T>(0, i, kvd) + within, out);
         return;
     }
     e -= kv_items;
     if (e < kv_items) {
         const int i = e / kvd, within = e - i * kvd;
-        kv_row(v_cache, pg, 1, pos0 + i, kvd)[within] = v[e];
+        if (dest.pos(i) < 0) return;
+        kv_put(dest.template row<T>(1, i, kvd) + within, v[e]);
     }
 }
 
+template <typename T>
+__global__ void rope_store_kernel(float *q, const float *k, const float *v, int n, pos_arg pos, int pairs,
+                                  int style, rope_freqs freqs, int n_head, int n_kv_head, int head_dim,
+                                  void *k_cache, void *v_cache, kv_pages pg) {
+    pdl_wait();
+    pdl_trigger();
+    rope_store_body<T>(q, k, v, n, pairs, style, freqs, n_head, n_kv_head, head_dim,
+                       store_consecutive{ pos_value(pos), k_cache, v_cache, pg });
+}
+
+template <typename T>
+__global__ void rope_store_rows_kernel(float *q, const float *k, const float *v, int n, const int32_t *pos,
+                                       const row_slot *slots, int pairs, int style, rope_freqs freqs, int n_head,
+                                       int n_kv_head, int head_dim) {
+    pdl_wait();
+    pdl_trigger();
+    rope_store_body<T>(q, k, v, n, pairs, style, freqs, n_head, n_kv_head, head_dim, store_rows{ pos, slots });
+}
+
 // Rows k[i], v[i] to cache rows pos0 + i (both caches in one launch; kv_row: contiguous
-// or each row to its page through the table).
-__global__ void kv_store_kernel(float *k_cache, float *v_cache, kv_pages pg, const float *k, const float *v,
+// or each row to its page through the table). Also the kept loop states (f32 buffers).
+template <typename T>
+__global__ void kv_store_kernel(void *k_cache, void *v_cache, kv_pages pg, const float *k, const float *v,
                                 int n, pos_arg pos, int width) {
     pdl_wait();
     pdl_trigger();
@@ -266,7 +314,22 @@ __global__ void kv_store_kernel(float *k_cache, float *v_cache, kv_pages pg, con
         const int plane = e >= per;
         const size_t at = plane ? e - per : e;
         const int row = (int)(at / width), col = (int)(at % width);
-        kv_row(plane ? v_cache : k_cache, pg, plane, pos0 + row, (size_t)width)[col] = plane ? v[at] : k[at];
+        T *cache = static_cast<T *>(plane ? v_cache : k_cache);
+        kv_put(kv_row(cache, pg, plane, pos0 + row, (size_t)width) + col, plane ? v[at] : k[at]);
+    }
+}
+
+// Row `pos` of a slot's keys and values copied into another slot's (an exited token's
+// last iteration standing in for those it skipped; either slot paged or contiguous).
+template <typename T>
+__global__ void kv_copy_kernel(void *k_dst, void *v_dst, kv_pages dst_pg, const void *k_src,
+                               const void *v_src, kv_pages src_pg, int pos, int width) {
+    pdl_wait();
+    pdl_trigger();
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < 2 * width; e += gridDim.x * blockDim.x) {
+        const int plane = e >= width, col = plane ? e - width : e;
+        const T *src = kv_row(static_cast<const T *>(plane ? v_src : k_src), src_pg, plane, pos, (size_t)width);
+        kv_row(static_cast<T *>(plane ? v_dst : k_dst), dst_pg, plane, pos, (size_t)width)[col] = src[col];
     }
 }
 
@@ -335,16 +398,11 @@ __device__ argmax_pair block_argmax(argmax_pair best) {
     return best;
 }
 
-// Pass 1: each block's best pair of its slices of x. (One launch whose last block
-// merged the pairs, behind a fence and an arrival counter, was slower than this pass
-// and the next.)
-__global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
-    pdl_wait();
-    pdl_trigger();
+// The block's best pair of x[first + k * step ...] for k >= 0, four loads in flight per
+// thread (valid in thread 0).
+__device__ argmax_pair argmax_slices(const float *x, int count, int first, int step) {
     argmax_pair best = { 0.0f, -1 };
-    const int step = gridDim.x * ARGMAX_THREADS * ARGMAX_PER_THREAD;
-    for (int e0 = blockIdx.x * ARGMAX_THREADS * ARGMAX_PER_THREAD + threadIdx.x; e0 < count; e0 += step) {
+    for (int e0 = first + threadIdx.x; e0 < count; e0 += step) {
         float v[ARGMAX_PER_THREAD];
 #pragma unroll
         for (int k = 0; k < ARGMAX_PER_THREAD; k++) {
@@ -357,7 +415,18 @@ argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
             argmax_offer(best, v[k], e < count ? e : -1);
         }
     }
-    best = block_argmax(best);
+    return block_argmax(best);
+}
+
+// Pass 1: each block's best pair of its slices of x. (One launch whose last block
+// merged the pairs, behind a fence and an arrival counter, was slower than this pass
+// and the next.)
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_blocks_kernel(const float *x, int count, argmax_pair *partial) {
+    pdl_wait();
+    pdl_trigger();
+    const argmax_pair best = argmax_slices(x, count, blockIdx.x * ARGMAX_THREADS * ARGMAX_PER_THREAD,
+                                           gridDim.x * ARGMAX_THREADS * ARGMAX_PER_THREAD);
     if (threadIdx.x == 0) partial[blockIdx.x] = best;
 }
 
@@ -382,6 +451,16 @@ argmax_final_kernel(const float *x, const argmax_pair *partial, int n_partial, i
     }
 }
 
+// One block per row: row i's first maximum (as argmax_final_kernel's token).
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_rows_kernel(const float *x, int count, size_t ld, int32_t *out) {
+    pdl_wait();
+    pdl_trigger();
+    const float *row = x + (size_t)blockIdx.x * ld;
+    const argmax_pair best = argmax_slices(row, count, 0, ARGMAX_THREADS * ARGMAX_PER_THREAD);
+    if (threadIdx.x == 0) out[blockIdx.x] = (isnan(row[0]) || best.i < 0) ? 0 : best.i;
+}
+
 uint64_t host_splitmix64(uint64_t x) {
     uint64_t z = x + 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -391,16 +470,16 @@ uint64_t host_splitmix64(uint64_t x) {
 
 }  // namespace
 
-void launch_copy_rows(tl_exec *ex, float *dst, size_t ld_dst, const float *src, size_t ld_src,
-                      int n, int width) {
+void launch_copy_rows(tl_exec *ex, void *dst, size_t ld_dst, const void *src, size_t ld_src, int n, int width,
+                      size_t elem) {
     if (n <= 0 || width <= 0) return;
     enqueue(ex, [=](cudaStream_t s) {
         cudaError_t err;
         if (n == 1 || (ld_dst == (size_t)width && ld_src == (size_t)width))
-            err = cudaMemcpyAsync(dst, src, (size_t)n * width * sizeof(float), cudaMemcpyDeviceToDevice, s);
+            err = cudaMemcpyAsync(dst, src, (size_t)n * width * elem, cudaMemcpyDeviceToDevice, s);
         else
-            err = cudaMemcpy2DAsync(dst, ld_dst * sizeof(float), src, ld_src * sizeof(float),
-                                    (size_t)width * sizeof(float), (size_t)n, cudaMemcpyDeviceToDevice, s);
+            err = cudaMemcpy2DAsync(dst, ld_dst * elem, src, ld_src * elem, (size_t)width * elem, (size_t)n,
+                                    cudaMemcpyDeviceToDevice, s);
         exec_check(ex, err, "copy_rows");
     });
 }
@@ -418,26 +497,57 @@ void launch_fill_noise(tl_exec *ex, float *dst, int n, int d, uint64_t seed, pos
            pos0, sigma, truncation);
 }
 
-void launch_kv_store(tl_exec *ex, float *k_cache, float *v_cache, const float *k, const float *v,
-                     int n, pos_arg pos0, int width, const kv_pages &pg) {
+void launch_kv_store(tl_exec *ex, void *k_cache, void *v_cache, const float *k, const float *v, int n,
+                     pos_arg pos0, int width, const kv_pages &pg, bool half) {
     size_t count = 2 * (size_t)n * width;
     if (count == 0) return;
-    launch(ex, "kv_store", kv_store_kernel, stride_blocks(count), 256, 0, k_cache, v_cache, pg, k, v, n, pos0,
-           width);
+    launch(ex, "kv_store", half ? kv_store_kernel<__half> : kv_store_kernel<float>, stride_blocks(count), 256, 0,
+           k_cache, v_cache, pg, k, v, n, pos0, width);
+}
+
+// Threads for RoPE on n rows of q and the store of their k and v; 0 (an error recorded)
+// when the shape is out of range.
+static int rope_store_threads(tl_exec *ex, int n, int pairs, int n_head, int n_kv_head, int head_dim) {
+    const size_t count = (size_t)n * n_head * pairs + 2 * (size_t)n * n_kv_head * head_dim;
+    if (pairs > ROPE_MAX_PAIRS || count > INT32_MAX) {
+        exec_check(ex, cudaErrorInvalidValue, "rope: rope_dims above 256 or too many rows");
+        return 0;
+    }
+    return (int)count;
 }
 
 void launch_rope_store(tl_exec *ex, float *q, const float *k, const float *v, int n, pos_arg pos0,
-                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, float *k_cache,
-                       float *v_cache, const kv_pages &pg) {
+                       const tl_rope_params &p, int n_head, int n_kv_head, int head_dim, void *k_cache,
+                       void *v_cache, const kv_pages &pg, bool half) {
     const int pairs = p.rope_dims / 2;
-    const size_t count = (size_t)n * n_head * pairs + 2 * (size_t)n * n_kv_head * head_dim;
-    if (n <= 0) return;
-    if (pairs > ROPE_MAX_PAIRS || count > INT32_MAX) {
-        exec_check(ex, cudaErrorInvalidValue, "rope: rope_dims above 256 or too many rows");
-        return;
-    }
-    launch(ex, "rope + kv store", rope_store_kernel, (int)((count + 255) / 256), 256, 0, q, k, v, n, pos0, pairs,
-           p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache, v_cache, pg);
+    const int count = n > 0 ? rope_store_threads(ex, n, pairs, n_head, n_kv_head, head_dim) : 0;
+    if (count <= 0) return;
+    launch(ex, "rope + kv store", half ? rope_store_kernel<__half> : rope_store_kernel<float>, (count + 255) / 256,
+           256, 0, q, k, v, n, pos0, pairs, p.style, rope_frequencies(p), n_head, n_kv_head, head_dim, k_cache,
+           v_cache, pg);
+}
+
+void launch_rope_store_rows(tl_exec *ex, float *q, const float *k, const float *v, int n, const int32_t *pos,
+                            const row_slot *slots, const tl_rope_params &p, int n_head, int n_kv_head,
+                            int head_dim, bool half) {
+    const int pairs = p.rope_dims / 2;
+    const int count = n > 0 ? rope_store_threads(ex, n, pairs, n_head, n_kv_head, head_dim) : 0;
+    if (count <= 0) return;
+    launch(ex, "rope + kv store (rows)", half ? rope_store_rows_kernel<__half> : rope_store_rows_kernel<float>,
+           (count + 255) / 256, 256, 0, q, k, v, n, pos, slots, pairs, p.style, rope_frequencies(p), n_head,
+           n_kv_head, head_dim);
+}
+
+void launch_argmax_rows(tl_exec *ex, const float *x, int n, int count, size_t ld, int32_t *d_out) {
+    if (n <= 0 || count <= 0) return;
+    launch(ex, "argmax (rows)", argmax_rows_kernel, n, ARGMAX_THREADS, 0, x, count, ld, d_out);
+}
+
+void launch_kv_copy(tl_exec *ex, void *k_dst, void *v_dst, const kv_pages &dst_pg, const void *k_src,
+                    const void *v_src, const kv_pages &src_pg, int pos, int width, bool half) {
+    if (width <= 0) return;
+    launch(ex, "kv_copy", half ? kv_copy_kernel<__half> : kv_copy_kernel<float>, (2 * width + 255) / 256, 256, 0,
+           k_dst, v_dst, dst_pg, k_src, v_src, src_pg, pos, width);
 }
 
 void launch_page_table_set(tl_exec *ex, const float **table, int index, const float *page) {

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 
 namespace {
 
@@ -31,12 +32,12 @@ uint64_t mix(uint64_t h, uint64_t v) {
     return h * 0x100000001B3ull;
 }
 
-void graphs_off(tl_exec *ex, const char *why, cudaError_t err) {
-    step_state &s = ex->step;
-    s.off = 1;
-    snprintf(s.reason, sizeof s.reason, "%s%s%s", why, err != cudaSuccess ? ": " : "",
+void graphs_off(tl_exec *ex, graph_cache &c, const char *why, cudaError_t err) {
+    c.off = 1;
+    snprintf(c.reason, sizeof c.reason, "%s%s%s", why, err != cudaSuccess ? ": " : "",
              err != cudaSuccess ? cudaGetErrorString(err) : "");
-    cuda_log(TL_LOG_WARN, "cuda: decode steps run without CUDA graphs (%s)", s.reason);
+    cuda_log(TL_LOG_WARN, "cuda: %s run without CUDA graphs (%s)",
+             &c == &ex->step.batched ? "batched decode steps" : "decode steps", c.reason);
 }
 
 void run_work(tl_exec *ex) {
@@ -102,10 +103,86 @@ cudaError_t capture(tl_exec *ex, cudaGraphExec_t *out) {
     return err;
 }
 
-step_graph *find_graph(step_state &s, uint64_t key) {
-    for (step_graph &g : s.graphs)
-        if (g.exec && g.key == key) return &g;
+step_graph *find_graph(graph_cache &c, uint64_t key) {
+    for (int i = 0; i < c.limit; i++)
+        if (c.graphs[i].exec && c.graphs[i].key == key) return &c.graphs[i];
     return nullptr;
+}
+
+void free_graphs(graph_cache &c) {
+    for (step_graph &g : c.graphs)
+        if (g.exec) cudaGraphExecDestroy(g.exec);
+    memset(c.graphs, 0, sizeof c.graphs);
+}
+
+// The rows a batched step runs: its size rounded up to the next bucket (a power of two),
+// so that batches of nearby sizes replay one graph.
+int batch_bucket(int n, int max_rows) {
+    int b = 1;
+    while (b < n) b <<= 1;
+    return b < max_rows ? b : (n > max_rows ? n : max_rows);
+}
+
+// (also what a failed rows_alloc took: every pointer not taken is null)
+void rows_free(tl_exec *ex) {
+    row_table &t = ex->step.rows;
+    cudaFreeHost(t.host[0]);
+    cudaFree(t.dev);
+    cudaFreeHost(t.h_argmax);
+    cudaFree(t.d_argmax);
+    cudaFree(t.arrivals);
+    t = row_table{};
+}
+
+// The row table and argmax_rows' results for steps of up to ex->max_rows rows, taken at
+// the first batched step (only contexts that lead batches hold them): the tokens, and per
+// virtual layer its rows' positions and slots (at most; equal entries are shared), each
+// entry 16-byte aligned.
+int rows_alloc(tl_exec *ex) {
+    row_table &t = ex->step.rows;
+    if (t.rows) return 0;
+    const tl_hparams &hp = ex->be->model->hp;
+    const size_t rows = ex->max_rows > 0 ? (size_t)ex->max_rows : 1;
+    const size_t layers = (size_t)hp.n_pre + (size_t)hp.n_core * (size_t)(hp.max_depth > 0 ? hp.max_depth : 1) +
+                          (size_t)hp.n_post;
+    const size_t entries = 2 * layers + 1;
+    t.cap = rows * sizeof(int32_t) + layers * rows * (sizeof(int32_t) + sizeof(row_slot)) + entries * 16;
+    const size_t counters = rows * (size_t)(hp.n_head > 0 ? hp.n_head : 1) * sizeof(int);
+    cudaError_t err = cudaHostAlloc((void **)&t.host[0], 2 * t.cap, cudaHostAllocDefault);
+    if (err == cudaSuccess) t.host[1] = t.host[0] + t.cap;
+    if (err == cudaSuccess) err = cudaMalloc((void **)&t.dev, t.cap);
+    if (err == cudaSuccess) err = cudaHostAlloc((void **)&t.h_argmax, rows * sizeof(int32_t), cudaHostAllocDefault);
+    if (err == cudaSuccess) err = cudaMalloc((void **)&t.d_argmax, rows * sizeof(int32_t));
+    if (err == cudaSuccess) err = cudaMalloc((void **)&t.arrivals, counters);
+    if (err == cudaSuccess) err = cudaMemsetAsync(t.arrivals, 0, counters, ex->stream);
+    if (err != cudaSuccess) {
+        rows_free(ex);
+        return exec_check(ex, err, "batched step (row table)");
+    }
+    t.rows = (int)rows;
+    t.bytes = t.cap + rows * sizeof(int32_t) + counters;
+    ex->be->device_bytes += t.bytes;
+    ex->bytes += t.bytes;
+    return 0;
+}
+
+// The step's row table to the device, before the kernels that read it.
+int upload_rows(tl_exec *ex) {
+    row_table &t = ex->step.rows;
+    if (!t.used) return 0;
+    return exec_check(ex, cudaMemcpyAsync(t.dev, t.host[t.slot], t.used, cudaMemcpyHostToDevice, ex->stream),
+                      "batched step (rows)");
+}
+
+// argmax_rows' results of the step to their callers, once the stream has run them.
+void deliver_results(tl_exec *ex) {
+    row_table &t = ex->step.rows;
+    if (t.results.empty()) return;
+    if (ex->error == TL_OK) exec_check(ex, cudaStreamSynchronize(ex->stream), "argmax (rows, or a kernel before it)");
+    for (const row_table::pending &r : t.results)
+        if (ex->error == TL_OK) memcpy(r.out, t.h_argmax + r.first, (size_t)r.n * sizeof(int32_t));
+        else memset(r.out, 0, (size_t)r.n * sizeof(int32_t));
+    t.results.clear();
 }
 
 }  // namespace
@@ -123,10 +200,13 @@ tl_status step_init(tl_exec *ex) {
                          cudaGetErrorString(err));
     }
     s.dev_pos = -1;
-    if (!cuda_switch(TL_FLAG_CUDA_GRAPHS)) {
-        s.off = 1;
-        snprintf(s.reason, sizeof s.reason, "TINYLOOP_CUDA_GRAPHS=0");
-    }
+    s.one.limit = STEP_GRAPHS;
+    s.batched.limit = BATCH_GRAPHS;
+    if (!cuda_switch(TL_FLAG_CUDA_GRAPHS))
+        for (graph_cache *c : { &s.one, &s.batched }) {
+            c->off = 1;
+            snprintf(c->reason, sizeof c->reason, "TINYLOOP_CUDA_GRAPHS=0");
+        }
     // L2 persistence: best effort, a device or a MIG slice without it just streams.
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, ex->be->device) == cudaSuccess && prop.persistingL2CacheMaxSize > 0 &&
@@ -150,9 +230,9 @@ tl_status step_init(tl_exec *ex) {
 
 void step_free(tl_exec *ex) {
     step_state &s = ex->step;
-    for (step_graph &g : s.graphs)
-        if (g.exec) cudaGraphExecDestroy(g.exec);
-    memset(s.graphs, 0, sizeof s.graphs);
+    free_graphs(s.one);
+    free_graphs(s.batched);
+    rows_free(ex);
     cudaFree(s.dev);
     cudaFreeHost(s.upload_slots);
     s.dev = nullptr;
@@ -165,8 +245,10 @@ void enqueue(tl_exec *ex, std::function<void(cudaStream_t)> fn) {
     else fn(ex->stream);
 }
 
+// A batched step's rows have positions of their own (the *_rows ops): an op that takes
+// one position there keeps it as it is (and in the key, so such a step never replays).
 pos_arg step_pos(tl_exec *ex, int pos0) {
-    if (!ex->step.recording) return pos_arg{ pos0, nullptr };
+    if (!ex->step.recording || ex->step.batch) return pos_arg{ pos0, nullptr };
     return pos_arg{ pos0 - ex->step.pos, &ex->step.dev->pos };
 }
 
@@ -178,8 +260,9 @@ void step_note(tl_exec *ex, std::initializer_list<uint64_t> values) {
 void step_begin(tl_exec *ex, int pos) {
     step_state &s = ex->step;
     s.work.clear();
+    s.batch = 0;
     s.device_token = 0;
-    s.recording = !s.off && ex->error == TL_OK;
+    s.recording = !s.one.off && ex->error == TL_OK;
     s.pos = pos;
     s.key = KEY_SEED;
     s.host.pos = pos;
@@ -223,42 +306,89 @@ void settle_chain_entry(tl_exec *ex) {
     s.chain_event = nullptr;
 }
 
+int batch_begin(tl_exec *ex, int n, int max_rows, int record) {
+    step_state &s = ex->step;
+    s.work.clear();
+    s.device_token = 0;
+    s.pos = 0;
+    s.key = KEY_SEED;
+    s.batch = 1;
+    row_table &t = s.rows;
+    s.recording = 0;
+    if (rows_alloc(ex)) return n;
+    t.slot ^= 1;
+    t.used = 0;
+    t.entries.clear();
+    t.results.clear();
+    s.recording = record && !s.batched.off && ex->error == TL_OK;
+    const int rows = s.recording ? batch_bucket(n, std::min(max_rows, t.rows)) : n;
+    step_note(ex, { 0xBA7C4, (uint64_t)rows });
+    return rows;
+}
+
+const void *row_upload(tl_exec *ex, const void *data, size_t bytes) {
+    row_table &t = ex->step.rows;
+    if (!ex->step.batch || !t.rows) {
+        exec_check(ex, cudaErrorInvalidValue, "batched row op outside a batched step");
+        return nullptr;
+    }
+    char *host = t.host[t.slot];
+    for (const auto &e : t.entries)
+        if (e.second == bytes && memcmp(host + e.first, data, bytes) == 0) return t.dev + e.first;
+    const size_t at = (t.used + 15) & ~(size_t)15;
+    if (at + bytes > t.cap) {
+        exec_check(ex, cudaErrorInvalidValue, "batched step: more row data than its table holds");
+        return nullptr;
+    }
+    memcpy(host + at, data, bytes);
+    t.used = at + bytes;
+    t.entries.emplace_back(at, bytes);
+    // a step run as it comes: this entry now, in stream order before its kernel
+    if (!ex->step.recording)
+        exec_check(ex, cudaMemcpyAsync(t.dev + at, host + at, bytes, cudaMemcpyHostToDevice, ex->stream),
+                   "batched step (rows)");
+    return t.dev + at;
+}
+
 // Runs the kept closures now (after the step parameters they read) and records no more.
 void step_flush(tl_exec *ex) {
     step_state &s = ex->step;
     if (!s.recording) return;
     s.recording = 0;
+    if (s.batch) {   // the rows' table, then the kept work; the rest of the step runs as it comes
+        if (!upload_rows(ex)) run_work(ex);
+        s.work.clear();
+        return;
+    }
     if (!upload_step_params(ex)) run_work(ex);
     s.work.clear();
     settle_chain_entry(ex);
 }
 
-static void replay_or_capture(tl_exec *ex) {
+// After the step's parameters are uploaded: the graph of the step's key, captured first
+// when new (into c, replacing its oldest).
+static void replay_or_capture(tl_exec *ex, graph_cache &c) {
     step_state &s = ex->step;
-    if (upload_step_params(ex)) {
-        s.work.clear();
-        return;
-    }
-    step_graph *g = find_graph(s, s.key);
+    step_graph *g = find_graph(c, s.key);
     if (!g) {
         cudaGraphExec_t exec = nullptr;
         cudaError_t err = capture(ex, &exec);
         if (err != cudaSuccess) {
-            graphs_off(ex, "capture failed", err);
+            graphs_off(ex, c, "capture failed", err);
             run_work(ex);
             return;
         }
-        g = &s.graphs[s.next_graph];
-        s.next_graph = (s.next_graph + 1) % STEP_GRAPHS;
+        g = &c.graphs[c.next];
+        c.next = (c.next + 1) % c.limit;
         if (g->exec) cudaGraphExecDestroy(g->exec);
         *g = step_graph{ s.key, exec, 0 };
-        if (++s.unused_captures > MAX_UNUSED_CAPTURES) {
+        if (++c.unused > MAX_UNUSED_CAPTURES) {
             // e.g. warm-start state rows addressed by position: every step is new
-            graphs_off(ex, "decode steps differ from position to position", cudaSuccess);
+            graphs_off(ex, c, "decode steps differ from position to position", cudaSuccess);
         }
     } else {
         g->replays++;
-        s.unused_captures = 0;
+        c.unused = 0;
     }
     s.work.clear();
     exec_check(ex, cudaGraphLaunch(g->exec, ex->stream), "decode step (graph launch)");
@@ -266,8 +396,19 @@ static void replay_or_capture(tl_exec *ex) {
 
 void step_end(tl_exec *ex) {
     step_state &s = ex->step;
+    if (s.batch) {
+        if (s.recording) {
+            s.recording = 0;
+            if (!upload_rows(ex)) replay_or_capture(ex, s.batched);
+            s.work.clear();
+        }
+        deliver_results(ex);
+        s.batch = 0;
+        return;
+    }
     if (!s.recording) return;
     s.recording = 0;
-    replay_or_capture(ex);
+    if (upload_step_params(ex)) s.work.clear();
+    else replay_or_capture(ex, s.one);
     settle_chain_entry(ex);
 }

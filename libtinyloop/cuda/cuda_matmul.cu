@@ -95,6 +95,7 @@ struct gemv_rope {
     int head_dim;
     rope_freqs freqs;
     kv_pages pg;       // table nullptr: contiguous caches
+    int kv_half;       // the caches hold fp16 elements (y[1], y[2] point to halves)
 };
 
 // The weight row (and output dim) of logical row `row` of member j.
@@ -107,14 +108,24 @@ __device__ __forceinline__ int rope_row(const gemv_rope &rope, int j, int row) {
 // Where output `out_row` of input row out_i of member j goes: row out_i of y[j], or
 // with EPI_ROPE k and v (j > 0) to the cache rows of their positions, found by kv_row:
 // one epilogue for contiguous and paged slots, the page read from the device table
-// (a recorded step replays against the pages current then).
+// (a recorded step replays against the pages current then). An fp16 cache's element is
+// returned as its address cast to float * (out_store writes it).
 template <int EPI>
 __device__ __forceinline__ float *out_elem(const matrix_set &set, const gemv_rope &rope, int j, int pos, int out_i,
                                            int out_row) {
     float *const y = set_out(set, j);
     const size_t ld = set_ld(set, j);
+    if (EPI == EPI_ROPE && j > 0 && rope.kv_half)
+        return reinterpret_cast<float *>(kv_row(reinterpret_cast<__half *>(y), rope.pg, j - 1, pos + out_i, ld) +
+                                         out_row);
     if (EPI == EPI_ROPE && j > 0) return kv_row(y, rope.pg, j - 1, pos + out_i, ld) + out_row;
     return y + (size_t)out_i * ld + out_row;
+}
+
+template <int EPI>
+__device__ __forceinline__ void out_store(const gemv_rope &rope, int j, float *dst, float s) {
+    if (EPI == EPI_ROPE && j > 0 && rope.kv_half) kv_put(reinterpret_cast<__half *>(dst), s);
+    else *dst = s;
 }
 
 // Where float4 k (0..7) of chunk c of an activation row sits in shared memory. The
@@ -711,7 +722,7 @@ gemv_kernel(matrix_set set, gemv_input in, int n, int split, gemv_rope rope) {
                 asm volatile("cp.async.wait_all;" ::: "memory");   // resid (the regs path has not waited)
                 s += resid[warp][lane];
             }
-            *dst = s;
+            out_store<EPI>(rope, j, dst, s);
         }
         if (next >= tiles) break;
         __syncthreads();   // red and resid are the next tile's
@@ -816,14 +827,22 @@ void gemm_dt(tl_exec *ex, const dev_weight &w, const float *x, size_t ldx, int n
     launch(ex, "matmul (gemm)", gemm_kernel<DT>, grid, GEMM_THREADS, 0, w, x, ldx, n, y, ldy);
 }
 
+// Shared memory one GEMV block may use for activation rows (its static shared memory,
+// the per-warp sums and norm statistics, comes on top). The integer path's records
+// replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
+size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - GEMV_STATIC_SMEM; }
+
 template <int DT, int NR, bool INT_DOT, int EPI, bool WALK = false>
 void gemv_launch_kernel(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n, int split, int grid,
                         size_t smem, const gemv_rope &rope) {
     // Without the opt-in a block gets 48 KB of static and dynamic shared memory together:
     // eight 1536-wide rows (48 KB of activations) plus the static sums failed to launch.
+    // The opt-in is the kernel's, not the launch's, and a recorded step launches when it
+    // ends: one kernel kept for rows of 2048 and 5632 floats must find the larger size
+    // allowed, so the opt-in is the most any launch may take.
     if (smem + GEMV_STATIC_SMEM > SMEM_DEFAULT &&
         exec_check(ex, cudaFuncSetAttribute(gemv_kernel<DT, NR, INT_DOT, EPI, WALK>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gemv_smem_max(ex)),
                    "matmul (gemv shared memory size)"))
         return;
     launch(ex, "matmul (gemv)", gemv_kernel<DT, NR, INT_DOT, EPI, WALK>, WALK ? grid : set.first[set.n_mats],
@@ -866,11 +885,6 @@ void gemv_launch(tl_exec *ex, const matrix_set &set, const gemv_input &in, int n
     }
     gemv_launch_epilogue<DT, NR, false>(ex, set, in, n, split, grid, smem, rope);
 }
-
-// Shared memory one GEMV block may use for activation rows (its static shared memory,
-// the per-warp sums and norm statistics, comes on top). The integer path's records
-// replace the fp32 rows in place (ACT_REC_WORDS <= 32 words per chunk): no more.
-size_t gemv_smem_max(const tl_exec *ex) { return std::max(SMEM_DEFAULT, ex->smem_optin) - GEMV_STATIC_SMEM; }
 
 // Whether the GEMV takes these matrices: n <= GEMV_MAX_ROWS rows whose activations fit
 // one block's shared memory (one row at least).
@@ -1053,8 +1067,8 @@ int launch_matmul_gated(tl_exec *ex, const dev_weight &w_gate, const dev_weight 
 }
 
 int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const matmul_in_args &a, int n, float *q,
-                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, float *k_cache,
-                             float *v_cache, const kv_pages &pg) {
+                             size_t ldq, pos_arg pos0, const tl_rope_params &p, int head_dim, void *k_cache,
+                             void *v_cache, const kv_pages &pg, bool half) {
     if (n <= 0) return 1;
     const int dt = ws[0]->dtype, pairs = p.rope_dims / 2;
     if (!gemv_fits(ex, ws, 3, n) || dt == TL_DTYPE_F32 || ws[1]->dtype != dt || ws[2]->dtype != dt ||
@@ -1063,10 +1077,11 @@ int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const mat
         return 0;   // f32 has one row per group; 4 divides every other dtype's rows per group
     matrix_set set = {};
     set.n_mats = 3;
-    const float *ys[3] = { q, k_cache, v_cache };
+    // an fp16 cache's address travels as a float * (out_elem casts it back)
+    float *ys[3] = { q, static_cast<float *>(k_cache), static_cast<float *>(v_cache) };
     for (int j = 0; j < 3; j++) {
         set.w[j] = *ws[j];
-        set.y[j] = const_cast<float *>(ys[j]);
+        set.y[j] = ys[j];
         set.ldy[j] = j == 0 ? ldq : (size_t)ws[1]->rows;
     }
     gemv_rope rope = {};
@@ -1076,6 +1091,7 @@ int launch_matmul_rope_store(tl_exec *ex, const dev_weight *const *ws, const mat
     rope.head_dim = head_dim;
     rope.freqs = rope_frequencies(p);
     rope.pg = pg;
+    rope.kv_half = half;
     DISPATCH_DTYPE(dt, gemv_dt, ex, set, gemv_input_of(a), n, &rope);
     return 1;
 }

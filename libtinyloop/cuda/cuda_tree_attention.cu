@@ -21,7 +21,8 @@ __global__ void rope_tree_kernel(float *x, int n, int n_heads, int head_dim, tl_
 }
 
 struct tree_attn_args {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;   // the cache's elements (the kernel's T)
     float *out;
     int n, first, n_head, n_kv_head, head_dim, window;
     float scale;
@@ -35,6 +36,7 @@ __device__ __forceinline__ bool tree_key_visible(const tl_tree &t, int node, int
     return (t.visible[node] >> m & 1) && (window <= 0 || pos - t.pos[m] < window);
 }
 
+template <typename T>
 __global__ void __launch_bounds__(TREE_WARPS * 32) tree_attention_kernel(tree_attn_args a, tl_tree t) {
     pdl_wait();
     pdl_trigger();
@@ -55,12 +57,12 @@ __global__ void __launch_bounds__(TREE_WARPS * 32) tree_attention_kernel(tree_at
     const int first_key = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
     for (int j = first_key; j < t.n_prefix + t.n_nodes; j++) {
         if (!tree_key_visible(t, node, pos, j, a.window)) continue;
-        const float *key = kv_row(a.k, a.pg, 0, j, kv_stride) + (size_t)kvh * hd;
-        const float *val = kv_row(a.v, a.pg, 1, j, kv_stride) + (size_t)kvh * hd;
+        const T *key = kv_row(static_cast<const T *>(a.k), a.pg, 0, j, kv_stride) + (size_t)kvh * hd;
+        const T *val = kv_row(static_cast<const T *>(a.v), a.pg, 1, j, kv_stride) + (size_t)kvh * hd;
         float dot = 0.0f;
         for (int r = 0; r < TREE_MAX_DPL; r++) {
             const int dim = lane + 32 * r;
-            if (dim < hd) dot += qv[r] * key[dim];
+            if (dim < hd) dot += qv[r] * kv_get(key[dim]);
         }
         for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
         const float score = dot * a.scale;
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(TREE_WARPS * 32) tree_attention_kernel(tree_at
         sum = sum * keep + w;
         for (int r = 0; r < TREE_MAX_DPL; r++) {
             const int dim = lane + 32 * r;
-            acc[r] = acc[r] * keep + (dim < hd ? w * val[dim] : 0.0f);
+            acc[r] = acc[r] * keep + (dim < hd ? w * kv_get(val[dim]) : 0.0f);
         }
         max = new_max;
     }
@@ -95,8 +97,8 @@ void launch_rope_tree(tl_exec *ex, float *x, int n, int n_heads, int head_dim, c
            first, pairs, p.style, rope_frequencies(p));
 }
 
-void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const float *k_cache,
-                           const float *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg) {
+void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tree, int first, const void *k_cache,
+                           const void *v_cache, const tl_attn_geom &g, float *out, const kv_pages &pg, bool half) {
     if (n <= 0) return;
     if (g.head_dim <= 0 || g.head_dim > 32 * TREE_MAX_DPL || g.n_kv_head <= 0 || g.n_head % g.n_kv_head ||
         first < 0 || first + n > tree.n_nodes || tree.n_nodes > TL_TREE_MAX_NODES) {
@@ -106,6 +108,6 @@ void launch_tree_attention(tl_exec *ex, const float *q, int n, const tl_tree &tr
     }
     tree_attn_args a = { q, k_cache, v_cache, out, n, first, g.n_head, g.n_kv_head, g.head_dim, g.window, g.scale, pg };
     const int items = n * g.n_head;
-    launch(ex, "attention (tree)", tree_attention_kernel, (items + TREE_WARPS - 1) / TREE_WARPS, TREE_WARPS * 32, 0,
-           a, tree);
+    launch(ex, "attention (tree)", half ? tree_attention_kernel<__half> : tree_attention_kernel<float>,
+           (items + TREE_WARPS - 1) / TREE_WARPS, TREE_WARPS * 32, 0, a, tree);
 }

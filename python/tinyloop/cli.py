@@ -58,18 +58,6 @@ def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A model file path, the package's model by its name, or the cached file of a name
-    `tinyloop pull` fetched."""
-    if Path(name_or_path).exists():
-        return name_or_path
-    from .default_model import DEFAULT_MODEL_NAME, packaged_model_path
-    if name_or_path == DEFAULT_MODEL_NAME:
-        return str(packaged_model_path())
-    from .convert.pull import resolve_model_name
-    return str(resolve_model_name(name_or_path))
-
-
 def _load_config(args):
     from .config import Config, load_config
     return load_config(args.config) if getattr(args, "config", None) else Config()
@@ -81,6 +69,7 @@ def _open_model(args, config=None):
 
     The model is MODEL (or -m), else the config's [model] path, else the default model;
     `args.default_model` is set to the DefaultModel used, or None."""
+    from .default_model import resolve_model
     from .model import Model
     config = config if config is not None else _load_config(args)
     path = args.model or config.load_options().get("path")
@@ -333,7 +322,7 @@ def cmd_info(args) -> dict:
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
-               "body_dtype": info.body_dtype, "kv_per_token": kv_cost_rows(info)}
+               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info)}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -357,12 +346,13 @@ def cmd_info(args) -> dict:
         print("drafts:       " + (f"score the {info.draft_vocab} most frequent tokens (draft_vocab)"
                                    if info.draft_vocab else "score every token"))
         print(f"loop body:    {info.body_dtype} ({memory['body_bytes'] / mib:.1f} MiB)")
+        print(f"kv dtype:     {info.kv_dtype}")
         for row in payload["kv_per_token"]:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
                   f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
-                                           for k, v in memory.items()))
+                                           for k, v in memory.items() if k.endswith("_bytes")))
         if default is not None:
             _print_card(payload)
     return payload
@@ -406,7 +396,18 @@ def cmd_serve(args) -> dict:
                             max_connections=args.max_connections, drain_timeout=args.drain_timeout,
                             json_logs=args.log_json)
     config = _load_config(args)
-    options.exit = _exit(args, config)
+    options.exit = _exit(args, config)   # the replicas' too, under --ray
+    if args.ray:
+        return _serve_on_ray(args, options)
+    ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                                         ("--max-replicas", args.max_replicas),
+                                         ("--target-ongoing-requests", args.target_ongoing_requests),
+                                         ("--ray-address", args.ray_address),
+                                         ("--prefix-routing", args.prefix_routing or None),
+                                         ("--replica-cpus", args.replica_cpus),
+                                         ("--replica-gpus", args.replica_gpus)) if value is not None]
+    if ray_only:
+        raise CommandError(f"{', '.join(ray_only)}: only with --ray")
     if args.verify_checksums:
         config = replace(config, model=replace(config.model, verify_checksums=True))
     with _open_model(args, config) as model:
@@ -415,6 +416,45 @@ def cmd_serve(args) -> dict:
               prompt_cache=args.prompt_cache, batch_decode=args.batch_decode,
               log=lambda line: print(line, file=sys.stderr, flush=True), options=options)
     return {"model": model.path, "name": names[0], "names": names}
+
+
+def _serve_on_ray(args, options) -> dict:
+    """`serve --ray`: the replicas on Ray Serve (docs/scale-out.md); Ray is imported here only."""
+    if args.port == 0:
+        raise CommandError("--ray needs a fixed --port (Ray's HTTP proxy takes no port 0)")
+    autoscaling = None
+    if args.max_replicas is not None:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        if low > args.max_replicas:
+            raise CommandError(f"--min-replicas {low} is above --max-replicas {args.max_replicas}")
+        autoscaling = {"min_replicas": low, "max_replicas": args.max_replicas,
+                       "initial_replicas": min(max(args.replicas or low, low), args.max_replicas),
+                       "target_ongoing_requests": args.target_ongoing_requests or args.parallel}
+    elif args.min_replicas is not None or args.target_ongoing_requests is not None:
+        raise CommandError("--min-replicas and --target-ongoing-requests need --max-replicas (autoscaling)")
+    from .server.app import is_loopback
+    if args.ray_address is None and not os.environ.get("RAY_ADDRESS") and is_loopback(args.host):
+        # a loopback server's own local cluster: Ray's processes on the loopback address
+        # too (read when Ray is imported; Ray's single-machine mode, docs/scale-out.md)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        from .server import ray_serve
+    except ImportError as e:
+        raise CommandError(f"--ray needs Ray Serve: pip install 'tinyloop[ray]' ({e})") from None
+    cpus = args.replica_cpus if args.replica_cpus is not None else (args.threads or 1)
+    gpus = args.replica_gpus
+    if gpus is None:
+        gpus = 1 if (args.device or "").startswith("cuda") else 0
+    # a replica's threads default to its share of CPUs, not every core of its node
+    threads = args.threads if args.threads is not None else max(1, int(cpus))
+    spec = ray_serve.ReplicaSpec(model=args.model, config=args.config, threads=threads, device=args.device,
+                                 verify_checksums=args.verify_checksums, names=args.names,
+                                 parallel=args.parallel, prompt_cache=args.prompt_cache,
+                                 batch_decode=args.batch_decode, options=options, host=args.host)
+    ray_serve.run(spec, port=args.port, address=args.ray_address, replicas=args.replicas or 1,
+                  autoscaling=autoscaling, num_cpus=cpus, num_gpus=gpus, prefix_routing=args.prefix_routing)
+    return {"model": args.model, "names": args.names, "ray": True, "replicas": args.replicas or 1,
+            "autoscaling": autoscaling, "prefix_routing": args.prefix_routing}
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -511,17 +551,18 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _seconds(minimum_excluded: bool):
+def _finite(minimum_excluded: bool, unit: str = ""):
     def parse(text: str) -> float:
         value = float(text)
         if not value == value or value < 0 or (minimum_excluded and value == 0) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number of seconds "
+            raise argparse.ArgumentTypeError(f"must be a finite number{unit} "
                                              f"{'> 0' if minimum_excluded else '>= 0'}, got {text}")
         return value
     return parse
 
 
-_positive_float, _non_negative_float = _seconds(True), _seconds(False)
+_positive_float, _non_negative_float = _finite(True, " of seconds"), _finite(False, " of seconds")
+_positive_number, _non_negative_number = _finite(True), _finite(False)
 
 
 def _exit_rule(text: str):
@@ -684,6 +725,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the decode steps of concurrent generations in one forward pass "
                         "(default: on for the CPU with --parallel above 1)")
     _add_exit_flag(p, "requests that give none")
+    ray = p.add_argument_group("Ray Serve (docs/scale-out.md; needs pip install 'tinyloop[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve N replicas of the model on Ray Serve, behind Ray's HTTP proxy at "
+                          "--host:--port")
+    ray.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                     help="replicas (1); with --max-replicas, the number to start with")
+    ray.add_argument("--min-replicas", type=_non_negative, default=None, metavar="N",
+                     help="autoscaling: replicas at least (1)")
+    ray.add_argument("--max-replicas", type=_positive, default=None, metavar="N",
+                     help="autoscaling on: replicas at most")
+    ray.add_argument("--target-ongoing-requests", type=_positive_number, default=None, metavar="X",
+                     help="autoscaling: requests per replica it aims at (default: --parallel)")
+    ray.add_argument("--prefix-routing", action="store_true",
+                     help="route a prompt to the replica that served its start before (Ray's "
+                          "PrefixCacheAffinityRouter)")
+    ray.add_argument("--ray-address", metavar="ADDRESS",
+                     help="the Ray cluster (auto, HOST:PORT or ray://HOST:10001; default: "
+                          "$RAY_ADDRESS, else a local one started here)")
+    ray.add_argument("--replica-cpus", type=_positive_number, default=None, metavar="X",
+                     help="Ray CPUs per replica (default: --threads, else 1; also the threads "
+                          "when --threads is not given)")
+    ray.add_argument("--replica-gpus", type=_non_negative_number, default=None, metavar="X",
+                     help="Ray GPUs per replica (default: 1 with --device cuda, else 0)")
     _add_runtime_flags(p)
 
     return parser

@@ -7,6 +7,7 @@
     max_seq_len = 0                         # 0 = the model's
     depth = 0                               # loop depth; 0 = the model's default
     verify_checksums = false                # check every tensor's CRC-32 when loading
+    kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
 
     [sampling]
     temperature = 0.8
@@ -60,6 +61,8 @@ MODEL_OPTIONS = (
     Option("depth", int, 0, "loop depth; 0 = the model's default", minimum=0,
            maximum=_INT32_MAX),
     Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
+    Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
+           choices=("default", "f32", "f16")),
 )
 
 SAMPLING_OPTIONS = (
@@ -95,6 +98,7 @@ class ModelConfig:
     max_seq_len: int = 0
     depth: int = 0
     verify_checksums: bool = False
+    kv_dtype: str = "default"
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class Config:
                    "default_depth": self.model.depth}
         if self.model.verify_checksums:   # only when asked: load hooks see the option then
             options["verify_checksums"] = True
+        if self.model.kv_dtype != "default":   # else the backend's (Model's default)
+            options["kv_dtype"] = self.model.kv_dtype
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:

@@ -6,7 +6,8 @@ The package carries its models in `tinyloop/models/`: `<name>.tinyloop` and its 
 e.g. for tests or for a user who prefers another model; the card of such a model is the
 `.md` file with the same name next to it, if there is one.
 
-This module only finds files; loading is tinyloop.Model's job (Model.default()).
+This module only finds files (also a named model's, resolve_model); loading is
+tinyloop.Model's job (Model.default()).
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def card_path_for(model_path: Path) -> Path | None:
     """`X.md` next to `X.tinyloop`, when it exists."""
     card = Path(model_path).with_suffix(CARD_SUFFIX)
     return card if card.is_file() else None
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A model file path, the package's model by its name, or the cached file of a name
+    `tinyloop pull` fetched."""
+    if Path(name_or_path).exists():
+        return name_or_path
+    if name_or_path == DEFAULT_MODEL_NAME:
+        return str(packaged_model_path())
+    from .convert.pull import resolve_model_name
+    return str(resolve_model_name(name_or_path))
 
 
 def _from_override(value: str) -> Path:

@@ -1,6 +1,7 @@
 """What the KV cache costs per token (docs/model.md, "KV cache layout"): one slot of keys
 and values (kv_dim = n_kv_head * head_dim floats each, float32) per prelude block, per core
-block per loop slot, per coda block. Exact caching keeps a loop slot per iteration (Huginn at
+block per loop slot, per coda block (float32, or 2 bytes an element with the load option
+kv_dtype f16). Exact caching keeps a loop slot per iteration (Huginn at
 depth 32: 2 + 32 x 4 + 2 = 132 slots); share_last keeps one per core block, ring N keeps
 min(N, depth)."""
 
@@ -23,8 +24,13 @@ def kv_slots(info, depth: int, policy: str = "exact", ring_slots: int = 0) -> in
     return info.n_pre + core + info.n_post
 
 
+def element_bytes(info) -> int:
+    """Bytes of a KV element as the model was loaded (ModelInfo.kv_dtype; f32 without one)."""
+    return 2 if getattr(info, "kv_dtype", "f32") == "f16" else FLOAT_BYTES
+
+
 def kv_bytes_per_token(info, depth: int, policy: str = "exact", ring_slots: int = 0) -> int:
-    return kv_slots(info, depth, policy, ring_slots) * 2 * info.n_kv_head * info.head_dim * FLOAT_BYTES
+    return kv_slots(info, depth, policy, ring_slots) * 2 * info.n_kv_head * info.head_dim * element_bytes(info)
 
 
 def kv_cost_rows(info) -> list:

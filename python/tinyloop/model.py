@@ -32,6 +32,8 @@ STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "gr
 
 #: Model(body_dtype=...) -> the tl_body_dtype value of tinyloop.h
 BODY_DTYPES = {"as_stored": 0, "f16": 1, "f32": 2}
+#: Model(kv_dtype=...) -> the tl_kv_dtype value of tinyloop.h ("default": the backend's)
+KV_DTYPES = {"default": 0, "f32": 1, "f16": 2}
 
 # C's eos_token field: -1 = the model's EOS, -2 = never stop on EOS
 _EOS_MODEL = -1
@@ -65,6 +67,8 @@ class ModelInfo:
     draft_vocab: int
     #: how the loop body's matrices are held: "as_stored", "f16" or "f32" (Model body_dtype)
     body_dtype: str
+    #: the KV cache's element type as loaded: "f32" or "f16" (Model kv_dtype)
+    kv_dtype: str
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
     metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -667,13 +671,12 @@ class _Scoring:
         return _text_stream(self.stream(prompt, **options), self._model.tokenizer)
 
 
-def _body_dtype_value(body_dtype) -> int:
-    if not isinstance(body_dtype, str):
-        raise TypeError(f"body_dtype must be a str, got {type(body_dtype).__name__}")
-    if body_dtype not in BODY_DTYPES:
-        raise ValueError(f"body_dtype must be one of {', '.join(map(repr, BODY_DTYPES))}, "
-                         f"got {body_dtype!r}")
-    return BODY_DTYPES[body_dtype]
+def _choice_value(name: str, value, choices: dict) -> int:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return choices[value]
 
 
 def _default_model_path() -> str:
@@ -703,13 +706,17 @@ class Model(_Scoring, NativeHandle):
     injection's) are held in memory: "as_stored" (the file's encoding, default), "f16"
     (decoded at load and rounded to fp16: float matmuls with no per-read decoding, more
     memory) or "f32" (the decoded values exactly). Not for a model without a loop body
-    (docs/api.md, "Body dtype")."""
+    (docs/api.md, "Body dtype").
+
+    kv_dtype: the KV cache's element type, "f32", "f16" (half the memory and the bytes
+    decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
+    f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype")."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
-                 body_dtype: str = "as_stored"):
+                 body_dtype: str = "as_stored", kv_dtype: str = "default"):
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         self.path = os.fspath(path)
@@ -728,7 +735,8 @@ class Model(_Scoring, NativeHandle):
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
         opts.kv_page_size = _args.max_int32("kv_page_size", kv_page_size)
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
-        opts.body_dtype = _body_dtype_value(body_dtype)
+        opts.body_dtype = _choice_value("body_dtype", body_dtype, BODY_DTYPES)
+        opts.kv_dtype = _choice_value("kv_dtype", kv_dtype, KV_DTYPES)
         out = ffi.new("tl_model **")
         self._lock = threading.Lock()
         self._children: weakref.WeakSet = weakref.WeakSet()
@@ -808,6 +816,8 @@ class Model(_Scoring, NativeHandle):
                 value = ffi.string(value).decode("utf-8", "replace")
             elif f.name == "body_dtype":
                 value = {v: k for k, v in BODY_DTYPES.items()}[int(value)]
+            elif f.name == "kv_dtype":
+                value = {v: k for k, v in KV_DTYPES.items()}[int(value)]
             values[f.name] = value if isinstance(value, str) else int(value)
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
@@ -863,7 +873,7 @@ class Model(_Scoring, NativeHandle):
         """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
         kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
-        held (body_bytes, part of weights)."""
+        held (body_bytes, part of weights). The KV bytes are of info.kv_dtype's elements."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))

@@ -15,8 +15,9 @@
 
 #include "tinyloop/tinyloop.h"
 /* internal: the log (tl_log) and the backend handshake */
-#include "backend.h"
-#include "log.h"
+#include "backend/backend.h"
+#include "cpu/backend_cpu.h"
+#include "base/log.h"
 
 static int n_passed, n_failed;
 static const char *current_model;

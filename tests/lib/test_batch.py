@@ -282,6 +282,36 @@ def test_the_batch_benchmark_and_its_gpu_check_rows(tmp_path):
     assert len([line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]) == 2
 
 
+def test_the_batch_peer_step_and_its_report(tmp_path, model_path):
+    """tools/gpu/bench.py batch (gpu_check's batch-peer step, TinyLoop's side) measures
+    generate_batch per batch size; tools/gpu/report.py puts it beside the PyTorch peer's
+    rows (tools/bench/torch_peer.py, which needs a GPU: its JSON is written here)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    steps = tmp_path / "out" / "steps"
+    steps.mkdir(parents=True)
+    ours = steps / "batch-peer-tinyloop.result.json"
+    subprocess.run([sys.executable, str(tools / "gpu" / "bench.py"), "batch", str(model_path), "--device", "cpu",
+                    "--batches", "1,3", "--prompt-tokens", "8", "--new-tokens", "6", "--out", str(ours)],
+                   check=True, timeout=600, capture_output=True)
+    rows = json.loads(ours.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["decode_tok_s"] > 0 for r in rows)
+    peer = {"peer": "a peer", "torch": "x", "rows": [{"batch": 1, "decode_tok_s": 10.0}, {"batch": 3, "error": "E"}]}
+    (steps / "batch-peer-torch.result.json").write_text(json.dumps(peer))
+    (steps / "batch-peer.json").write_text(json.dumps({"name": "batch-peer", "rc": 0, "seconds": 1, "timed_out": False}))
+    subprocess.run([sys.executable, str(tools / "gpu" / "report.py"), str(tmp_path / "out"), "--device", "cpu"],
+                   check=True, timeout=60, capture_output=True)
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "batched decoding, loop-1b q4 g64 (f32 KV" in md
+    table = [line for line in md.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(table) == 2 and "peer error: E" in table[1]
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["batch_peer"]["torch"]["rows"][0]["batch"] == 1
+
+
 def test_an_interrupted_wait_never_leaves_its_stream_with_the_worker(files, monkeypatch):
     """A wait broken by a signal handler's exception (as Ctrl-C breaks it in the main
     thread) takes its stream back when the worker has not taken it yet, and otherwise

@@ -6,7 +6,10 @@ split-sequence decode attention over long contexts, sliding windows), cached dec
 against full scoring on the device, greedy generation (chained on the device and step
 by step), sampling on the device (the
 backend's sample op against the host sampler token for token, and sampled generation),
-and the memory report.
+batched decode steps (rows at different positions and depths through the batched RoPE,
+store and attention kernels, padded to buckets and replayed as CUDA graphs) against
+one-row steps, the CPU and full scoring, fp16 KV against f32 KV (contiguous and paged,
+forks, prefix caches, trees), and the memory report.
 
 Without a usable CUDA device (the normal case in CI) every test is skipped with the
 reason; with TINYLOOP_TEST_DEVICE=cuda (tools/gpu_check) a missing device fails instead.
@@ -417,6 +420,209 @@ def test_sampled_generation_on_device(model_dir, setting):
                                      use_op=False, seed=seed, **options)
                 assert picked[0] == token, f"step {k}"
                 logits = replay.append([token])
+
+
+# ---- batched steps and fp16 KV ---------------------------------------------------------------
+# A batched decode step (tl_context_append_batch, generate_batch) runs RoPE, the K/V store
+# and attention of all its rows in one launch each (backend.h: rope_store_rows,
+# attention_rows), padded to a bucket of 1, 2, 4, 8, ... rows and recorded as one CUDA
+# graph per bucket (batch_step_begin). fp16 KV (kv_dtype "f16") rounds keys and values to
+# fp16 where they are stored; its results are held to the f32 path within this bound
+# (log-probs and logits, absolute + relative: docs/api.md, "KV dtype").
+KV_F16_TOLERANCE = (5e-2, 2e-2)
+# (depth, length) of the rows of one step: sequences at different positions and depths
+# (the call runs the deepest first, each row leaving the loop at its depth); five rows
+# are padded to eight, eleven (tensor-core / tiled GEMM projections) to sixteen.
+BATCH_SETUPS = {
+    5: [(4, 9), (3, 3), (4, 30), (1, 14), (2, 6)],
+    11: [(4, 9), (3, 3), (4, 30), (1, 14), (2, 6), (3, 21), (4, 1), (3, 12), (2, 27), (4, 5), (1, 2)],
+}
+BATCH_STEPS = 3
+# (kv_page_size, kv_dtype): every dtype on two, a few dtypes on all four
+BATCH_KV = [(0, "f32"), (8, "f16")]
+BATCH_KV_ALL = [(0, "f32"), (0, "f16"), (8, "f32"), (8, "f16")]
+
+
+def _kv_id(kv):
+    return f"pages{kv[0]}-{kv[1]}"
+
+
+def _batched_rows(model, tokens, setup):
+    """Contexts at the setup's (depth, length) stepped BATCH_STEPS times together: the
+    rows' logits of every step (steps x rows x vocab)."""
+    contexts = []
+    try:
+        for depth, n in setup:
+            contexts.append(model.context())
+            contexts[-1].append(tokens[:n], depth=depth)
+        return np.array([model.append_batch(contexts, [int(tokens[n + s]) for _, n in setup])
+                         for s in range(BATCH_STEPS)], dtype=np.float64)
+    finally:
+        for ctx in contexts:
+            ctx.close()
+
+
+def _rows_alone(model, tokens, setup):
+    """The same steps, each sequence on its own (one-row steps)."""
+    out = []
+    for depth, n in setup:
+        with model.context() as ctx:
+            ctx.append(tokens[:n], depth=depth)
+            out.append([ctx.append([int(tokens[n + s])], depth=depth) for s in range(BATCH_STEPS)])
+    return np.array(out, dtype=np.float64).transpose(1, 0, 2)
+
+
+def _check_batched_steps(path, config, setup, kv, label):
+    page_size, kv_dtype = kv
+    tokens = _tokens(70 + len(setup), config["vocab_size"], 40)
+    label = f"{label}, {len(setup)} rows, pages {page_size}, kv {kv_dtype}"
+    with tinyloop.Model(path, device=CUDA, kv_page_size=page_size, kv_dtype=kv_dtype) as gpu:
+        assert gpu.info.kv_dtype == kv_dtype
+        batched = _batched_rows(gpu, tokens, setup)
+        batched_again = _batched_rows(gpu, tokens, setup)   # the bucket's graph replayed
+        alone = _rows_alone(gpu, tokens, setup)
+        full = np.array([gpu.score_last_token(tokens[:n + BATCH_STEPS], depth=depth) for depth, n in setup])
+    with tinyloop.Model(path, device="cpu", kv_page_size=page_size) as cpu:
+        on_cpu = _rows_alone(cpu, tokens, setup)
+    same = FLOAT_TOLERANCE if kv_dtype == "f32" else KV_F16_TOLERANCE
+    against_f32 = _tolerance(config) if kv_dtype == "f32" else tuple(
+        a + b for a, b in zip(_tolerance(config), KV_F16_TOLERANCE))
+    assert_close(batched_again, batched, same, f"{label}: a replayed batched step")
+    assert_close(batched, alone, same, f"{label}: batched vs one-row steps on CUDA")
+    assert_close(batched, on_cpu, against_f32, f"{label}: batched on CUDA vs the CPU (f32 KV)")
+    assert_close(batched[-1], full, same, f"{label}: batched decode vs full scoring")
+
+
+@pytest.mark.parametrize("kv", BATCH_KV, ids=_kv_id)
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_batched_steps_match_one_row_cpu_and_scoring(model_dir, name, kv):
+    """Five sequences at different positions and depths, three batched steps (padded to
+    eight rows, recorded, then replayed), for every weight dtype: each row equals the
+    sequence stepped alone, the CPU and full-sequence scoring."""
+    path = _model(model_dir, name, SMALL, DTYPES[name])
+    _check_batched_steps(path, {**SMALL, **DTYPES[name]}, BATCH_SETUPS[5], kv, name)
+
+
+@pytest.mark.parametrize("kv", BATCH_KV_ALL, ids=_kv_id)
+@pytest.mark.parametrize("name", ["f32", "f16", "q4-g64", "q2-g128"])
+def test_batched_steps_of_many_rows(model_dir, name, kv):
+    """Eleven rows (projections on the GEMM, padded to sixteen), contiguous and paged,
+    f32 and fp16 KV."""
+    path = _model(model_dir, name, SMALL, DTYPES[name])
+    _check_batched_steps(path, {**SMALL, **DTYPES[name]}, BATCH_SETUPS[11], kv, name)
+
+
+@pytest.mark.parametrize("dtype", ["q4", "f16"])
+def test_batched_steps_on_wide_rows(model_dir, dtype):
+    """Eight-row GEMVs whose activations need more than the default shared memory: one
+    kernel serves rows of 1536 floats (q/k/v, the head) and of 2048 (down), and a recorded
+    step launches both when it ends, so the kernel's opt-in must allow the larger."""
+    overrides = dict(d_model=1536, ffn_dim=2048, dtype=dtype, group_size=64 if dtype == "q4" else 32)
+    path = _model(model_dir, f"wide-batch-{dtype}", WIDE_FFN, overrides)
+    setup = [(2, 9), (1, 3), (2, 20), (1, 14), (2, 6)]
+    _check_batched_steps(path, {**WIDE_FFN, **overrides}, setup, (0, "f32"), f"wide {dtype}")
+
+
+def _common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("kv", [(0, "f32"), (8, "f16")], ids=_kv_id)
+def test_batched_generation_replays_bucket_graphs(model_dir, monkeypatch, graphs, kv):
+    """generate_batch of 3, 8 and 12 prompts (buckets of 4, 8 and 16 rows, the greedy
+    tokens of every row from one argmax launch), twice each, with CUDA graphs on and off,
+    and a batch that shrinks as sequences stop on EOS: every prompt gets the tokens it
+    gets alone. With fp16 KV a batched and a one-row step each round their own keys and
+    values, so a near tie may go the other way: there the tokens must agree on most of
+    their length."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", graphs)
+    page_size, kv_dtype = kv
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    vocab = SMALL["vocab_size"]
+    prompts = [_tokens(80 + i, vocab, 3 + 2 * i).tolist() for i in range(12)]
+    g = dict(temperature=0.0)
+    with tinyloop.Model(path, device=CUDA, kv_page_size=page_size, kv_dtype=kv_dtype) as gpu:
+        alone = [gpu.generate(p, max_tokens=20, eos=False, **g).tokens for p in prompts]
+        eos = alone[0][6]
+        stopping = [gpu.generate(p, max_tokens=20, eos=eos, **g).tokens for p in prompts]
+        runs = []
+        for b in (3, 8, 12, 12, 3):
+            runs.append((alone[:b], [r.tokens for r in gpu.generate_batch(prompts[:b], max_tokens=20, eos=False, **g)]))
+        runs.append((stopping, [r.tokens for r in gpu.generate_batch(prompts, max_tokens=20, eos=eos, **g)]))
+    for expected, got in runs:
+        if kv_dtype == "f32":
+            assert got == expected
+        else:
+            agree = sum(_common_prefix(a, b) for a, b in zip(got, expected))
+            assert agree >= 0.75 * sum(len(a) for a in expected), (got, expected)
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_f16_kv_against_f32(model_dir, name, page_size):
+    """A 500-token prefill and 30 decode steps (split attention, window, warm start) with
+    fp16 KV: within KV_F16_TOLERANCE of the f32 cache, cached decode against fp16 full
+    scoring, and half the KV bytes in the memory report."""
+    path = _model(model_dir, name, LONG, LONG_CASES[name])
+    tokens = _tokens(3, LONG["vocab_size"], 530)
+    depth = LONG["default_depth"]
+    rows, kv_bytes = {}, {}
+    for kv_dtype in ("f32", "f16"):
+        with tinyloop.Model(path, device=CUDA, kv_page_size=page_size, kv_dtype=kv_dtype) as gpu:
+            with gpu.context() as ctx:
+                out = [ctx.append(tokens[:500], depth=depth)]
+                out += [ctx.append([int(tokens[i])]) for i in range(500, len(tokens))]
+                assert gpu.info.kv_dtype == kv_dtype
+                kv_bytes[kv_dtype] = gpu.memory_report()["kv_cache_bytes"]
+            rows[kv_dtype] = np.array(out)
+            if kv_dtype == "f16":
+                full = gpu.score_last_token(tokens, depth=depth)
+    assert kv_bytes["f16"] * 2 == kv_bytes["f32"] > 0
+    assert_close(rows["f16"], rows["f32"], KV_F16_TOLERANCE, f"{name}, pages {page_size}: f16 vs f32 KV")
+    assert_close(rows["f16"][-1], full, KV_F16_TOLERANCE, f"{name}, pages {page_size}: f16 cached vs full")
+
+
+@pytest.mark.parametrize("page_size", [0, 8])
+def test_f16_kv_forks_prefixes_and_trees(model_dir, page_size):
+    """The copies of an fp16 cache (forks, copy on write, prefix caches and their loads,
+    tree speculation's accepted rows) keep its elements: each continues as the same
+    sequence appended afresh."""
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    vocab, depth = SMALL["vocab_size"], SMALL["default_depth"]
+    prompt, more = _tokens(90, vocab, 21), _tokens(91, vocab, 6)
+    g = dict(temperature=0.0, eos=False)
+    with tinyloop.Model(path, device=CUDA, kv_page_size=page_size, kv_dtype="f16") as gpu:
+        with gpu.context() as fresh:
+            fresh.append(prompt, depth=depth)
+            expected = [fresh.append([int(t)]) for t in more]
+        with gpu.context() as ctx:
+            ctx.append(prompt, depth=depth)
+            with ctx.fork() as fork:
+                got_fork = [fork.append([int(t)]) for t in more]
+            got_parent = [ctx.append([int(t)]) for t in more]
+        with gpu.prefix_cache(prompt, depth=depth) as cache, gpu.context(prefix=cache) as loaded:
+            got_prefix = [loaded.append([int(t)]) for t in more]
+        plain = gpu.generate(prompt, max_tokens=24, **g).tokens
+        tree = gpu.generate(prompt, max_tokens=24, draft_depth=1, tree=(3, 2), **g).tokens
+    for what, got in (("fork", got_fork), ("parent", got_parent), ("prefix", got_prefix)):
+        assert_close(got, expected, KV_F16_TOLERANCE, f"pages {page_size}: f16 {what}")
+    assert _common_prefix(tree, plain) >= 12, (tree, plain)
+
+
+def test_kv_dtype_default_and_memory(model_dir):
+    """f16 is CUDA's default, and halves the KV bytes of f32."""
+    path = _model(model_dir, "q4-g64", SMALL, DTYPES["q4-g64"])
+    kv = {}
+    for asked, expected in (("default", "f16"), ("f32", "f32")):
+        with tinyloop.Model(path, device=CUDA, kv_dtype=asked) as gpu, gpu.context() as ctx:
+            assert gpu.info.kv_dtype == expected
+            ctx.append(_tokens(2, SMALL["vocab_size"], 4))
+            kv[expected] = gpu.memory_report()["kv_cache_bytes"]
+    assert kv["f16"] * 2 == kv["f32"] > 0
 
 
 def test_memory_report_counts_device_allocations(model_dir):

@@ -5,6 +5,8 @@
   tinyloop PATH --device D --out JSON                    decode / prefill / memory of TinyLoop
   peer F16PATH --out JSON                                the HF transformers bf16 peer and the
                                                          measured device copy bandwidth
+  batch PATH --device D --batches B,... --out JSON       generate_batch decode tokens/s per batch
+                                                         size (the side of tools/bench/torch_peer.py)
 """
 
 import argparse
@@ -152,6 +154,46 @@ def cmd_tinyloop(args):
             out["peak_device_bytes"] = peak
             out["memory_report"] = model.memory_report()
     except Exception as e:   # recorded, not raised: the report shows it
+        out["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    _write(args.out, out)
+    return 0 if "error" not in out else 1
+
+
+def cmd_batch(args):
+    """generate_batch of B random prompts of PROMPT_TOKENS, NEW_TOKENS greedy tokens each
+    (--prompt-tokens / --new-tokens),
+    for each batch size: the decode steps' tokens per second (the steps every sequence
+    shares, timed by the longest sequence's decode seconds), after a short warm-up at the
+    same size (its steps are recorded as the bucket's CUDA graph)."""
+    import tinyloop
+    out = {"model": args.path, "device": args.device, "prompt_tokens": args.prompt_tokens,
+           "new_tokens": args.new_tokens, "rows": []}
+    try:
+        with tinyloop.Model(args.path, device=args.device) as model:
+            out["device_name"] = model.info.device_name
+            out["kv_dtype"] = model.info.kv_dtype
+            vocab = model.info.vocab_size
+            for b in [int(x) for x in args.batches.split(",")]:
+                prompts = [_tokens(args.prompt_tokens, vocab, 100 + i) for i in range(b)]
+                options = dict(temperature=0.0, eos=False)
+                try:   # a failing size is recorded, the others still run
+                    model.generate_batch(prompts, max_tokens=8, **options)   # warm-up
+                    t0 = time.monotonic()
+                    results = model.generate_batch(prompts, max_tokens=args.new_tokens, **options)
+                    wall = time.monotonic() - t0
+                except tinyloop.TinyLoopError as e:
+                    row = {"batch": b, "error": f"{type(e).__name__}: {e}"}
+                else:
+                    steps = sum(len(r.tokens) - 1 for r in results)
+                    decode = max(r.decode_seconds for r in results)
+                    row = {"batch": b, "decode_tok_s": steps / decode, "decode_s": decode, "wall_s": wall,
+                           "tok_s_with_prefill": sum(len(r.tokens) for r in results) / wall}
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                with open(args.out, "w") as f:   # what is measured so far survives a time-out
+                    json.dump(out, f, indent=1)
+    except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     _write(args.out, out)
@@ -349,9 +391,16 @@ def main(argv=None):
     q = sub.add_parser("peer")
     q.add_argument("path")
     q.add_argument("--out", required=True)
+    b = sub.add_parser("batch")
+    b.add_argument("path")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--batches", default="1,8,64,256")
+    b.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    b.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    b.add_argument("--out", required=True)
     args = p.parse_args(argv)
     return {"make": cmd_make, "short-run": cmd_short_run, "tinyloop": cmd_tinyloop,
-            "peer": cmd_peer}[args.cmd](args) or 0
+            "peer": cmd_peer, "batch": cmd_batch}[args.cmd](args) or 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,28 @@ def _floor(bench, bandwidth):
     return out
 
 
+def _batch_peer_lines(pair, num):
+    """The batch-peer step: TinyLoop's generate_batch beside the compiled PyTorch peer."""
+    ours, peer = pair.get("tinyloop") or {}, pair.get("torch") or {}
+    if not ours and not peer:
+        return []
+    rows = {r["batch"]: [r, {}] for r in ours.get("rows", [])}
+    for r in peer.get("rows", []):
+        rows.setdefault(r["batch"], [{}, {}])[1] = r
+    lines = ["", f"batched decoding, loop-1b q4 g64 ({ours.get('kv_dtype', '?')} KV; generate_batch, "
+                 f"{ours.get('prompt_tokens', '?')}-token prompts, {ours.get('new_tokens', '?')} new tokens, decode "
+                 f"steps only) beside {peer.get('peer', 'the PyTorch peer')} (torch {peer.get('torch', '?')}):", "",
+             "| batch | TinyLoop tok/s | PyTorch peer tok/s | TinyLoop / peer |", "|---:|---:|---:|---:|"]
+    for b, (a, p) in sorted(rows.items()):
+        ratio = a["decode_tok_s"] / p["decode_tok_s"] if a.get("decode_tok_s") and p.get("decode_tok_s") else None
+        lines.append(f"| {b} | {num(a.get('decode_tok_s'))} | {num(p.get('decode_tok_s'))} | {num(ratio, '{:.2f}')} |"
+                     + (f" error: {a['error'][:120]}" if a.get("error") else "")
+                     + (f" peer error: {p['error'][:120]}" if p.get("error") else ""))
+    if ours.get("error"):
+        lines.append(f"TinyLoop error: {ours['error'][:300]}")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -86,6 +108,8 @@ def main():
         "tinyloop": benches, "peer": peer, "peers": peers,
         "speculative": _load(os.path.join(steps_dir, "speculative.result.json")),
         "batch": _load(os.path.join(steps_dir, "batch.result.json")),
+        "batch_peer": {"tinyloop": _load(os.path.join(steps_dir, "batch-peer-tinyloop.result.json")),
+                       "torch": _load(os.path.join(steps_dir, "batch-peer-torch.result.json"))},
     }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -148,6 +172,7 @@ def main():
         for row in batch["rows"]:
             lines.append(f"| {row['batch']} | {num(row['batched_tok_s'])} | {num(row['alone_tok_s'])} | "
                          f"{num(row['speedup'], '{:.2f}')} | {num(row['decode_speedup'], '{:.2f}')} |")
+    lines += _batch_peer_lines(report["batch_peer"], num)
     for model, p in peers.items():
         if p.get("error"):
             lines += ["", f"peer error ({model}): {p['error'][:300]}"]

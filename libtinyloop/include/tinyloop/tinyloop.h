@@ -120,6 +120,16 @@ typedef enum tl_body_dtype {
     TL_BODY_F32 = 2        /* f32: the decoded values exactly (exactness studies)     */
 } tl_body_dtype;
 
+/* The element type of the KV cache in memory (docs/api.md, "KV dtype"): keys (after
+ * RoPE) and values of every context, prefix cache and KV page of the model. fp16 halves
+ * the cache (and the bytes decode attention reads); attention still computes in fp32.
+ * The CPU backend keeps f32 only (f16 there is TL_ERR_UNSUPPORTED at load). */
+typedef enum tl_kv_dtype {
+    TL_KV_DTYPE_DEFAULT = 0, /* the backend's: f16 on CUDA, f32 on the CPU           */
+    TL_KV_DTYPE_F32 = 1,     /* fp32, as computed                                    */
+    TL_KV_DTYPE_F16 = 2      /* fp16, rounded to nearest even, saturated at +-65504  */
+} tl_kv_dtype;
+
 typedef struct tl_load_options {
     uint32_t struct_size;
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
@@ -146,6 +156,8 @@ typedef struct tl_load_options {
     int64_t kv_pool_bytes;     /* paged KV: cap on the pool's bytes; a call that needs
                                   a page past it fails with TL_ERR_OUT_OF_MEMORY and
                                   leaves the sequence as it was; 0 = no cap           */
+    int32_t kv_dtype;          /* the KV cache's element type, a tl_kv_dtype (above);
+                                  0 = the backend's default                          */
 } tl_load_options;
 
 #define TL_KV_PAGE_MIN 1
@@ -178,6 +190,8 @@ typedef struct tl_model_info {
     char name[128];            /* general.name metadata, may be empty          */
     int32_t draft_vocab;       /* tokens the drafts score; 0 = the whole vocabulary */
     int32_t body_dtype;        /* the load option body_dtype (a tl_body_dtype)     */
+    int32_t kv_dtype;          /* the KV cache's element type as loaded (a
+                                  tl_kv_dtype: 1 = f32, 2 = f16)                   */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);
@@ -226,6 +240,8 @@ typedef struct tl_memory_report {
     uint64_t kv_pool_cap_bytes; /* the cap (kv_pool_bytes load option); 0 = none      */
     uint64_t body_bytes;        /* the loop body's matrices as held (stored, or the
                                   body_dtype copy), already in weights_bytes          */
+    int32_t kv_dtype;           /* the KV cache's element type (tl_kv_dtype: 1 = f32,
+                                  2 = f16): kv_cache_bytes and kv_pool_bytes are of it */
 } tl_memory_report;
 
 TL_API void tl_memory_report_default(tl_memory_report *report);

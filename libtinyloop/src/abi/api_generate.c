@@ -184,6 +184,12 @@ tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logprob, int3
     return tl_stream_token_logprobs(stream, token_logprob, top_ids, top_logprobs);
 }
 
+tl_status tl_stream_token_depth(const tl_stream *stream, int32_t *depth) {
+    NEED(stream, "stream");
+    NEED(depth, "depth");
+    return tl_stream_last_depth(stream, depth);
+}
+
 tl_status tl_stream_free(tl_stream *stream) {
     if (!stream) return TL_OK;
     tl_stream_end(stream);

@@ -76,6 +76,9 @@ static tl_status check_load_options(const tl_load_options *o) {
     if (o->kv_pool_bytes > 0 && ps == 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_pool_bytes %lld caps the KV page pool, which "
                        "needs kv_page_size > 0", (long long)o->kv_pool_bytes);
+    if (o->kv_dtype < TL_KV_DTYPE_DEFAULT || o->kv_dtype > TL_KV_DTYPE_F16)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_dtype %d is not a tl_kv_dtype (0 = the backend's "
+                       "default, 1 = f32, 2 = f16)", o->kv_dtype);
     tl_status st = tl_body_dtype_check(o->body_dtype);
     if (st != TL_OK) return st;
     tl_kv_choice kv;
@@ -96,6 +99,16 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     if (!o->n_threads) o->n_threads = tl_num_cores();
     if (!o->kv_policy) o->kv_policy = TL_KV_EXACT;
     o->device = NULL; /* the caller's string is not kept */
+    return TL_OK;
+}
+
+/* kv_dtype against the backend: its default for 0; f16 only where it stores fp16. */
+static tl_status resolve_kv_dtype(const tl_backend *be, tl_load_options *o) {
+    if (o->kv_dtype == TL_KV_DTYPE_DEFAULT)
+        o->kv_dtype = be->kv_dtype == TL_KV_DTYPE_F16 && be->ops->buf_alloc_f16 ? TL_KV_DTYPE_F16 : TL_KV_DTYPE_F32;
+    if (o->kv_dtype == TL_KV_DTYPE_F16 && !be->ops->buf_alloc_f16)
+        return tl_fail(TL_ERR_UNSUPPORTED, "kv_dtype f16: the %s backend keeps its KV cache in f32 "
+                       "(load with kv_dtype 0 or 1)", be->name);
     return TL_OK;
 }
 
@@ -131,6 +144,7 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
     }
     st = tl_body_dtype_apply(model, file->path);   /* before the backend sees the tensors */
     if (st == TL_OK) st = resolve_load_options(&model->hp, &o);
+    if (st == TL_OK) st = resolve_kv_dtype(be, &o);
     if (st == TL_OK) {
         model->load_opts = o;
         model->backend = be;
@@ -142,7 +156,8 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
             st = tl_fail(TL_ERR_UNSUPPORTED, "kv_page_size %d: the %s backend has no paged KV cache",
                          o.kv_page_size, be->name);
         else
-            st = tl_kv_pool_create(be, o.kv_page_size, (uint64_t)o.kv_pool_bytes, &model->kv_pool);
+            st = tl_kv_pool_create(be, o.kv_page_size, (uint64_t)o.kv_pool_bytes,
+                                   o.kv_dtype == TL_KV_DTYPE_F16, &model->kv_pool);
     }
     if (st != TL_OK) {
         model->backend = NULL;
@@ -195,6 +210,7 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     snprintf(full.device_name, sizeof full.device_name, "%s", model->device_name);
     full.draft_vocab = model->draft.n;
     full.body_dtype = model->load_opts.body_dtype;
+    full.kv_dtype = model->load_opts.kv_dtype;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;
@@ -223,6 +239,7 @@ static void memory_totals(const tl_model *model, tl_memory_report *r) {
         r->kv_cache_bytes += r->kv_pool_bytes;
     }
     r->body_bytes = tl_body_bytes(model);
+    r->kv_dtype = model->load_opts.kv_dtype;
     r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes +
                      r->prefix_cache_bytes;
 }

@@ -45,9 +45,12 @@ static tl_status score_on_context(tl_context *ctx, const int32_t *tokens, size_t
     if (n_tokens > 1 && !logprobs) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logprobs must not be NULL");
     if (n_tokens > 1 && x->top_k && (!x->top_ids || !x->top_logprobs))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "top_ids and top_logprobs must not be NULL");
+    st = tl_context_check_exit(ctx, &o.exit, o.given_depths, n_tokens, o.depth, "exit");
+    if (st != TL_OK) return st;
     tl_forward_out out = { .targets = tokens + 1, .logprobs = logprobs, .n_targets = n_tokens - 1,
                            .entropies = x->entropies, .top_k = x->top_k, .top_ids = x->top_ids,
-                           .top_logprobs = x->top_logprobs };
+                           .top_logprobs = x->top_logprobs, .exit = &o.exit, .given_depths = o.given_depths,
+                           .depths = o.depths, .n_depths = o.depths ? n_tokens : 0 };
     if (x->entropies || x->top_k) {
         out.host_row = malloc((size_t)V * sizeof *out.host_row);
         if (!out.host_row) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a row of %d logits", V);

@@ -23,7 +23,7 @@
  * and of those a backend reads (model.h, tensor.h, sample_math.h). Bump this with every
  * change to any of them: each side checks the other's version and struct sizes at load
  * and refuses a mismatch (tl_backend_check_ops, tl_backend_interface_mismatch). */
-#define TL_BACKEND_INTERFACE_VERSION 1
+#define TL_BACKEND_INTERFACE_VERSION 3
 
 typedef struct tl_buf tl_buf;     /* backend-owned float storage (host or device) */
 typedef struct tl_exec tl_exec;   /* per-context execution state: threads, scratch */
@@ -164,6 +164,10 @@ typedef struct tl_backend_ops {
      * pos0.. of a cache slot whose row 0 is k_cache / v_cache. */
     void (*kv_store)(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n,
                      int pos0, int width);
+    /* Optional (NULL: no adaptive depth, TL_ERR_UNSUPPORTED): copy the key and value rows
+     * at `pos` of one cache slot (k_src / v_src, row 0 as kv_store takes it) into another
+     * slot: an exited token's last iteration serving the iterations it skipped. */
+    void (*kv_copy)(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos, int width);
 
     /* Optional fused forms (NULL = not offered). forward.c composes them from the ops
      * above when a backend does not offer them or returns 0 for a call (e.g. a shape
@@ -241,11 +245,50 @@ typedef struct tl_backend_ops {
      * contiguous cache. Fused ops (rope_store, matmul_rope_store) may decline views.
      * page_table_set points entry `index` at a page (NULL: none), ordered with the ops of
      * ex; the table is the backend's (device memory on a device), so a recorded step
-     * replayed later reads the entries current then. page_table_free frees both views. */
+     * replayed later reads the entries current then. page_table_free frees both views.
+     * f16: the pages are buf_alloc_f16 buffers (their elements are fp16). */
     tl_status (*page_table_create)(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
-                                   tl_buf **k_view, tl_buf **v_view);
+                                   int f16, tl_buf **k_view, tl_buf **v_view);
     void (*page_table_set)(tl_exec *ex, tl_buf *k_view, int index, tl_buf *page);
     void (*page_table_free)(tl_buf *k_view);
+
+    /* Optional (NULL = no fp16 KV: kv_dtype f16 is refused at load). A buffer of n fp16
+     * elements for a KV cache (kv_cache.h, tl_kv_buf_alloc): offsets and counts into it
+     * are in its elements, for the ops that take caches (kv_store, attention, the fused
+     * and batched stores, tree_attention) and copy_rows between two such buffers, which
+     * read and write fp16 there and compute in fp32. */
+    tl_status (*buf_alloc_f16)(tl_backend *be, size_t n, tl_buf **out);
+
+    /* Optional (NULL = not offered: forward.c runs a batched step's RoPE, K/V store and
+     * attention row by row through rope_store / kv_store and attention, as it does for a
+     * backend that does not offer batch_step_begin). The rows of a batched decode step
+     * (TL_ROWS_BATCH): row r at position pos[r] of its own sequence, whose cache slot of
+     * the layer is k_caches[r] / v_caches[r] (each row 0 of a slot, as kv_store takes
+     * them: contiguous or a page table's views); rows with pos[r] < 0 are padding, for
+     * which nothing is stored and whose attention output is 0. The host arrays are read
+     * when the op is called.
+     * rope_store_rows: RoPE of row r of q (n_head heads, in place) and of k (n_kv_head)
+     * at pos[r], then k and v (contiguous rows of n_kv_head * head_dim) into cache row
+     * pos[r] of row r's slot. attention_rows: decode attention of n query rows, row r at
+     * pos[r] against rows 0..pos[r] of its slot (as attention of one row at pos[r]). */
+    void (*rope_store_rows)(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, const int32_t *pos,
+                            const tl_rope_params *p, const tl_attn_geom *g, const tl_act *k_caches,
+                            const tl_act *v_caches);
+    void (*attention_rows)(tl_exec *ex, tl_act q, int n, const int32_t *pos, const tl_act *k_caches,
+                           const tl_act *v_caches, const tl_attn_geom *g, tl_act out);
+    /* Optional (NULL = not offered). A batched decode step of n rows whose RoPE, stores and
+     * attention go through the *_rows ops starts; it ends with step_end(). Returns the rows
+     * the step runs, n_pad in [n, max_rows]: rows n.. are padding (forward.c gives them
+     * token 0, position -1 and the last row's depth; their results are ignored), so that
+     * steps of nearby sizes are the same step. With record, the ops up to step_end may be
+     * kept and replayed as for step_begin, the rows' tokens (embed), positions and caches
+     * (the *_rows ops) being what changes; record 0: they run as they come (a pass with
+     * other per-row ops), and n_pad is n. */
+    int (*batch_step_begin)(tl_exec *ex, int n, int max_rows, int record);
+    /* Optional (NULL = argmax row by row): out[i] = argmax of row i of n rows of `count`
+     * floats, ld floats apart (as argmax gives it); out holds them when the op returns or,
+     * inside a recorded batched step, when step_end() returns. */
+    void (*argmax_rows)(tl_exec *ex, tl_act x, int n, int count, size_t ld, int32_t *out);
 } tl_backend_ops;
 
 struct tl_backend {
@@ -253,6 +296,7 @@ struct tl_backend {
     char name[64];       /* "cpu (avx512vnni)", "cpu (avx2)", ... */
     int device_index;    /* -1 for CPU */
     int prefill_rows;    /* rows per prefill chunk when a context asks for the default */
+    int kv_dtype;        /* the KV dtype when a load asks for the default (tl_kv_dtype) */
     void *impl;          /* backend-private */
 };
 

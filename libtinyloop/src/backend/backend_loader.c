@@ -133,6 +133,9 @@ static tl_status relay_status(tl_exec *ex) { return relay(cuda_lib_ops->status(e
 static tl_status relay_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
     return relay(cuda_lib_ops->buf_alloc(be, n_floats, out));
 }
+static tl_status relay_buf_alloc_f16(tl_backend *be, size_t n, tl_buf **out) {
+    return relay(cuda_lib_ops->buf_alloc_f16(be, n, out));
+}
 
 /* The library's entry points once its ops table passed the handshake; TL_OK, or the
  * reason (a library of another build, or none of ours). */
@@ -194,6 +197,7 @@ static tl_status open_cuda(const char *device, int index, tl_backend **out, int 
         cuda_relay_ops.exec_create = relay_exec_create;
         cuda_relay_ops.status = relay_status;
         cuda_relay_ops.buf_alloc = relay_buf_alloc;
+        if (cuda_relay_ops.buf_alloc_f16) cuda_relay_ops.buf_alloc_f16 = relay_buf_alloc_f16;
     } else {
         dlclose(lib);   /* already loaded: drop the extra reference */
     }

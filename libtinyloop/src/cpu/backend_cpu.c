@@ -428,8 +428,26 @@ static void cpu_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, 
     cpu_copy_rows(ex, tl_act_add(v_cache, row0), (size_t)width, v, (size_t)width, n, width);
 }
 
+/* Row `pos` of the slot whose row 0 is `cache` (in a contiguous cache's plane, or a page
+ * table's key or value view at the slot's offset), `width` floats. */
+static float *cache_row(tl_act cache, int pos, int width) {
+    const cpu_page_table *t = cache.buf->table;
+    if (!t) return P(tl_act_add(cache, (size_t)pos * (size_t)width));
+    float *page = t->pages[pos >> t->shift];
+    size_t in_page = (size_t)(pos & ((1 << t->shift) - 1));
+    return page + (cache.buf->plane ? t->plane : 0) + cache.off + in_page * (size_t)width;
+}
+
+static void cpu_kv_copy(tl_exec *ex, tl_act k_dst, tl_act v_dst, tl_act k_src, tl_act v_src, int pos,
+                        int width) {
+    memcpy(cache_row(k_dst, pos, width), cache_row(k_src, pos, width), (size_t)width * sizeof(float));
+    memcpy(cache_row(v_dst, pos, width), cache_row(v_src, pos, width), (size_t)width * sizeof(float));
+}
+
+/* f16 never comes: the CPU offers no buf_alloc_f16, so kv_dtype f16 is refused at load. */
 static tl_status cpu_page_table_create(tl_backend *be, int n_entries, int page_size, int n_slots, int width,
-                                       tl_buf **k_view, tl_buf **v_view) {
+                                       int f16, tl_buf **k_view, tl_buf **v_view) {
+    (void)f16;
     cpu_page_table *t = calloc(1, sizeof *t);
     if (t) t->pages = calloc((size_t)n_entries, sizeof *t->pages);
     if (!t || !t->pages) {
@@ -487,6 +505,7 @@ static const tl_backend_ops cpu_ops = {
     .logprobs = cpu_logprobs,
     .argmax = cpu_argmax,
     .kv_store = cpu_kv_store,
+    .kv_copy = cpu_kv_copy,
     .sample = cpu_sample,
     .rope_tree = cpu_rope_tree,
     .tree_attention = cpu_tree_attention,
@@ -507,6 +526,7 @@ tl_status tl_backend_cpu_create(tl_backend **out) {
     be->impl = impl;
     be->device_index = -1;
     be->prefill_rows = 256;   /* a chunk's activations stay in the caches */
+    be->kv_dtype = TL_KV_DTYPE_F32;
     snprintf(be->name, sizeof be->name, "cpu (%s)", tl_cpu_level_name(tl_cpu_features()));
     *out = be;
     return TL_OK;

@@ -174,6 +174,8 @@ static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens,
         out.last_logits = g->pick.logits;
         if (g->lp.on) out.last_log_norm = &g->lp.log_norm;
     }
+    out.exit = tl_exit_rule_active(&g->exit) ? &g->exit : NULL;
+    out.last_depth = &g->pass_depth;
     return out;
 }
 
@@ -198,11 +200,17 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         st = tl_fail(TL_ERR_UNSUPPORTED, "logit_bias and presence / frequency penalties with speculative "
                                          "decoding (draft_depth %d) are not supported", o->draft_depth);
     if (st == TL_OK) st = grammar_begin(g, o);
+    if (st == TL_OK) st = tl_context_check_exit(ctx, &o->exit, NULL, 0, o->depth, "exit");
+    if (st == TL_OK && tl_exit_rule_active(&o->exit) && o->draft_depth != 0)
+        st = tl_fail(TL_ERR_UNSUPPORTED, "an exit rule with speculative decoding (draft_depth %d) is not "
+                                         "supported: drafts and their verification run fixed depths", o->draft_depth);
     if (st != TL_OK) {
         tl_stream_end(g);
         return st;
     }
     g->depth = depth;
+    g->exit = o->exit;
+    g->token_depths = o->token_depths;
     /* logprobs and logit adjustments need every step's logits on the host, where the
      * token is then picked (the sampler's argmax and draws are the backend's, token for
      * token) */
@@ -215,7 +223,8 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
         return st;
     }
     /* a speculative round reads its drafts' tokens on the host */
-    g->chained = may_chain && g->pick.greedy && !g->spec.draft_depth && chain_available(ctx);
+    g->chained = may_chain && g->pick.greedy && !g->spec.draft_depth && !tl_exit_rule_active(&g->exit) &&
+                 chain_available(ctx);
     /* at most one token per free position, plus the last one that is never fed */
     size_t room = (size_t)ctx->max_seq - ctx->n_tokens - n_prompt + 1;
     g->max_tokens = (size_t)o->max_tokens;
@@ -239,6 +248,7 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     g->queued = g->chained;
     ctx->stream = g;
     g->depth = ctx->depth;
+    if (g->chained) g->pass_depth = g->depth;   /* chained steps ask for no depth */
     g->n_prompt = (uint32_t)n_prompt;
     g->base = ctx->n_tokens;
     return TL_OK;
@@ -331,6 +341,9 @@ static tl_status step_finish(struct tl_stream *g, tl_status st, int verified, do
     }
     /* after the EOS check: EOS is never returned, so its step's are not kept */
     if (host_sampled && g->lp.on) keep_logprobs(g, t);
+    if (g->token_depths) g->token_depths[g->n_generated] = g->spec.draft_depth ? g->depth : g->pass_depth;
+    g->last_depth = g->spec.draft_depth ? g->depth : g->pass_depth;
+    g->depth_sum += (uint64_t)g->last_depth;
     g->generated[g->n_generated++] = t;
     tl_logit_adjust_count(&g->pick.adjust, t);
     g->has_pending = g->spec.draft_depth ? tl_speculative_pending(g) : !g->ahead;
@@ -427,6 +440,13 @@ void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *r) {
     r->n_drafted = g->spec.n_drafted;
     r->n_accepted = g->spec.n_accepted;
     r->n_cached_tokens = g->n_cached;
+    r->mean_depth = g->n_generated ? (double)g->depth_sum / (double)g->n_generated : 0.0;
+}
+
+tl_status tl_stream_last_depth(const struct tl_stream *g, int32_t *depth) {
+    if (g->n_generated == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "the stream has returned no token yet");
+    *depth = g->last_depth;
+    return TL_OK;
 }
 
 tl_status tl_stream_token_logprobs(const struct tl_stream *g, float *token_logprob, int32_t *top_ids,

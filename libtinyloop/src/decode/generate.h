@@ -33,6 +33,8 @@ void tl_stream_abort(struct tl_stream *g);
  * never touches the context again. */
 void tl_stream_detach(struct tl_stream *g);
 void tl_stream_fill_result(const struct tl_stream *g, tl_generate_result *result);
+/* The depth of the pass that chose the last returned token (tl_stream_token_depth). */
+tl_status tl_stream_last_depth(const struct tl_stream *g, int32_t *depth);
 /* The last returned token's log-probability and alternatives (tl_stream_logprobs). */
 tl_status tl_stream_token_logprobs(const struct tl_stream *g, float *token_logprob, int32_t *top_ids,
                                    float *top_logprobs);

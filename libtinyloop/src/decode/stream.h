@@ -90,6 +90,12 @@ struct tl_stream {
     tl_stop_reason stop_reason;
     uint32_t n_prompt;
     uint32_t n_cached;             /* of the prompt, tokens loaded from a prefix cache */
+    /* adaptive depth (tl_generate_options.exit) */
+    tl_exit_rule exit;             /* kind fixed: every pass at depth                   */
+    int32_t pass_depth;            /* the depth of the last pass that chose a token     */
+    int32_t last_depth;            /* of the last token returned                        */
+    int32_t *token_depths;         /* the caller's: each returned token's pass's depth  */
+    uint64_t depth_sum;
     double prefill_seconds, decode_seconds;
 };
 

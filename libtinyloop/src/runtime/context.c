@@ -120,7 +120,8 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
     if (st == TL_OK) st = alloc_buffers(ctx);
     if (st == TL_OK)
         st = tl_kv_cache_init(&ctx->kv, ctx->be, model->kv_pool, tl_kv_slot_count(hp, ctx->loop_slots),
-                              ctx->max_seq, hp->n_kv_head * hp->head_dim);
+                              ctx->max_seq, hp->n_kv_head * hp->head_dim,
+                              model->load_opts.kv_dtype == TL_KV_DTYPE_F16);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
         tl_context_close(ctx);
@@ -210,6 +211,15 @@ static tl_forward_out chunk_request(const tl_forward_out *out, size_t c0, int ro
         chunk_out.row_logits = out->row_logits + c0 * (size_t)vocab;
         chunk_out.n_row_logits = out->n_row_logits - c0;
     }
+    /* adaptive depth: every chunk's rows follow the rule; depths per row */
+    chunk_out.exit = out->exit;
+    chunk_out.given_depths = out->given_depths ? out->given_depths + c0 : NULL;
+    chunk_out.depths = NULL;
+    chunk_out.n_depths = 0;
+    if (out->n_depths > c0) {
+        chunk_out.depths = out->depths + c0;
+        chunk_out.n_depths = out->n_depths - c0;
+    }
     return chunk_out;
 }
 
@@ -239,6 +249,33 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
         memcpy(ctx->tokens + start + c0, tokens + c0, (size_t)rows * sizeof *tokens);
         ctx->n_tokens = start + c0 + (size_t)rows;
     }
+    return TL_OK;
+}
+
+tl_status tl_context_check_exit(const struct tl_context *ctx, const tl_exit_rule *rule, const int32_t *given,
+                                size_t n, int32_t depth, const char *field) {
+    const tl_hparams *hp = &ctx->model->hp;
+    int active = tl_exit_rule_active(rule);
+    if (!active && !given) return TL_OK;
+    tl_status st = tl_exit_rule_check(rule, hp->exit_gate, hp->n_core > 0, field);
+    if (st != TL_OK) return st;
+    if (active && given)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "%s and given depths together: give one of them", field);
+    if (hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "given depths: the model has no loop (n_core = 0)");
+    if (ctx->loop_s)
+        return tl_fail(TL_ERR_UNSUPPORTED, "%s: the context keeps its loop states to deepen them, and its "
+                                           "positions would be at different depths", field);
+    if (!ctx->be->ops->kv_copy)
+        return tl_fail(TL_ERR_UNSUPPORTED, "%s: the %s backend cannot copy K/V rows between slots", field,
+                       ctx->be->name);
+    int L = 0;
+    st = tl_context_resolve_depth(ctx, depth, &L);
+    if (st != TL_OK) return st;
+    for (size_t i = 0; given && i < n; i++)
+        if (given[i] < 1 || given[i] > L)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "given depth %d at index %zu is out of range [1, %d]",
+                           given[i], i, L);
     return TL_OK;
 }
 

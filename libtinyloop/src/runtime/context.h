@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "runtime/context_state.h"
+#include "runtime/exit_rule.h"
 #include "runtime/forward.h"
 
 
@@ -26,6 +27,12 @@ void tl_context_close(struct tl_context *ctx);
 /* The loop depth an append at `depth` (0 = the sequence's, else the model default)
  * would run at; an error when out of range or different from the sequence's. */
 tl_status tl_context_resolve_depth(const struct tl_context *ctx, int32_t depth, int *resolved);
+/* Adaptive depth for appends to ctx at `depth` (0 = the sequence's or the model's): the
+ * rule (NULL or fixed: none) or n given depths (NULL: none; each in 1..the depth), not both;
+ * errors name `field`. Not with kept loop states (a deeper pass would continue rows at
+ * mixed depths). */
+tl_status tl_context_check_exit(const struct tl_context *ctx, const tl_exit_rule *rule, const int32_t *given,
+                                size_t n, int32_t depth, const char *field);
 /* Check token ids against the vocabulary. */
 tl_status tl_context_check_tokens(const struct tl_context *ctx, const int32_t *tokens,
                                   size_t n);

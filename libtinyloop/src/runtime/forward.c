@@ -5,12 +5,25 @@
 #include "runtime/forward.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 #include "backend/backend.h"
+#include "base/error.h"
 #include "base/logprobs.h"
 #include "model/model.h"
 #include "runtime/context_state.h"
+#include "runtime/exit_rule.h"
 #include "runtime/kv_cache.h"
+
+/* A batched step through the backend's row ops (backend.h: rope_store_rows,
+ * attention_rows): the rows' tokens, positions and depths, padded to n_pad rows when the
+ * backend records the step (padding: token 0, position -1, the last row's depth), the
+ * cache slots of the layer at hand, and the greedy tokens of argmax_rows. */
+typedef struct row_batch {
+    int n_pad;
+    int32_t *tokens, *pos, *depths, *argmax;
+    tl_act *k, *v;
+} row_batch;
 
 /* Everything the helpers below share for one chunk. */
 typedef struct fwd {
@@ -31,7 +44,14 @@ typedef struct fwd {
     int tree_first;
     const int32_t *row_depths;   /* a batched step's rows' depths, non-increasing; NULL:
                                     every row runs every iteration */
+    row_batch *rows;             /* a batched step through the row ops; NULL: row by row */
+    int n_real;                  /* a batched step's rows that are the batch's (the others
+                                    pad it to rows->n_pad) */
     float *exit_gates;           /* tl_forward_req.exit_gates: host, depth x n; or NULL */
+    tl_exit_tracker *exits;      /* adaptive depth (exit_rule.h): which rows still run; NULL =
+                                    every row to the pass's depth */
+    int exit_row0;               /* the tracker's row of the rows' row 0 (warm: one at a time) */
+    float *exit_host;            /* host scratch of the rules: states, probe logits */
 } fwd;
 
 /* A KV slot by what it caches; its index depends on the context (its KV policy maps
@@ -130,8 +150,8 @@ static void output_projection(const fwd *F, const tl_block_weights *w, tl_act at
  * the new keys and values go to the cache rows of `slot` through kv_store (or the
  * fused rope_store / matmul_rope_store), which take the slot's row 0 and pos0, so no
  * op is given an address that depends on the position (see step_begin). In a batched
- * step the projections run on every row at once and the rest row by row, each in its
- * own sequence's cache. */
+ * step the projections run on every row at once, and RoPE, the store and attention
+ * through the backend's row ops (each row in its own sequence's cache) or row by row. */
 static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_act x, int n, int pos0,
                       tl_act out, int accumulate) {
     tl_act q = buf0(F->ctx->q), att = buf0(F->ctx->att);
@@ -141,6 +161,20 @@ static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_
 
     if (F->batch) {
         qkv_rows(F, w, &in, n, q, k_new, v_new);
+        if (F->rows) {   /* every row's slot of this layer, then one op for all rows */
+            for (int r = 0; r < n; r++) {
+                tl_act none = { 0 };
+                const struct tl_context *row_ctx = r < F->n_real ? F->batch[r].ctx : NULL;
+                int index = row_ctx ? slot_index(F, row_ctx, slot) : 0;
+                F->rows->k[r] = row_ctx ? tl_kv_keys(&row_ctx->kv, index) : none;
+                F->rows->v[r] = row_ctx ? tl_kv_values(&row_ctx->kv, index) : none;
+            }
+            F->ops->rope_store_rows(F->ex, q, k_new, v_new, n, F->rows->pos, &F->rope, &F->geom, F->rows->k,
+                                    F->rows->v);
+            F->ops->attention_rows(F->ex, q, n, F->rows->pos, F->rows->k, F->rows->v, &F->geom, att);
+            output_projection(F, w, att, n, out, accumulate);
+            return;
+        }
         for (int r = 0; r < n; r++) {
             const struct tl_context *row_ctx = F->batch[r].ctx;
             int index = slot_index(F, row_ctx, slot), pos = F->batch[r].pos;
@@ -261,22 +295,132 @@ static int rows_in_iteration(const fwd *F, int n, int it) {
     return n;
 }
 
-/* The exit gate's logits of state rows s[0..n) after iteration `it`, to the host
- * (tmp is free between blocks). */
-static void exit_gate_logits(const fwd *F, tl_act s, int n, int it) {
+/* The exit gate's logits of state rows s[0..n) to the host at dst (tmp is free between
+ * blocks). */
+static void exit_gate_logits(const fwd *F, tl_act s, int n, float *dst) {
     tl_act g = buf0(F->ctx->tmp);
     F->ops->matmul(F->ex, &F->m->exit_gate_w, s, F->d, n, g, 1);
     F->ops->add_bias(F->ex, g, n, 1, &F->m->exit_gate_b);
-    F->ops->download(F->ex, F->exit_gates + (size_t)(it - 1) * n, g, (size_t)n);
+    F->ops->download(F->ex, dst, g, (size_t)n);
+}
+
+static void coda_rows(const fwd *F, tl_act x, int n, int pos0);
+
+/* Rows a.. of a pass as a pass of their own (a batch's rows carry their sequences). */
+static fwd rows_from(const fwd *F, int a) {
+    fwd R = *F;
+    if (R.batch) R.batch += a;
+    return R;
+}
+
+/* The next-token logits of state rows s[a, a + count) at their iteration, for the exit
+ * rules that compare distributions: the coda and the head on the rows (the draft head
+ * when the model has one), their states put back after. The coda writes its K/V slots at
+ * the rows' positions; the pass's own coda rewrites them. host: count x (d + vocab). */
+static void probe_logits(const fwd *F, tl_act s, int a, int count, int pos0, float *states, float *logits) {
+    const tl_draft_vocab *dv = F->m->draft.n > 0 ? &F->m->draft : NULL;
+    const tl_tensor *head = dv ? &dv->head : &F->m->output;
+    int V = dv ? dv->n : F->hp->vocab;
+    size_t ld = (size_t)V;
+    tl_act rows = tl_act_add(s, (size_t)a * F->d), out = buf0(F->ctx->logits);
+    fwd R = rows_from(F, a);
+    F->ops->download(F->ex, states, rows, (size_t)count * F->d);
+    coda_rows(&R, rows, count, pos0 + a);
+    for (int r0 = 0; r0 < count; r0 += F->ctx->logit_rows) {
+        int k = count - r0 < F->ctx->logit_rows ? count - r0 : F->ctx->logit_rows;
+        tl_matmul_in in = head_in(F, tl_act_add(rows, (size_t)r0 * F->d));
+        matmul_in(F, &head, 1, &in, k, &out, &ld, 0);
+        F->ops->download(F->ex, logits + (size_t)r0 * V, out, (size_t)k * V);
+    }
+    F->ops->upload(F->ex, rows, states, (size_t)count * F->d);
+}
+
+/* Row r (of the pass) stopped after iteration `it`: its K/V of that iteration fills the
+ * slots of the iterations up to `limit` that it skips, in every core block. */
+static void fill_skipped(const fwd *F, int r, int pos, int it, int limit) {
+    struct tl_context *c = F->batch ? F->batch[r].ctx : F->ctx;
+    for (int b = 0; b < F->hp->n_core; b++) {
+        int src = slot_index(F, c, (slot_id){ SLOT_CORE, b, it });
+        for (int later = it + 1; later <= limit; later++) {
+            int dst = slot_index(F, c, (slot_id){ SLOT_CORE, b, later });
+            if (dst != src)
+                F->ops->kv_copy(F->ex, tl_kv_keys(&c->kv, dst), tl_kv_values(&c->kv, dst), tl_kv_keys(&c->kv, src),
+                                tl_kv_values(&c->kv, src), pos, F->kvd);
+        }
+    }
+}
+
+/* Rows [lo, hi) of [0, n) that are maximal runs where want(t, row0 + r, it) holds. */
+typedef int (*row_test)(const tl_exit_tracker *t, int r, int it);
+static int next_run(const tl_exit_tracker *t, int row0, int n, int it, row_test want, int from, int *hi) {
+    int lo = from;
+    while (lo < n && !want(t, row0 + lo, it)) lo++;
+    int end = lo;
+    while (end < n && want(t, row0 + end, it)) end++;
+    *hi = end;
+    return lo;
+}
+
+static int is_running(const tl_exit_tracker *t, int r, int it) { (void)it; return t->running[r]; }
+
+/* After iteration `it` (0: the initial states): what each running row's rule reads, then
+ * the rule; a row that stops fills the slots it skips. */
+static void observe_rows(const fwd *F, tl_act s, int n, int pos0, int it) {
+    tl_exit_tracker *t = F->exits;
+    int row0 = F->exit_row0, d = F->d, V = t->vocab;
+    float *states = F->exit_host, *logits = states + (size_t)n * d;   /* n x d, then rows x V */
+    float *gates = logits + (size_t)F->ctx->chunk_rows * V;
+    for (int a = 0, b; (a = next_run(t, row0, n, it, tl_exit_needs_state, a, &b)) < n; a = b)
+        F->ops->download(F->ex, states + (size_t)a * d, tl_act_add(s, (size_t)a * d), (size_t)(b - a) * d);
+    for (int a = 0, b; it > 0 && (a = next_run(t, row0, n, it, tl_exit_needs_gate, a, &b)) < n; a = b)
+        exit_gate_logits(F, tl_act_add(s, (size_t)a * d), b - a, gates + a);
+    int probing = it > 0 && t->wants_probe;
+    for (int a = 0, b; probing && (a = next_run(t, row0, n, it, tl_exit_needs_probe, a, &b)) < n; a = b)
+        probe_logits(F, s, a, b - a, pos0, states + (size_t)a * d, logits + (size_t)a * V);
+    for (int r = 0; r < n; r++) {
+        int tr = row0 + r;
+        if (!t->running[tr]) continue;
+        int limit = t->limits ? t->limits[tr] : t->depth;
+        const float *state = tl_exit_needs_state(t, tr, it) ? states + (size_t)r * d : NULL;
+        const float *row_logits = probing && tl_exit_needs_probe(t, tr, it) ? logits + (size_t)r * V : NULL;
+        float gate = it > 0 && tl_exit_needs_gate(t, tr, it) ? gates[r] : NAN;
+        if (it == 0 && !state) continue;   /* only a state's change is measured from the start */
+        if (tl_exit_observe(t, tr, it, state, row_logits, gate))
+            fill_skipped(F, r, F->batch ? F->batch[r].pos : pos0 + r, it, limit);
+    }
+}
+
+/* Iterations from+1..depth of rows whose rules may stop them: each iteration runs the
+ * rows still in the loop, in runs of consecutive rows (a run sees the K/V the runs before
+ * it wrote at this iteration, as one call over all rows would). */
+static void adaptive_iterations(const fwd *F, tl_act s, tl_act e, int n, int pos0, int from, int depth) {
+    tl_exit_tracker *t = F->exits;
+    int row0 = F->exit_row0;
+    if (from == 0) observe_rows(F, s, n, pos0, 0);
+    for (int it = from + 1; it <= depth; it++) {
+        int ran = 0;
+        for (int a = 0, b; (a = next_run(t, row0, n, it, is_running, a, &b)) < n; a = b) {
+            fwd R = rows_from(F, a);
+            size_t at = (size_t)a * F->d;
+            core_iteration(&R, tl_act_add(s, at), tl_act_add(e, at), b - a, pos0 + a, it);
+            ran = 1;
+        }
+        if (!ran) break;
+        observe_rows(F, s, n, pos0, it);
+    }
 }
 
 /* The shared core, iterations from+1..depth; a row leaves when its depth is reached. */
 static void iterations(const fwd *F, tl_act s, tl_act e, int n, int pos0, int from, int depth) {
+    if (F->exits) {
+        adaptive_iterations(F, s, e, n, pos0, from, depth);
+        return;
+    }
     for (int it = from + 1; it <= depth; it++) {
         int rows = rows_in_iteration(F, n, it);
         if (rows == 0) break;
         core_iteration(F, s, e, rows, pos0, it);
-        if (F->exit_gates) exit_gate_logits(F, s, rows, it);
+        if (F->exit_gates) exit_gate_logits(F, s, rows, F->exit_gates + (size_t)(it - 1) * rows);
     }
 }
 
@@ -300,6 +444,7 @@ static void init_state(const fwd *F, tl_act h, int n, int pos0) {
                                F->hp->noise_truncation);
             break;
         }
+        if (F->batch && n > F->n_real) n = F->n_real;   /* padding needs no state */
         for (int r = 0; r < n; r++)   /* each row's noise is its own position's */
             F->ops->fill_noise(F->ex, tl_act_add(h, (size_t)r * F->d), 1, F->d, F->hp->noise_seed,
                                F->batch ? F->batch[r].pos : F->tree->pos[F->tree_first + r],
@@ -333,7 +478,9 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
         if (pos > 0)   /* position 0 starts from e, which s already holds */
             F->ops->copy_rows(F->ex, s, F->d, tl_act_add(warm, (size_t)(pos - 1) * F->d), F->d,
                               1, F->d);
-        core_loop(F, s, tl_act_add(e, (size_t)r * F->d), 1, pos, depth);
+        fwd R = *F;
+        R.exit_row0 = F->exit_row0 + r;
+        core_loop(&R, s, tl_act_add(e, (size_t)r * F->d), 1, pos, depth);
         F->ops->copy_rows(F->ex, tl_act_add(warm, (size_t)pos * F->d), F->d, s, F->d, 1, F->d);
     }
 }
@@ -358,7 +505,7 @@ static void store_loop_states(const fwd *F, int n, int pos0) {
         store_states_of(F, F->ctx, 0, n, pos0);
         return;
     }
-    for (int r = 0; r < n; r++) store_states_of(F, F->batch[r].ctx, r, 1, F->batch[r].pos);
+    for (int r = 0; r < n && r < F->n_real; r++) store_states_of(F, F->batch[r].ctx, r, 1, F->batch[r].pos);
 }
 
 /* The entropy (nats) of softmax(logits), in double: log S - sum e_i (x_i - max) / S with
@@ -485,12 +632,13 @@ static void embed_and_prelude(const fwd *F, const int32_t *tokens, int n, int po
 }
 
 /* The post-loop norm and the coda blocks on the final loop state in h. */
-static void coda(const fwd *F, int n, int pos0) {
-    tl_act h = buf0(F->ctx->h);
+static void coda_rows(const fwd *F, tl_act h, int n, int pos0) {
     if (F->hp->post_norm) F->ops->norm(F->ex, &F->m->post_loop_norm, &F->norm, h, n, F->d, h);
     for (int b = 0; b < F->hp->n_post; b++)
         block(F, &F->m->post[b], (slot_id){ SLOT_POST, b, 0 }, h, n, pos0);
 }
+
+static void coda(const fwd *F, int n, int pos0) { coda_rows(F, buf0(F->ctx->h), n, pos0); }
 
 static fwd fwd_for(struct tl_context *ctx) {
     const struct tl_model *m = ctx->model;
@@ -507,12 +655,14 @@ static fwd fwd_for(struct tl_context *ctx) {
 }
 
 /* The pages the pass's rows lack or share in their caches (kv_cache.h), before any op
- * runs, so that a full pool stops the pass with nothing written. */
+ * runs, so that a full pool stops the pass with nothing written. A batched step's rows'
+ * page tables are updated in order with the pass's ops (ctx's execution state), which
+ * read them. */
 static tl_status reserve(struct tl_context *ctx, const tl_forward_req *req, int pos0) {
     if (req->rows != TL_ROWS_BATCH) return tl_kv_cache_reserve(&ctx->kv, ctx->ex, pos0, req->n);
     for (int r = 0; r < req->n; r++) {
         struct tl_context *row_ctx = req->batch[r].ctx;
-        tl_status st = tl_kv_cache_reserve(&row_ctx->kv, row_ctx->ex, req->batch[r].pos, 1);
+        tl_status st = tl_kv_cache_reserve(&row_ctx->kv, ctx->ex, req->batch[r].pos, 1);
         if (st != TL_OK) return st;
     }
     return TL_OK;
@@ -563,18 +713,34 @@ static tl_status lens_pass(fwd *F, const tl_forward_req *req, const tl_forward_o
     return F->ops->status(F->ex);
 }
 
+/* Whether every row of a batched step through the row ops asks for its greedy token
+ * only: argmax_rows then gives them all (inside a recorded step, with the step). */
+static int greedy_rows(const fwd *F, const tl_forward_out *outs) {
+    if (!F->rows || !F->ops->argmax_rows || !outs) return 0;
+    for (int r = 0; r < F->n_real; r++)
+        if (!outs[r].last_token || outs[r].sample || outs[r].last_logits) return 0;
+    return 1;
+}
+
 /* A batched step's outputs: per row, its logits and/or its next token (argmax, or the
- * row's sample step), from the same normed head matmul as a one-row step's. */
-static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs) {
+ * row's sample step), from the same normed head matmul as a one-row step's. `greedy`
+ * (greedy_rows): the argmax of all n rows, padding included (the step keeps its shape),
+ * into rows->argmax by argmax_rows. */
+static void batch_outputs(const fwd *F, int n, const tl_forward_out *outs, int greedy) {
     struct tl_context *ctx = F->ctx;
     tl_act h = buf0(ctx->h), logits = buf0(ctx->logits);
     const tl_tensor *head = &F->m->output;
     int V = F->hp->vocab;
     size_t ld_logits = (size_t)V;
+    if (!greedy) n = F->n_real;
     for (int r0 = 0; r0 < n; r0 += ctx->logit_rows) {
         int rows = n - r0 < ctx->logit_rows ? n - r0 : ctx->logit_rows;
         tl_matmul_in in = head_in(F, tl_act_add(h, (size_t)r0 * F->d));
         matmul_in(F, &head, 1, &in, rows, &logits, &ld_logits, 0);
+        if (greedy) {
+            F->ops->argmax_rows(F->ex, logits, rows, V, ld_logits, F->rows->argmax + r0);
+            continue;
+        }
         for (int r = r0; r < r0 + rows; r++) {
             const tl_forward_out *o = &outs[r];
             tl_act row = tl_act_add(logits, (size_t)(r - r0) * V);
@@ -606,12 +772,89 @@ static void draft_row_logits(const fwd *F, int n, float *rows) {
     }
 }
 
-/* The outputs of a pass whose coda output is in h. */
-static void pass_outputs(const fwd *F, const tl_forward_req *req, int pos0, const tl_forward_out *out) {
+/* The outputs of a pass of n rows whose coda output is in h. */
+static void pass_outputs(const fwd *F, const tl_forward_req *req, int n, int pos0, const tl_forward_out *out,
+                         int greedy) {
     if (!out) return;
-    if (req->rows == TL_ROWS_BATCH) batch_outputs(F, req->n, out);
+    if (req->rows == TL_ROWS_BATCH) batch_outputs(F, n, out, greedy);
     else if (req->rows == TL_ROWS_TREE && out->draft && out->row_logits) draft_row_logits(F, req->n, out->row_logits);
     else outputs(F, req->n, pos0, out);
+}
+
+/* A batched pass through the backend's row ops: its rows' arrays (for up to the context's
+ * chunk rows, the most a step may be padded to) in one allocation; NULL without them. */
+static row_batch *row_batch_new(const struct tl_context *ctx) {
+    size_t cap = (size_t)ctx->chunk_rows;
+    row_batch *b = malloc(sizeof *b + cap * (4 * sizeof(int32_t) + 2 * sizeof(tl_act)));
+    if (!b) return NULL;
+    b->k = (tl_act *)(b + 1);
+    b->v = b->k + cap;
+    b->tokens = (int32_t *)(b->v + cap);
+    b->pos = b->tokens + cap;
+    b->depths = b->pos + cap;
+    b->argmax = b->depths + cap;
+    return b;
+}
+
+/* The step's rows padded to n_pad (row_batch). */
+static void row_batch_fill(row_batch *b, const tl_forward_req *req, int n_pad) {
+    int n = req->n;
+    b->n_pad = n_pad;
+    for (int r = 0; r < n_pad; r++) {
+        b->tokens[r] = r < n ? req->tokens[r] : 0;
+        b->pos[r] = r < n ? req->batch[r].pos : -1;
+        if (req->row_depths) b->depths[r] = req->row_depths[r < n ? r : n - 1];
+    }
+}
+
+/* A batched step may be recorded unless a per-row op outside the row ops depends on its
+ * rows' positions: the noise init, or a row's context keeping its loop states. */
+static int batch_recordable(const fwd *F, const tl_forward_req *req) {
+    if (F->hp->state_init == TL_INIT_NOISE) return 0;
+    for (int r = 0; r < req->n; r++)
+        if (req->batch[r].ctx->loop_s) return 0;
+    return 1;
+}
+
+/* Whether the pass's rows may stop early: an exit rule or given depths in `out`. */
+static int adaptive_pass(const tl_forward_req *req, const tl_forward_out *out, int depth) {
+    if (!out || depth == 0 || req->start != TL_START_EMBED || req->rows == TL_ROWS_TREE) return 0;
+    if (req->rows == TL_ROWS_SEQUENCE) return tl_exit_rule_active(out->exit) || out->given_depths != NULL;
+    for (int r = 0; r < req->n; r++)
+        if (tl_exit_rule_active(out[r].exit)) return 1;
+    return 0;
+}
+
+/* The tracker of an adaptive pass and its host scratch (observe_rows). */
+static tl_status exits_begin(fwd *F, const tl_forward_req *req, const tl_forward_out *out, int depth,
+                             tl_exit_tracker *t, const tl_exit_rule ***rules) {
+    int n = req->n, batch = req->rows == TL_ROWS_BATCH;
+    int V = F->m->draft.n > 0 ? F->m->draft.n : F->hp->vocab;
+    *rules = malloc((size_t)n * sizeof **rules);
+    if (!*rules) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate the exit rules of %d rows", n);
+    for (int r = 0; r < n; r++) (*rules)[r] = batch ? out[r].exit : out->exit;
+    tl_status st = tl_exit_tracker_init(t, n, F->d, V, depth, *rules, batch ? req->row_depths : NULL,
+                                        batch ? NULL : out->given_depths);
+    if (st != TL_OK) return st;
+    size_t floats = (size_t)n * F->d + (size_t)F->ctx->chunk_rows * (t->wants_probe ? V : 0) + (size_t)n;
+    F->exit_host = malloc(floats * sizeof(float));
+    if (!F->exit_host) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate the exit rules' scratch");
+    F->exits = t;
+    return TL_OK;
+}
+
+/* The depth each row ran, where `out` asks for it. */
+static void report_depths(const fwd *F, const tl_forward_req *req, const tl_forward_out *out, int depth) {
+    if (!out) return;
+    for (int r = 0; r < req->n; r++) {
+        int ran = F->exits ? F->exits->ran[r] : req->rows == TL_ROWS_BATCH && req->row_depths ? req->row_depths[r] : depth;
+        if (req->rows == TL_ROWS_BATCH) {
+            if (out[r].last_depth) *out[r].last_depth = ran;
+            continue;
+        }
+        if ((size_t)r < out->n_depths) out->depths[r] = ran;
+        if (r == req->n - 1 && out->last_depth) *out->last_depth = ran;
+    }
 }
 
 tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl_forward_out *out) {
@@ -626,18 +869,50 @@ tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl
     F.tree_first = req->tree_first;
     F.row_depths = req->rows == TL_ROWS_BATCH ? req->row_depths : NULL;
     F.exit_gates = req->exit_gates;
+    F.n_real = req->n;
     if (req->lens) return lens_pass(&F, req, out);
     int n = req->n, depth = F.hp->n_core > 0 ? req->depth : 0;
-    /* a decode step's layers may be recorded once and replayed (backend.h) */
+    tl_exit_tracker tracker;
+    const tl_exit_rule **rules = NULL;
+    if (adaptive_pass(req, out, depth)) {
+        st = exits_begin(&F, req, out, depth, &tracker, &rules);
+        if (st == TL_OK && !F.ops->kv_copy)
+            st = tl_fail(TL_ERR_UNSUPPORTED, "exit rules: the %s backend cannot copy K/V rows between "
+                                             "slots", ctx->be->name);
+        if (st != TL_OK) {
+            if (F.exits) tl_exit_tracker_free(F.exits);
+            free(F.exit_host);
+            free(rules);
+            return st;
+        }
+    }
+    /* a decode step's layers may be recorded once and replayed (backend.h); an adaptive
+     * step's ops depend on its values */
     int step = req->rows == TL_ROWS_SEQUENCE && req->start == TL_START_EMBED && n == 1 &&
-               F.ops->step_begin && F.ops->step_end;
+               F.ops->step_begin && F.ops->step_end && !F.exits;
+    /* a batched step through the row ops, padded and recorded where the backend does so
+     * (an adaptive one goes row by row: its runs of rows change from iteration to iteration) */
+    const int32_t *tokens = req->tokens;
+    if (req->rows == TL_ROWS_BATCH && req->start == TL_START_EMBED && !F.exits && F.ops->rope_store_rows &&
+        F.ops->attention_rows) {
+        F.rows = row_batch_new(ctx);
+        if (!F.rows) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %d rows", n);
+    }
+    int batch_step = F.rows && F.ops->batch_step_begin && F.ops->step_end;
+    if (F.rows) {
+        int n_pad = batch_step ? F.ops->batch_step_begin(F.ex, n, ctx->chunk_rows, batch_recordable(&F, req)) : n;
+        row_batch_fill(F.rows, req, n_pad);
+        n = n_pad;
+        tokens = F.rows->tokens;
+        if (req->row_depths) F.row_depths = F.rows->depths;
+    }
 
     if (step) F.ops->step_begin(F.ex, pos0);
     if (step && out && out->token_on_device) F.ops->step_token_on_device(F.ex);
     tl_act h = buf0(ctx->h), e = buf0(ctx->e);
     switch (req->start) {
     case TL_START_EMBED:
-        embed_and_prelude(&F, req->tokens, n, pos0);
+        embed_and_prelude(&F, tokens, n, pos0);
         run_loop(&F, n, pos0, depth);
         break;
     case TL_START_RESUMED:
@@ -661,11 +936,20 @@ tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl
         F.ops->copy_rows(F.ex, out->keep_s, F.d, h, F.d, n, F.d);
     }
     coda(&F, n, pos0);
-    /* A chained token is the step's last op: head and argmax are recorded with it. Other
-     * outputs come back to the host, which ends a recording, so they follow the step. */
-    int outputs_in_step = step && out && out->chain_token && !out->last_logits && out->n_targets == 0;
-    if (step && !outputs_in_step) F.ops->step_end(F.ex);
-    pass_outputs(&F, req, pos0, out);
+    /* A chained token is the step's last op: head and argmax are recorded with it, as are
+     * a batched step's greedy tokens (argmax_rows). Other outputs come back to the host,
+     * which ends a recording, so they follow the step. */
+    int greedy = req->rows == TL_ROWS_BATCH && greedy_rows(&F, out);
+    int outputs_in_step = (step && out && out->chain_token && !out->last_logits && out->n_targets == 0) ||
+                          (batch_step && greedy);
+    if ((step || batch_step) && !outputs_in_step) F.ops->step_end(F.ex);
+    pass_outputs(&F, req, n, pos0, out, greedy);
     if (outputs_in_step) F.ops->step_end(F.ex);
+    for (int r = 0; greedy && r < F.n_real; r++) *out[r].last_token = F.rows->argmax[r];
+    free(F.rows);
+    report_depths(&F, req, out, depth);
+    if (F.exits) tl_exit_tracker_free(F.exits);
+    free(F.exit_host);
+    free(rules);
     return F.ops->status(F.ex);
 }

@@ -54,6 +54,16 @@ typedef struct tl_forward_out {
                                   output) added to it; a SEQUENCE pass. hidden_row: a
                                   host scratch of d floats                            */
     float *hidden_row;
+    /* adaptive depth (docs/model.md, "Adaptive depth"; TL_START_EMBED passes, not the logit
+     * lens): each row's loop stops after the iteration where `exit` says its token has
+     * converged (BATCH: each row's own out's), or at given_depths[i] (SEQUENCE); the
+     * iterations it skips get its last K/V. The depth each row ran: depths[i] for rows i <
+     * n_depths, *last_depth for the last row (BATCH: each row's)                        */
+    const tl_exit_rule *exit;
+    const int32_t *given_depths;
+    int32_t *depths;
+    size_t n_depths;
+    int32_t *last_depth;
     tl_act keep_e, keep_s;     /* a one-row draft: where its injection source and its loop
                                   state before the coda go (.buf NULL: not kept), for a
                                   TL_START_RESUMED verification; not on a backend that

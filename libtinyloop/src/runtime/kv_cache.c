@@ -29,11 +29,16 @@ int tl_kv_slot_post(const tl_hparams *hp, int loop_slots, int b) {
 
 /* ---- the pool ------------------------------------------------------------------ */
 
-tl_status tl_kv_pool_create(tl_backend *be, int page_size, uint64_t cap_bytes, tl_kv_pool **out) {
+tl_status tl_kv_buf_alloc(tl_backend *be, int f16, size_t n, tl_buf **out) {
+    return f16 ? be->ops->buf_alloc_f16(be, n, out) : be->ops->buf_alloc(be, n, out);
+}
+
+tl_status tl_kv_pool_create(tl_backend *be, int page_size, uint64_t cap_bytes, int f16, tl_kv_pool **out) {
     tl_kv_pool *p = calloc(1, sizeof *p);
     if (!p) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate the KV page pool");
     p->be = be;
     p->page_size = page_size;
+    p->f16 = f16;
     p->cap_bytes = cap_bytes;
     pthread_mutex_init(&p->lock, NULL);
     *out = p;
@@ -53,6 +58,7 @@ void tl_kv_pool_usage(tl_kv_pool *p, uint64_t *bytes, uint64_t *pages) {
     pthread_mutex_unlock(&p->lock);
 }
 
+/* Elements of a page (floats, or halves when f16). */
 static size_t page_floats(const tl_kv_cache *kv) {
     return 2 * (size_t)kv->n_slots * (size_t)kv->page_size * (size_t)kv->kv_dim;
 }
@@ -60,7 +66,7 @@ static size_t page_floats(const tl_kv_cache *kv) {
 /* A new page (one reference), counted against the cap. */
 static tl_status page_new(tl_kv_cache *kv, tl_kv_page **out) {
     tl_kv_pool *p = kv->pool;
-    size_t bytes = page_floats(kv) * sizeof(float);
+    size_t bytes = page_floats(kv) * tl_kv_elem_bytes(kv->f16);
     pthread_mutex_lock(&p->lock);
     int over = p->cap_bytes && p->bytes + bytes > p->cap_bytes;
     uint64_t held = p->bytes, pages = p->pages;
@@ -76,7 +82,7 @@ static tl_status page_new(tl_kv_cache *kv, tl_kv_page **out) {
                        (unsigned long long)p->cap_bytes, (unsigned long long)pages, p->page_size,
                        (unsigned long long)held, bytes);
     tl_kv_page *pg = calloc(1, sizeof *pg);
-    tl_status st = pg ? kv->be->ops->buf_alloc(kv->be, page_floats(kv), &pg->buf) : TL_ERR_OUT_OF_MEMORY;
+    tl_status st = pg ? tl_kv_buf_alloc(kv->be, kv->f16, page_floats(kv), &pg->buf) : TL_ERR_OUT_OF_MEMORY;
     if (st != TL_OK) {
         free(pg);
         pthread_mutex_lock(&p->lock);
@@ -116,9 +122,10 @@ static void table_set(tl_kv_cache *kv, tl_exec *ex, int i, tl_kv_page *pg) {
 /* ---- the cache ------------------------------------------------------------------ */
 
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, int n_slots, int max_seq,
-                           int kv_dim) {
+                           int kv_dim, int f16) {
     memset(kv, 0, sizeof *kv);
     kv->be = be;
+    kv->f16 = pool ? pool->f16 : f16;
     kv->n_slots = n_slots;
     kv->max_seq = max_seq;
     kv->kv_dim = kv_dim;
@@ -130,7 +137,7 @@ tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, in
         kv->n_pages = (max_seq + pool->page_size - 1) / pool->page_size;
         kv->pages = calloc((size_t)kv->n_pages, sizeof *kv->pages);
         tl_status st = kv->pages ? be->ops->page_table_create(be, kv->n_pages, kv->page_size, n_slots, kv_dim,
-                                                              &kv->k, &kv->v)
+                                                              kv->f16, &kv->k, &kv->v)
                                  : tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a KV page table");
         if (st != TL_OK) {
             free(kv->pages);
@@ -139,14 +146,15 @@ tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, in
         }
         return st;
     }
-    tl_status st = be->ops->buf_alloc(be, count, &kv->k);
-    if (st == TL_OK) st = be->ops->buf_alloc(be, count, &kv->v);
+    tl_status st = tl_kv_buf_alloc(be, kv->f16, count, &kv->k);
+    if (st == TL_OK) st = tl_kv_buf_alloc(be, kv->f16, count, &kv->v);
     if (st != TL_OK) {
         tl_kv_cache_free(kv);
         return tl_fail(TL_ERR_OUT_OF_MEMORY,
-                       "cannot allocate the KV cache: %d slots x %d positions x %d floats, "
+                       "cannot allocate the KV cache: %d slots x %d positions x %d %s, "
                        "twice (%zu bytes); lower max_seq_len or max_depth",
-                       n_slots, max_seq, kv_dim, 2 * count * sizeof(float));
+                       n_slots, max_seq, kv_dim, kv->f16 ? "halves" : "floats",
+                       2 * count * tl_kv_elem_bytes(kv->f16));
     }
     return TL_OK;
 }
@@ -168,7 +176,7 @@ void tl_kv_cache_free(tl_kv_cache *kv) {
 
 size_t tl_kv_cache_bytes(const tl_kv_cache *kv) {
     if (kv->pool) return 0;
-    return 2 * (size_t)kv->n_slots * (size_t)kv->max_seq * (size_t)kv->kv_dim * sizeof(float);
+    return 2 * (size_t)kv->n_slots * (size_t)kv->max_seq * (size_t)kv->kv_dim * tl_kv_elem_bytes(kv->f16);
 }
 
 /* Row 0 of a slot: max_seq rows apart when contiguous, page_size rows apart inside a

@@ -1,6 +1,7 @@
 /* kv_cache.h — K/V rows of one sequence, one slot per virtual layer
  * (docs/model.md: prelude, every loop iteration of every core block, coda). Keys are
- * stored after RoPE, as f32 rows of n_kv_head * head_dim in backend buffers.
+ * stored after RoPE, as rows of n_kv_head * head_dim elements in backend buffers: f32,
+ * or fp16 with the load option kv_dtype f16 (buf_alloc_f16; offsets stay in elements).
  *
  * Two layouts (docs/model.md, "KV cache layout"):
  *   contiguous (the default): one buffer per plane, [n_slots][max_seq][kv_dim];
@@ -22,6 +23,7 @@
 typedef struct tl_kv_pool {
     tl_backend *be;
     int page_size;            /* positions per page, a power of two */
+    int f16;                  /* pages of fp16 elements (kv_dtype f16) */
     uint64_t cap_bytes;       /* 0 = no cap */
     pthread_mutex_t lock;     /* guards the counters */
     uint64_t bytes, pages;    /* pages allocated (all in use: a page is freed at its last
@@ -40,6 +42,7 @@ typedef struct tl_kv_cache {
     tl_buf *k, *v;          /* contiguous: [n_slots][max_seq][kv_dim] each; paged: the
                                page table's views of every slot's keys and values */
     int n_slots, max_seq, kv_dim;
+    int f16;                  /* fp16 elements (kv_dtype f16), else f32 */
     /* paged only (pool != NULL) */
     tl_kv_pool *pool;
     int page_size, n_pages;   /* table entries: max_seq / page_size rounded up */
@@ -55,14 +58,20 @@ int tl_kv_slot_pre(const tl_hparams *hp, int b);
 int tl_kv_slot_core(const tl_hparams *hp, int loop_slots, int iteration, int c);
 int tl_kv_slot_post(const tl_hparams *hp, int loop_slots, int b);
 
-/* Pool of pages of page_size positions up to cap_bytes (0 = no cap). */
-tl_status tl_kv_pool_create(tl_backend *be, int page_size, uint64_t cap_bytes, tl_kv_pool **out);
+/* Storage of n KV elements, fp16 (f16) or f32, and the bytes of one. */
+tl_status tl_kv_buf_alloc(tl_backend *be, int f16, size_t n, tl_buf **out);
+static inline size_t tl_kv_elem_bytes(int f16) { return f16 ? 2 : 4; }
+
+/* Pool of pages of page_size positions up to cap_bytes (0 = no cap), of fp16 elements
+ * when f16. */
+tl_status tl_kv_pool_create(tl_backend *be, int page_size, uint64_t cap_bytes, int f16, tl_kv_pool **out);
 void tl_kv_pool_destroy(tl_kv_pool *pool);
 void tl_kv_pool_usage(tl_kv_pool *pool, uint64_t *bytes, uint64_t *pages);
 
-/* pool NULL: contiguous; else paged (no page is taken yet). */
+/* pool NULL: contiguous (of fp16 elements when f16); else paged (no page is taken yet,
+ * the pool's element type). */
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, int n_slots, int max_seq,
-                           int kv_dim);
+                           int kv_dim, int f16);
 void tl_kv_cache_free(tl_kv_cache *kv);
 /* Bytes the context holds on its own: the contiguous buffers; 0 when paged (the pool
  * counts pages). */

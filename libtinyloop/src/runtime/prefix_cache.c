@@ -45,16 +45,18 @@ static void free_cache(struct tl_prefix_cache *c) {
     free(c);
 }
 
-static tl_status alloc_rows(struct tl_prefix_cache *c, size_t count, tl_buf **out) {
-    tl_status st = c->model->backend->ops->buf_alloc(c->model->backend, count, out);
+/* `count` elements: floats, or the KV cache's elements for `kv` rows (kv_dtype). */
+static tl_status alloc_rows(struct tl_prefix_cache *c, size_t count, int kv, tl_buf **out) {
+    int f16 = kv && c->model->load_opts.kv_dtype == TL_KV_DTYPE_F16;
+    tl_status st = tl_kv_buf_alloc(c->model->backend, f16, count, out);
     if (st != TL_OK)
         return tl_fail(st, "prefix cache of %zu tokens: %s", c->n_tokens, tl_error_message());
-    c->bytes += count * sizeof(float);
-    c->own_bytes += count * sizeof(float);
+    c->bytes += count * tl_kv_elem_bytes(f16);
+    c->own_bytes += count * tl_kv_elem_bytes(f16);
     return TL_OK;
 }
 
-/* Rows [0, n) of `width` floats, from one buffer to another (either may be the cache's). */
+/* Rows [0, n) of `width` elements, from one buffer to another (either may be the cache's). */
 static void copy_prefix_rows(tl_exec *ex, const tl_backend_ops *ops, tl_act dst, tl_act src,
                              size_t n, int width) {
     ops->copy_rows(ex, dst, (size_t)width, src, (size_t)width, (int)n, width);
@@ -88,13 +90,13 @@ tl_status tl_prefix_cache_snapshot(struct tl_context *ctx, size_t n, struct tl_p
         st = tl_kv_cache_share(&ctx->kv, ctx->loop_slots, (int)n, &c->pages);
         if (st == TL_OK) c->bytes += tl_kv_page_list_bytes(&c->pages);
     } else if (kv_rows > 0) {
-        st = alloc_rows(c, kv_rows * kvd, &c->k);
-        if (st == TL_OK) st = alloc_rows(c, kv_rows * kvd, &c->v);
+        st = alloc_rows(c, kv_rows * kvd, 1, &c->k);
+        if (st == TL_OK) st = alloc_rows(c, kv_rows * kvd, 1, &c->v);
     }
     tl_buf *const from[] = { ctx->warm, ctx->loop_e, ctx->loop_s };
     tl_buf **to[] = { &c->warm, &c->loop_e, &c->loop_s };
     for (int i = 0; i < 3 && st == TL_OK; i++)
-        if (from[i]) st = alloc_rows(c, n * d, to[i]);
+        if (from[i]) st = alloc_rows(c, n * d, 0, to[i]);
     if (st == TL_OK) {
         count_bytes(c->model, (int64_t)c->own_bytes);
         for (int s = 0; s < c->n_slots && !paged; s++) {

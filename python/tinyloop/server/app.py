@@ -8,6 +8,7 @@ comes back to the event loop through a queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -399,11 +400,15 @@ async def _generate(request: Request, parsed, chat: bool) -> Response:
             body = await loop.run_in_executor(state.executor, run)
         except ClientGone:
             return Response(status_code=499)   # no one is listening
+        except asyncio.CancelledError:   # a server that cancels on a disconnect (Ray Serve's)
+            gone.set()
+            raise
         finally:
             watcher.cancel()
         return json_response(200, body, headers)
 
     queue: asyncio.Queue = asyncio.Queue()
+    produced = asyncio.Event()   # the worker is done (and the usage known)
 
     def put(item) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -420,9 +425,18 @@ async def _generate(request: Request, parsed, chat: bool) -> Response:
         finally:
             done()
             put(None)
+            loop.call_soon_threadsafe(produced.set)
+
+    def cut() -> None:
+        gone.set()
+        gone_async.set()
 
     loop.run_in_executor(state.executor, produce)
-    first = await queue.get()
+    try:
+        first = await queue.get()
+    except asyncio.CancelledError:
+        cut()
+        raise
     if isinstance(first, BaseException) or first is None:
         watcher.cancel()
         if isinstance(first, RequestError):
@@ -437,32 +451,41 @@ async def _generate(request: Request, parsed, chat: bool) -> Response:
             return None, False
         return item, False
 
-    return _Stream(first, rest, headers, watcher)
+    return _Stream(first, rest, headers, watcher, cut, produced)
 
 
 class _Stream(Response):
-    """A generation's server-sent events: `first`, then what `rest()` gives until None."""
+    """A generation's server-sent events: `first`, then what `rest()` gives until None.
+    Cut short (the task cancelled, a send failing), it stops the generation (`cut`) and
+    waits a moment for the worker (`produced`), so that the access log has its usage."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, first, rest, headers: dict, watcher):
+    def __init__(self, first, rest, headers: dict, watcher, cut, produced: asyncio.Event):
         self.first, self._rest, self._watcher = first, rest, watcher
+        self._cut, self._produced = cut, produced
         self.status_code = 200
         self.background = None
         self.init_headers({**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         item = self.first
+        ended = False
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             while item is not None:
                 data = item if isinstance(item, str) else json.dumps(item)
                 await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
                             "more_body": True})
                 item, _ = await self._rest()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ended = True
         finally:
             self._watcher.cancel()
+            if not ended:
+                self._cut()
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self._produced.wait(), 5)
 
 
 # -- errors -----------------------------------------------------------------------------------

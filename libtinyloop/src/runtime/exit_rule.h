@@ -24,6 +24,8 @@ typedef struct tl_exit_tracker {
                                             deepest iteration any row may run */
     const tl_exit_rule *const *rules;    /* row r's rule (entries may be NULL: fixed) */
     const int32_t *given;                /* row r's depth given instead; NULL = none */
+    const int32_t *limits;               /* row r's deepest iteration (its sequence's depth);
+                                            NULL = depth */
     int32_t *ran;                        /* iterations row r has run */
     unsigned char *running;              /* row r still in the loop */
     float *states;                       /* rows' states after the last observed iteration
@@ -35,10 +37,12 @@ typedef struct tl_exit_tracker {
     int wants_states, wants_probe, wants_gate;
 } tl_exit_tracker;
 
-/* A tracker of n rows at most `depth` iterations (row r's rule rules[r]; given: depths
- * given per row, or NULL). vocab: the probe's logits per row (kl, entropy, argmax). */
+/* A tracker of n rows at most `depth` iterations (row r's rule rules[r], its limit
+ * limits[r] <= depth or NULL; given: depths given per row, or NULL). vocab: the probe's
+ * logits per row (kl, entropy, argmax). */
 tl_status tl_exit_tracker_init(tl_exit_tracker *t, int n, int d, int vocab, int depth,
-                               const tl_exit_rule *const *rules, const int32_t *given);
+                               const tl_exit_rule *const *rules, const int32_t *limits,
+                               const int32_t *given);
 void tl_exit_tracker_free(tl_exit_tracker *t);
 
 /* What row r's rule reads after iteration it (it = 0: the initial state). */
