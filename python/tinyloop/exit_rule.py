@@ -24,6 +24,10 @@ EXIT_KINDS = {"fixed": 0, "kl": 1, "entropy_delta": 2, "latent_delta": 3, "argma
 #: the rules that compare against a threshold (argmax_stable counts iterations, fixed
 #: never exits)
 THRESHOLD_RULES = ("kl", "entropy_delta", "latent_delta", "gate")
+#: the rules that read each iteration's next-token distribution, a probe through the coda
+#: and head whose K/V the other rows of the same forward call see (docs/model.md,
+#: "Adaptive depth"): their depths depend on how the sequence was split into calls
+PROBE_RULES = ("kl", "entropy_delta", "argmax_stable")
 _KEYS = ("rule", "threshold", "min_depth", "patience")
 _INT32_MAX = 2**31 - 1
 
@@ -58,6 +62,11 @@ class ExitRule:
     def active(self) -> bool:
         """Whether the rule may stop a token's loop early (not `fixed`)."""
         return self.kind != "fixed"
+
+    @property
+    def probes(self) -> bool:
+        """Whether the rule reads each iteration's next-token distribution (PROBE_RULES)."""
+        return self.kind in PROBE_RULES
 
     def __str__(self) -> str:
         """The string parse() reads back, e.g. "kl:0.001" or "argmax_stable:3,min_depth=2"."""

@@ -22,10 +22,15 @@ conversation; at capacity the best match is taken (the least recently used on a 
 Contexts beyond capacity (made while every one was busy) are closed on return, the least
 recently used first.
 
-Under an exit rule (adaptive depth) each token's depth depends on the tokens before it
-alone, so a sequence truncated and extended under the same rule is the sequence a fresh
-run under it gives: a kept sequence serves requests of its own exit rule and depth only
-(never deepened, and never one of another rule).
+Under an exit rule (adaptive depth) that reads only the loop state (latent_delta, gate) each
+token's depth depends on the tokens before it alone, so a sequence truncated and extended
+under the same rule is the sequence a fresh run under it gives: a kept sequence serves
+requests of its own exit rule and depth only (never deepened, and never one of another
+rule). A rule that probes the next-token distribution (kl, entropy_delta, argmax_stable)
+sees the probe K/V of the rows of its own forward call, so its depths depend on where the
+calls split the sequence: its sequences are never reused (each request runs its whole
+prompt). The library runs no exit rule on a context that keeps loop states (to deepen
+them), so such requests get contexts that keep none.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ class PromptCache:
         """Prompt tokens `seq` can keep for a request at `depth` under the `exit` rule: its
         shared start with the prompt, less the prompt's last token; none when its depth is
         deeper (a loop state cannot be undone) or shallower without kept loop states, or
-        when either runs an exit rule and the two differ in rule or depth."""
-        if not seq.tokens or seq.exit != exit:
+        when either runs an exit rule and the two differ in rule or depth, or the rule
+        probes (module docstring)."""
+        if not seq.tokens or seq.exit != exit or (exit is not None and exit.probes):
             return 0
         deepens = seq.keeps_loop_states and seq.depth < depth and exit is None
         if seq.depth != depth and not deepens:
@@ -106,7 +112,9 @@ class PromptCache:
             return True
         return keep > 0 and shared_start(seq.tokens, prompt) == min(len(seq.tokens), len(prompt))
 
-    def _new_sequence(self) -> CachedSequence:
+    def _new_sequence(self, exit) -> CachedSequence:
+        if exit is not None:   # the library runs no exit rule on a context keeping loop states
+            return CachedSequence(self._model.context())
         try:
             return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
         except UnsupportedError:   # no loop, a warm state init or a shared KV: nothing to deepen
@@ -122,6 +130,8 @@ class PromptCache:
         with self._lock:
             best, keep = None, 0
             for seq in self._idle:   # least recently used first: it wins a tie
+                if exit is not None and seq.keeps_loop_states:
+                    continue   # a context that keeps loop states cannot run the rule
                 n = self._reusable(seq, prompt, depth, exit)
                 if best is None or n > keep or (n == keep and seq.depth == depth != best.depth):
                     best, keep = seq, n
@@ -132,7 +142,7 @@ class PromptCache:
                 self._live += 1
         if best is None:
             try:
-                best = self._new_sequence()
+                best = self._new_sequence(exit)
             except BaseException:
                 with self._lock:
                     self._live -= 1

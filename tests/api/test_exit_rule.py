@@ -4,13 +4,17 @@ library's, tested with it; here their shapes and bounds, and the fixed rule's), 
 table and `--exit`."""
 
 import re
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 
+import textmodel
 import tinyloop
 from cli_run import last_json, run
+from tinyloop.chat_template import load_chat_template
 from tinyloop.config import parse_config
 from tinyloop.exit_rule import EXIT_KINDS, ExitRule, ExitRuleError, exit_rule
 from tinyloop.model import _GenerateOptions
@@ -41,6 +45,7 @@ def test_parse(text, rule):
     assert ExitRule.parse(str(parsed)) == parsed == ExitRule.parse(parsed.as_dict())
     assert ExitRule.parse(parsed) is parsed
     assert parsed.active == (parsed.kind != "fixed")
+    assert parsed.probes == (parsed.kind in ("kl", "entropy_delta", "argmax_stable"))
 
 
 def test_no_rule_is_none():
@@ -291,3 +296,20 @@ def test_speculative_modes_leave_a_generation_with_an_exit_rule_alone():
         options = {"max_tokens": 4, "exit": rule}
         add_drafts(options, draft_depth=1, n_draft=3)
         assert options["draft_depth"] == 1
+
+
+def test_cli_chat_under_an_exit_rule_continues_its_sequence(tmp_path):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    path = tmp_path / "chat.tinyloop"
+    textmodel.make_text_model(path, chat_template=textmodel.CHATML)
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", "chat", str(path), "--max-tokens", "5",
+                           "--temperature", "0", "--threads", "1", "--exit", "latent_delta:0.05", "--json"],
+                          input="Hi\nHow are you?\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = last_json(proc)
+    assert report["turns"] == 2 and report["cached_tokens"][1] > 0
+    # the second turn is what a fresh pass under the same rule gives
+    with tinyloop.Model(path, threads=1) as model:
+        ids = model.tokenizer.encode(load_chat_template(model)(report["messages"][:3]), add_bos=False)
+        fresh = model.generate(ids, max_tokens=5, temperature=0, exit="latent_delta:0.05")
+        assert model.tokenizer.decode(fresh.tokens) == report["messages"][3]["content"]

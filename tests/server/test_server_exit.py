@@ -211,26 +211,34 @@ def test_the_servers_default_rule(paths):
 
 
 def test_kept_sequences_serve_only_their_own_rule(text_model):
-    cache = PromptCache(text_model, 1)
     prompt = text_model.tokenizer.encode("Hello there")
-    kl = ExitRule.parse("kl:1e-3")
+    rule = ExitRule.parse("latent_delta:0.05")
 
-    def turn(depth, rule):
+    def turn(cache, depth, rule):
+        """One request: (prompt tokens reused, the context it ran on)."""
         lease = cache.acquire(prompt, depth, rule)
-        lease.context.append(lease.rest, depth=depth)
-        cache.release(lease, prompt)
-        return lease.cached
+        result = lease.context.generate(lease.rest, max_tokens=1, depth=depth, exit=rule, temperature=0)
+        cache.release(lease, prompt + result.tokens)
+        return lease.cached, lease.context
 
+    cache = PromptCache(text_model, 1)
     try:
-        assert turn(2, kl) == 0
-        assert turn(2, kl) == len(prompt) - 1           # the same rule and depth: reused
-        assert turn(2, "kl:1e-3") == len(prompt) - 1    # the rule's string form is the rule
-        assert turn(2, None) == 0                       # another rule (none): afresh
-        assert turn(2, ExitRule()) == len(prompt) - 1   # the fixed rule is none
-        assert turn(1, None) == 0
-        assert turn(2, None) == len(prompt) - 1         # fixed depth: deepened as before
-        assert turn(3, kl) == 0
-        assert turn(4, kl) == 0                         # under a rule never deepened
-        assert turn(4, ExitRule.parse("kl:1e-2")) == 0
+        assert turn(cache, 2, None)[0] == 0
+        assert turn(cache, 1, None)[0] == 0
+        kept = turn(cache, 2, None)                       # fixed depth: deepened as before
+        assert kept[0] == len(prompt) - 1
+        # a rule runs on no context that keeps loop states: another one, afresh
+        cached, context = turn(cache, 2, rule)
+        assert cached == 0 and context is not kept[1]
+        assert turn(cache, 2, rule)[0] == len(prompt) - 1               # the same rule and depth
+        assert turn(cache, 2, "latent_delta:0.05")[0] == len(prompt) - 1  # its string form
+        assert turn(cache, 2, None)[0] == 0                             # another rule (none)
+        assert turn(cache, 2, ExitRule())[0] == len(prompt) - 1         # the fixed rule is none
+        assert turn(cache, 3, rule)[0] == 0
+        assert turn(cache, 4, rule)[0] == 0                             # under a rule never deepened
+        assert turn(cache, 4, ExitRule.parse("latent_delta:0.1"))[0] == 0
+        # a rule that probes the next-token distribution reuses nothing
+        for probing in ("kl:1e-3", "entropy_delta:0.01", "argmax_stable"):
+            assert turn(cache, 2, probing)[0] == turn(cache, 2, probing)[0] == 0
     finally:
         cache.close()
