@@ -12,11 +12,12 @@ from tinyloop.server import ModelServer
 class Running:
     """A ModelServer on a free port in a thread, and a small JSON client for it."""
 
-    def __init__(self, path, parallel=1, prompt_cache=None, batch_decode=None, batch_choices=True):
+    def __init__(self, path, parallel=1, prompt_cache=None, batch_decode=None, batch_choices=True,
+                 options=None):
         self.model = tinyloop.Model(path, threads=1)
         self.server = ModelServer(("127.0.0.1", 0), self.model, name="tiny", parallel=parallel,
                                   prompt_cache=prompt_cache, batch_decode=batch_decode,
-                                  batch_choices=batch_choices)
+                                  batch_choices=batch_choices, options=options)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

@@ -26,8 +26,17 @@ UNDRAFTABLE = ("logprobs", "grammar", "logit_bias", "presence_penalty", "frequen
 def add_drafts(generate_options: dict, **drafting) -> None:
     """A speculative mode's configure_generate: set its drafting options on a generation,
     unless the generation drafts on its own (draft_depth set) or uses what drafts cannot
-    (UNDRAFTABLE); such a generation runs as asked. Drafts change the speed only: greedy,
-    the tokens are plain decoding's, sampled, they follow its distribution."""
+    (UNDRAFTABLE, or an exit rule that stops loops early); such a generation runs as asked.
+    Drafts change the speed only: greedy, the tokens are plain decoding's, sampled, they
+    follow its distribution."""
     if generate_options.get("draft_depth") or any(generate_options.get(k) for k in UNDRAFTABLE):
         return
+    if _exits_early(generate_options.get("exit")):
+        return
     generate_options.update(drafting)
+
+
+def _exits_early(value) -> bool:
+    from tinyloop.exit_rule import exit_rule
+    rule = exit_rule(value)
+    return rule is not None and rule.active

@@ -13,6 +13,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
                      ModelIOError, NotImplementedYetError, OutOfMemoryError, PluginError,
                      TinyLoopError, UnsupportedError)
+from .exit_rule import ExitRule, ExitRuleError
 from .grammar import Grammar, SchemaError, json_schema_to_gbnf
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
 from .prefix import PrefixCache, PrefixPool
@@ -30,6 +31,7 @@ def library_version() -> str:
 __all__ = [
     "Grammar", "SchemaError", "json_schema_to_gbnf",
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
+    "ExitRule", "ExitRuleError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
     "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",

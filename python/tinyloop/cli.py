@@ -102,8 +102,20 @@ def _sampling(args, config) -> tuple:
     for flag in _SAMPLING_FLAGS:
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
+    if args.exit is not None:
+        options["exit"] = args.exit
     depth = args.depth if args.depth is not None else config.model.depth
     return options, depth
+
+
+def _exit(args, config):
+    """The exit rule: --exit, else the config's [exit], else None (fixed depth)."""
+    return args.exit if args.exit is not None else config.exit
+
+
+def _depth_report(rule, mean_depth: float) -> dict:
+    """What --json says of an exit rule's effect: the rule and the mean depth used."""
+    return {"exit": None if rule is None else str(rule), "mean_depth": mean_depth}
 
 
 def _read_grammar(args, model):
@@ -153,17 +165,20 @@ def cmd_generate(args) -> dict:
                    "tokens": generated, "n_tokens": len(generated),
                    "prompt_tokens": len(prompt_ids),
                    "depth": depth, "mode": mode.name if mode else None,
-                   "seconds": elapsed}
+                   "seconds": elapsed, "depths": stream.depths}
         if stream.result is not None:
             r = stream.result
             payload.update(stop_reason=r.stop_reason, prefill_seconds=r.prefill_seconds,
                            decode_seconds=r.decode_seconds,
                            prefill_tokens_per_s=r.prefill_tokens_per_s,
-                           decode_tokens_per_s=r.decode_tokens_per_s)
+                           decode_tokens_per_s=r.decode_tokens_per_s,
+                           **_depth_report(options.get("exit"), r.mean_depth))
             drafts = ""
             if r.drafted_tokens:
                 payload.update(drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens)
                 drafts = f", drafts kept {r.accepted_tokens}/{r.drafted_tokens}"
+            if options.get("exit") is not None:
+                drafts += f", mean depth {r.mean_depth:.2f}"
             _note(f"[{len(generated)} tokens, stop: {r.stop_reason}, prefill "
                   f"{r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s"
                   f"{drafts}]")
@@ -176,7 +191,9 @@ def cmd_score(args) -> dict:
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CommandError(f"{args.file}: cannot read text: {e}") from None
-    with _open_model(args) as model:
+    config = _load_config(args)
+    rule = _exit(args, config)
+    with _open_model(args, config) as model:
         ids = model.tokenizer.encode(text)
         if len(ids) < 2:
             raise CommandError(f"{args.file}: needs at least 2 tokens to score, has {len(ids)}")
@@ -184,19 +201,23 @@ def cmd_score(args) -> dict:
         progress = _CountProgress("scoring windows")
         started = time.perf_counter()
         try:
-            scored = model.score_windows(ids, depth=args.depth, ctx=ctx, progress=progress,
-                                         uncertainty=args.uncertainty)
+            *scored, depths = model.score_windows(ids, depth=args.depth, ctx=ctx, progress=progress,
+                                                  uncertainty=args.uncertainty, exit=rule,
+                                                  with_depths=True)
         finally:
             progress.finish()
         elapsed = time.perf_counter() - started
         model_path = model.path
-    logprobs, entropies = scored if args.uncertainty else (scored, None)
+    logprobs, entropies = scored if args.uncertainty else (scored[0], None)
     perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
     payload = {"model": model_path, "perplexity": perplexity, "tokens": len(ids),
                "scored_tokens": len(logprobs),
                "tokens_per_s": len(ids) / elapsed if elapsed > 0 else 0.0,
-               "ctx": ctx, "depth": args.depth, "seconds": elapsed}
+               "ctx": ctx, "depth": args.depth, "seconds": elapsed,
+               **_depth_report(rule, float(np.mean(depths, dtype=np.float64)))}
     shown = ["perplexity", "tokens", "tokens_per_s"]
+    if rule is not None:
+        shown.append("mean_depth")
     if args.uncertainty:
         payload["mean_entropy"] = float(np.mean(entropies, dtype=np.float64))
         shown.append("mean_entropy")
@@ -209,7 +230,9 @@ def cmd_score(args) -> dict:
 
 # -- bench ---------------------------------------------------------------------------
 def cmd_bench(args) -> dict:
-    with _open_model(args) as model:
+    config = _load_config(args)
+    rule = _exit(args, config)
+    with _open_model(args, config) as model:
         info = model.info
         needed = args.prompt_tokens + args.new_tokens
         if needed > info.max_seq_len:
@@ -218,15 +241,16 @@ def cmd_bench(args) -> dict:
         rng = np.random.default_rng(args.seed)
         prompt = rng.integers(0, info.vocab_size, size=args.prompt_tokens, dtype=np.int32)
         # greedy and never stopping on EOS, so every run does the same amount of work
-        run = dict(max_tokens=args.new_tokens, depth=args.depth, temperature=0.0, eos=False)
+        run = dict(max_tokens=args.new_tokens, depth=args.depth, temperature=0.0, eos=False, exit=rule)
         model.generate(prompt[:8], **dict(run, max_tokens=min(8, args.new_tokens)))  # warm-up
-        prefill, decode = [], []
+        prefill, decode, depths = [], [], []
         progress = _CountProgress("bench runs")
         try:
             for i in range(args.repeat):
                 result = model.generate(prompt, **run)
                 prefill.append(result.prefill_tokens_per_s)
                 decode.append(result.decode_tokens_per_s)
+                depths.append(result.mean_depth)
                 progress(i + 1, args.repeat)
         finally:
             progress.finish()
@@ -238,10 +262,12 @@ def cmd_bench(args) -> dict:
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "repeat": args.repeat, "threads": info.n_threads, "depth": args.depth,
             "device": info.device_name, "memory": model.memory_report(),
-            "runs": {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode},
+            "runs": {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "mean_depth": depths},
+            **_depth_report(rule, statistics.median(depths)),
         }
     if not args.json:
-        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb"):
+        shown = ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb") + (("mean_depth",) if rule else ())
+        for key in shown:
             print(f"{key}: {payload[key]:.2f}")
     return payload
 
@@ -369,6 +395,8 @@ def cmd_serve(args) -> dict:
                             request_timeout=args.request_timeout, strict=args.strict,
                             max_connections=args.max_connections, drain_timeout=args.drain_timeout,
                             json_logs=args.log_json)
+    config = _load_config(args)
+    options.exit = _exit(args, config)   # the replicas' too, under --ray
     if args.ray:
         return _serve_on_ray(args, options)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
@@ -380,7 +408,6 @@ def cmd_serve(args) -> dict:
                                          ("--replica-gpus", args.replica_gpus)) if value is not None]
     if ray_only:
         raise CommandError(f"{', '.join(ray_only)}: only with --ray")
-    config = _load_config(args)
     if args.verify_checksums:
         config = replace(config, model=replace(config.model, verify_checksums=True))
     with _open_model(args, config) as model:
@@ -462,7 +489,7 @@ def cmd_chat(args) -> dict:
                 if ids is None:
                     continue
                 record = TextGeneration(prompt_tokens=len(ids))
-                lease, reply, ok = cache.acquire(ids, depth), [], False
+                lease, reply, ok = cache.acquire(ids, depth, options.get("exit")), [], False
                 try:
                     for piece in generate_text(model, lease.rest, [], dict(options, depth=depth),
                                                record, context=lease.context):
@@ -538,6 +565,21 @@ _positive_float, _non_negative_float = _finite(True, " of seconds"), _finite(Fal
 _positive_number, _non_negative_number = _finite(True), _finite(False)
 
 
+def _exit_rule(text: str):
+    from .exit_rule import ExitRule, ExitRuleError
+    try:
+        return ExitRule.parse(text)
+    except ExitRuleError as e:   # argparse names --exit: the message names the part at fault
+        part = e.key.partition(".")[2]
+        raise argparse.ArgumentTypeError(f"{part}: {e.problem}" if part else e.problem) from None
+
+
+def _add_exit_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--exit", type=_exit_rule, metavar="RULE:THRESHOLD",
+                   help=f"adaptive depth: the exit rule of {what}, e.g. kl:1e-3, latent_delta:0.05, "
+                        "argmax_stable:3, gate:0.9, fixed (docs/cli.md); default: the config's [exit]")
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive)
     p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
@@ -547,6 +589,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=_non_negative)
+    _add_exit_flag(p, "every token")
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -617,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="window length in tokens (default: the model's max_seq_len)")
     p.add_argument("--uncertainty", action="store_true",
                    help="also the mean entropy (nats) of the predictions")
+    _add_exit_flag(p, "every position (prints the mean depth used)")
     _add_runtime_flags(p)
 
     p = command("bench", cmd_bench, "prefill and decode speed, peak memory")
@@ -626,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_non_negative, default=0)
     p.add_argument("--repeat", type=_positive, default=3, help="runs; medians are reported")
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random prompt")
+    _add_exit_flag(p, "the runs (reports the mean depth used)")
     _add_runtime_flags(p)
 
     p = command("info", cmd_info, "dimensions, architecture, dtypes and memory of a model "
@@ -679,6 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="take the decode steps of concurrent generations in one forward pass "
                         "(default: on for the CPU with --parallel above 1)")
+    _add_exit_flag(p, "requests that give none")
     ray = p.add_argument_group("Ray Serve (docs/scale-out.md; needs pip install 'tinyloop[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve N replicas of the model on Ray Serve, behind Ray's HTTP proxy at "

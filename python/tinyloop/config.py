@@ -18,6 +18,12 @@
     seed = 0
     max_tokens = 128
 
+    [exit]                                  # adaptive depth (docs/python.md, "Adaptive depth")
+    rule = "kl"                             # fixed, kl, entropy_delta, latent_delta,
+    threshold = 1e-3                        #   argmax_stable (patience) or gate
+    min_depth = 1
+    patience = 2
+
     [modes.<name>]                          # switches a plugin on; keys = its options
 
 Every key is checked: an unknown key, a wrong type or a bad value raises ConfigError
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .exit_rule import EXIT_KINDS, ExitRule, ExitRuleError
 from .plugins import ActiveMode, Option, PluginRegistry, apply_load_hooks, default_registry
 
 if sys.version_info >= (3, 11):
@@ -68,8 +75,19 @@ SAMPLING_OPTIONS = (
     Option("max_tokens", int, 128, "new tokens at most", minimum=1, maximum=_INT32_MAX),
 )
 
-_SECTIONS = {"model": MODEL_OPTIONS, "sampling": SAMPLING_OPTIONS}
-_TOP_LEVEL = ("model", "sampling", "modes")
+# the exit rule's own checks (ExitRule.parse) follow the types: which keys a rule takes,
+# the gate's range
+EXIT_OPTIONS = (
+    Option("rule", str, "fixed", "the exit rule", choices=tuple(EXIT_KINDS)),
+    Option("threshold", float, None, "kl, entropy_delta, latent_delta, gate: the rule's threshold",
+           minimum=0.0),
+    Option("min_depth", int, 1, "no exit before this iteration", minimum=1, maximum=_INT32_MAX),
+    Option("patience", int, 2, "argmax_stable: iterations the top token stays", minimum=1,
+           maximum=_INT32_MAX),
+)
+
+_SECTIONS = {"model": MODEL_OPTIONS, "sampling": SAMPLING_OPTIONS, "exit": EXIT_OPTIONS}
+_TOP_LEVEL = ("model", "sampling", "exit", "modes")
 
 
 @dataclass(frozen=True)
@@ -100,6 +118,8 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     modes: tuple[ActiveMode, ...] = ()
     source: str | None = None
+    #: [exit]: the default exit rule of generations and scoring; None without the table
+    exit: ExitRule | None = None
 
     def model_path(self) -> str | None:
         """[model] path, relative paths taken from the config file's folder when the
@@ -122,8 +142,11 @@ class Config:
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:
-        """Keyword arguments of Model.generate / Model.stream."""
-        return asdict(self.sampling)
+        """Keyword arguments of Model.generate / Model.stream ([exit] as `exit`, when set)."""
+        options = asdict(self.sampling)
+        if self.exit is not None:
+            options["exit"] = self.exit
+        return options
 
 
 class _Locator:
@@ -162,8 +185,11 @@ class _Locator:
 def _error_factory(source: str | None, text: str | None):
     locator = _Locator(text)
 
-    def error(key: str, problem: str) -> ConfigError:
+    def error(key: str, problem: str, near: str | None = None) -> ConfigError:
+        """`near`: where to point when the key itself is not in the text (a missing key)."""
         line = locator.line(key)
+        if line is None and near is not None:
+            line = locator.line(near)
         where = source or "<config>"
         if line is not None:
             where = f"{where}:{line}"
@@ -195,6 +221,7 @@ def config_from_dict(data: Mapping, *, source: str | None = None, text: str | No
             raise error(key, f"unknown section (allowed: {', '.join(_TOP_LEVEL)})")
     model = ModelConfig(**_check_section("model", data.get("model", {}), error))
     sampling = SamplingConfig(**_check_section("sampling", data.get("sampling", {}), error))
+    exit_rule = _exit_rule(data["exit"], error) if "exit" in data else None
     modes_table = data.get("modes", {})
     if not isinstance(modes_table, Mapping):
         raise error("modes", f"must be a table of [modes.<name>] tables, "
@@ -202,7 +229,15 @@ def config_from_dict(data: Mapping, *, source: str | None = None, text: str | No
     modes: tuple = ()
     if modes_table:
         modes = (registry or default_registry()).resolve(modes_table, error)
-    return Config(model=model, sampling=sampling, modes=modes, source=source)
+    return Config(model=model, sampling=sampling, modes=modes, source=source, exit=exit_rule)
+
+
+def _exit_rule(table, error) -> ExitRule:
+    values = _check_section("exit", table, error)
+    try:
+        return ExitRule.parse(values, field="exit")
+    except ExitRuleError as e:   # a missing key is pointed at by its table's line
+        raise error(e.key, e.problem, near="exit") from None
 
 
 def parse_config(text: str, source: str | None = None,

@@ -22,6 +22,7 @@ from . import prefix as _prefix
 from ._handle import ModelChild, NativeHandle
 from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
 from .exit_gate import ExitGate
+from .exit_rule import exit_rule
 from .kv_policy import kv_policy_values
 from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
@@ -123,6 +124,11 @@ class GenerateResult:
     cached_tokens: int = 0
     #: with logprobs=True: one TokenLogprob per token of `tokens`; else None
     logprobs: list | None = None
+    #: the loop depth of the pass that chose each token of `tokens` (adaptive depth: where
+    #: the `exit` rule stopped it); None where not reported (generate_batch, a mode's loop)
+    depths: list | None = None
+    #: the mean loop depth of the passes that chose the tokens (0 without tokens)
+    mean_depth: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -141,9 +147,10 @@ class GenerateResult:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
 
-def _result_from_c(c_result, tokens: list, text: str | None,
-                   logprobs: list | None = None) -> GenerateResult:
-    return GenerateResult(tokens=tokens, text=text, logprobs=logprobs,
+def _result_from_c(c_result, tokens: list, text: str | None, options: "_GenerateOptions",
+                   logprobs: list | None = None, depths: list | None = None) -> GenerateResult:
+    mean_depth = float(c_result.mean_depth) if options.reports_depths else float(options.depth if tokens else 0)
+    return GenerateResult(tokens=tokens, text=text, logprobs=logprobs, depths=depths, mean_depth=mean_depth,
                           stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
                           prompt_tokens=int(c_result.n_prompt_tokens),
                           prefill_seconds=float(c_result.prefill_seconds),
@@ -159,13 +166,13 @@ class _GenerateOptions:
     _FIELDS = ("max_tokens", "depth", "temperature", "top_k", "top_p", "min_p",
                "repetition_penalty", "repetition_window", "seed", "eos", "stop", "draft_depth",
                "n_draft", "draft_p_min", "tree", "tree_budget", "logprobs", "top_logprobs",
-               "presence_penalty", "frequency_penalty", "logit_bias", "grammar")
+               "presence_penalty", "frequency_penalty", "logit_bias", "grammar", "exit")
 
     def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
                  top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
                  eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, tree=(),
                  tree_budget=0, logprobs=False, top_logprobs=0, presence_penalty=0.0,
-                 frequency_penalty=0.0, logit_bias=None, grammar=None):
+                 frequency_penalty=0.0, logit_bias=None, grammar=None, exit=None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -205,7 +212,25 @@ class _GenerateOptions:
                 raise TypeError("grammar must be a tinyloop.Grammar of this model")
             opts.grammar = grammar._require_open()
             self._keepalive.append(grammar)
+        self.exit = exit_rule(exit)   # an ExitRule, its string or dict form (exit_rule.py)
+        if self.exit is not None:
+            if self.exit.active and opts.draft_depth != 0:
+                raise InvalidArgumentError("exit: an exit rule does not combine with draft_depth "
+                                           "(speculative decoding)")
+            self.exit.fill(opts.exit)
+        # a library from before adaptive depth reports no depths: every pass then ran at
+        # the generation's depth
+        self.reports_depths = hasattr(native.lib, "tl_stream_token_depth")
+        self.depth = opts.depth or model.info.default_depth
         self.c = opts
+
+    def token_depths(self, ffi) -> np.ndarray:
+        """The array tl_generate writes each generated token's depth into (opts.token_depths)."""
+        depths = np.full(self.max_tokens, self.depth, dtype=np.int32)
+        c_depths = ffi.from_buffer("int32_t[]", depths, require_writable=True)
+        self.c.token_depths = c_depths
+        self._keepalive += [depths, c_depths]
+        return depths
 
     @staticmethod
     def _eos(model: "Model", eos) -> int:
@@ -274,6 +299,8 @@ class TokenStream(ModelChild):
         self.tokens: list[int] = []
         #: with logprobs=True: a TokenLogprob per token returned so far; else None
         self.logprobs: list | None = [] if options.logprobs else None
+        #: the loop depth of the pass that chose each token returned so far
+        self.depths: list[int] = []
         self.result: GenerateResult | None = None
         out = native.ffi.new("tl_stream **")
         ctx_handle = context._require_open() if context is not None else native.ffi.NULL
@@ -286,6 +313,7 @@ class TokenStream(ModelChild):
         self._adopt(out[0])
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
+        self._depth = native.ffi.new("int32_t *")
 
     def __iter__(self) -> "TokenStream":
         return self
@@ -309,7 +337,14 @@ class TokenStream(ModelChild):
         self.tokens.append(token)
         if self.logprobs is not None:
             self.logprobs.append(self._token_logprob(token))
+        self.depths.append(self._token_depth())
         return token
+
+    def _token_depth(self) -> int:
+        if not self._options.reports_depths:
+            return self._options.depth
+        self._native.check(self._native.lib.tl_stream_token_depth(self._handle, self._depth))
+        return int(self._depth[0])
 
     def _token_logprob(self, token: int) -> TokenLogprob:
         native, ffi = self._native, self._native.ffi
@@ -323,8 +358,9 @@ class TokenStream(ModelChild):
         c_result = self._native.ffi.new("tl_generate_result *")
         self._native.lib.tl_generate_result_default(c_result)
         self._native.check(self._native.lib.tl_stream_result(self._handle, c_result))
-        self.result = _result_from_c(c_result, list(self.tokens), None,
-                                     None if self.logprobs is None else list(self.logprobs))
+        self.result = _result_from_c(c_result, list(self.tokens), None, self._options,
+                                     None if self.logprobs is None else list(self.logprobs),
+                                     list(self.depths))
         self.close()
 
     def _free(self, handle) -> None:
@@ -355,6 +391,7 @@ class StrategyStream:
     None: a strategy reports no GenerateResult."""
 
     logprobs = None
+    depths = None
     result = None
 
     def __init__(self, model: "Model", tokens):
@@ -445,13 +482,38 @@ class _Scoring:
         the entropy (nats) of each predicted distribution, from the same pass."""
         return self._score(tokens, depth, uncertainty=True)
 
-    def _score(self, tokens, depth: int, uncertainty: bool) -> tuple:
+    def score_with_depths(self, tokens, depth: int = 0, exit=None, given_depths=None) -> tuple:
+        """(logprobs, depths) with adaptive depth (docs/model.md, "Adaptive depth"): each
+        position's loop stopped by the `exit` rule (an ExitRule, or its string or dict
+        form: "kl:1e-3") or run to its depth in `given_depths` (n ints in 1..depth, e.g. a
+        generation's depths; not with an exit rule), at most `depth` (0 = the default)
+        iterations. logprobs: score's (float32, n-1); depths: int32, n, the depth each
+        position ran (logprobs[i] is of position i's pass). With neither, every position
+        runs at `depth` and logprobs equal score()'s."""
+        return self._score(tokens, depth, uncertainty=False, exit=exit, given_depths=given_depths,
+                           with_depths=True)
+
+    def _score(self, tokens, depth: int, uncertainty: bool, exit=None, given_depths=None,
+               with_depths: bool = False) -> tuple:
+        """score / score_with_uncertainty's arrays, and with `with_depths` each position's
+        depth (int32, n) after them."""
         model = self._model
         ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
         native, ffi = model._native, model._native.ffi
+        opts = model._score_options(depth, exit)
         outs = tuple(np.empty(len(ids) - 1, dtype=np.float32) for _ in range(1 + uncertainty))
-        args = (ffi.from_buffer("int32_t[]", ids), len(ids), model._score_options(depth),
-                *(ffi.from_buffer("float[]", out, require_writable=True) for out in outs))
+        keep = []   # what opts points into, alive until the call has returned
+        if given_depths is not None:
+            given = model._given_depths(given_depths, len(ids), opts)
+            opts.given_depths = ffi.from_buffer("int32_t[]", given)
+            keep += [given, opts.given_depths]
+        if with_depths:   # a library from before adaptive depth leaves the fixed depth here
+            depths = np.full(len(ids), opts.depth or model.info.default_depth, dtype=np.int32)
+            opts.depths = ffi.from_buffer("int32_t[]", depths, require_writable=True)
+            keep += [opts.depths]
+            outs += (depths,)
+        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts,
+                *(ffi.from_buffer("float[]", out, require_writable=True) for out in outs[:1 + uncertainty]))
         name = "score_with_uncertainty" if uncertainty else "score"
         ctx = self._ctx_handle()
         if ctx is None:
@@ -535,7 +597,11 @@ class _Scoring:
         prompt; Model only), logprobs (True: `logprobs` holds each token's TokenLogprob; not
         with drafts) and top_logprobs (with it, the N <= 20 most likely tokens of each
         step), presence_penalty, frequency_penalty and logit_bias (OpenAI's,
-        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow). `text` is set when the prompt was a str.
+        docs/sampling.md), grammar (a tinyloop.Grammar the text must follow), exit (adaptive
+        depth: an ExitRule, or its string or dict form such as "kl:1e-3", that stops each
+        token's loop, the prompt's too, once it has converged; docs/python.md, "Adaptive
+        depth"; not with draft_depth). `text` is set when the prompt was a str; `depths`
+        holds each token's loop depth and `mean_depth` their mean.
         The model's modes (Model.modes) adjust the options first."""
         model = self._model
         pool = self._pool_option(options)
@@ -553,6 +619,7 @@ class _Scoring:
             return _drained(stream, prompt, ids, model)
         native, ffi = model._native, model._native.ffi
         out = np.empty(opts.max_tokens, dtype=np.int32)
+        depths = opts.token_depths(ffi)
         c_result = ffi.new("tl_generate_result *")
         native.lib.tl_generate_result_default(c_result)
         args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts.c,
@@ -565,9 +632,10 @@ class _Scoring:
             native.check(native.lib.tl_generate(model._require_open(), *args))
         else:
             native.check(native.lib.tl_context_generate(ctx, *args))
-        tokens = out[:int(c_result.n_tokens)].tolist()
+        n = int(c_result.n_tokens)
+        tokens = out[:n].tolist()
         text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
-        return _result_from_c(c_result, tokens, text)
+        return _result_from_c(c_result, tokens, text, opts, depths=depths[:n].tolist())
 
     def stream(self, prompt, **options) -> "TokenStream | StrategyStream":
         """Like generate(), yielding token ids as they are produced (a StrategyStream when a
@@ -826,11 +894,29 @@ class Model(_Scoring, NativeHandle):
             raise ValueError(f"depth {depth} exceeds the model's max_depth {self.info.max_depth}")
         return depth
 
-    def _score_options(self, depth):
+    def _score_options(self, depth, exit=None):
         opts = self._native.ffi.new("tl_score_options *")
         self._native.lib.tl_score_options_default(opts)
         opts.depth = self._check_depth(depth)
+        rule = exit_rule(exit)
+        if rule is not None:
+            rule.fill(opts.exit)
         return opts
+
+    def _given_depths(self, given, n_tokens: int, opts) -> np.ndarray:
+        """given_depths checked: n_tokens ints in 1..depth, and no exit rule beside them."""
+        if opts.exit.kind != 0:
+            raise InvalidArgumentError("given_depths: not with an exit rule (exit); give one or the other")
+        array = np.asarray(given)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"given_depths must hold ints, got dtype {array.dtype}")
+        if array.shape != (n_tokens,):
+            raise InvalidArgumentError(f"given_depths: {n_tokens} values (one per token), got shape {array.shape}")
+        deepest = opts.depth or self.info.default_depth
+        if n_tokens and not (array.min() >= 1 and array.max() <= deepest):
+            raise InvalidArgumentError(f"given_depths: each in 1..{deepest} (the depth), got "
+                                       f"{int(array.min())}..{int(array.max())}")
+        return np.ascontiguousarray(array, dtype=np.int32)
 
     def _generation_options(self, options: dict) -> dict:
         """One generation's keyword arguments after the modes' configure_generate hooks
@@ -849,9 +935,11 @@ class Model(_Scoring, NativeHandle):
         return _args.token_array(prompt, self.info.vocab_size, name="prompt")
 
     def score_windows(self, tokens, depth: int = 0, ctx: int = 0, progress=None,
-                      uncertainty: bool = False):
+                      uncertainty: bool = False, exit=None, with_depths: bool = False):
         """Log-probs of tokens[1:], scoring windows of at most `ctx` tokens; with
         uncertainty=True, (log-probs, entropies) as score_with_uncertainty gives them.
+        `exit`: an exit rule the windows are scored with (score_with_depths); with_depths=True
+        adds, last, the depth of the pass that predicted each of tokens[1:] (int32).
 
         Window k covers tokens [k*(ctx-1), k*(ctx-1)+ctx): consecutive windows share one
         token, so every token after the first is predicted exactly once, each window
@@ -865,15 +953,19 @@ class Model(_Scoring, NativeHandle):
         starts = range(0, len(ids) - 1, stride)
         pieces = []
         for done, start in enumerate(starts, 1):
-            pieces.append(self._score(ids[start:start + stride + 1], depth, uncertainty))
+            piece = self._score(ids[start:start + stride + 1], depth, uncertainty, exit=exit,
+                                with_depths=with_depths)
+            # a window's last position predicts nothing scored here
+            pieces.append(piece[:-1] + (piece[-1][:-1],) if with_depths else piece)
             if progress:
                 progress(done, len(starts))
         outs = tuple(np.concatenate(parts) for parts in zip(*pieces))
-        return outs if uncertainty else outs[0]
+        return outs if uncertainty or with_depths else outs[0]
 
-    def perplexity(self, tokens, depth: int = 0, ctx: int = 0) -> float:
-        """exp(-mean log p) over tokens[1:], windowed as in score_windows()."""
-        logprobs = self.score_windows(tokens, depth, ctx)
+    def perplexity(self, tokens, depth: int = 0, ctx: int = 0, exit=None) -> float:
+        """exp(-mean log p) over tokens[1:], windowed as in score_windows() (with `exit`,
+        an exit rule the windows are scored with)."""
+        logprobs = self.score_windows(tokens, depth, ctx, exit=exit)
         return float(np.exp(-np.mean(logprobs, dtype=np.float64)))
 
     def score_logit_lens(self, tokens, max_depth: int = 0) -> np.ndarray:
@@ -953,7 +1045,8 @@ class Model(_Scoring, NativeHandle):
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             tokens = out[:int(c_results[i].n_tokens)].tolist()
             text = self.tokenizer.decode_continuation(ids[i], tokens) if isinstance(prompt, str) else None
-            results.append(_result_from_c(c_results[i], tokens, text))
+            # one token_depths array would serve every prompt: per-token depths are not asked
+            results.append(_result_from_c(c_results[i], tokens, text, opts))
         return results
 
     def append_batch(self, contexts, tokens) -> np.ndarray:

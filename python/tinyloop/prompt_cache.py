@@ -21,6 +21,16 @@ match's sequence gets a new context instead, leaving that sequence for a later t
 conversation; at capacity the best match is taken (the least recently used on a tie).
 Contexts beyond capacity (made while every one was busy) are closed on return, the least
 recently used first.
+
+Under an exit rule (adaptive depth) that reads only the loop state (latent_delta, gate) each
+token's depth depends on the tokens before it alone, so a sequence truncated and extended
+under the same rule is the sequence a fresh run under it gives: a kept sequence serves
+requests of its own exit rule and depth only (never deepened, and never one of another
+rule). A rule that probes the next-token distribution (kl, entropy_delta, argmax_stable)
+sees the probe K/V of the rows of its own forward call, so its depths depend on where the
+calls split the sequence: its sequences are never reused (each request runs its whole
+prompt). The library runs no exit rule on a context that keeps loop states (to deepen
+them), so such requests get contexts that keep none.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .errors import UnsupportedError
+from .exit_rule import exit_rule
 
 
 @dataclass
@@ -39,6 +50,8 @@ class CachedSequence:
     tokens: list = field(default_factory=list)
     depth: int = 0
     keeps_loop_states: bool = False
+    #: the exit rule its tokens ran under (an active tinyloop.ExitRule), None: fixed depth
+    exit: object = None
 
 
 @dataclass
@@ -75,11 +88,16 @@ class PromptCache:
         self._live = 0                          # contexts made and not closed
         self._lock = threading.Lock()
 
-    def _reusable(self, seq: CachedSequence, prompt: list, depth: int) -> int:
-        """Prompt tokens `seq` can keep for a request at `depth`: its shared start with the
-        prompt, less the prompt's last token; none when its depth is deeper (a loop state
-        cannot be undone) or shallower without kept loop states."""
-        if not seq.tokens or (seq.depth != depth and not (seq.keeps_loop_states and seq.depth < depth)):
+    def _reusable(self, seq: CachedSequence, prompt: list, depth: int, exit) -> int:
+        """Prompt tokens `seq` can keep for a request at `depth` under the `exit` rule: its
+        shared start with the prompt, less the prompt's last token; none when its depth is
+        deeper (a loop state cannot be undone) or shallower without kept loop states, or
+        when either runs an exit rule and the two differ in rule or depth, or the rule
+        probes (module docstring)."""
+        if not seq.tokens or seq.exit != exit or (exit is not None and exit.probes):
+            return 0
+        deepens = seq.keeps_loop_states and seq.depth < depth and exit is None
+        if seq.depth != depth and not deepens:
             return 0
         return min(shared_start(seq.tokens, prompt), len(prompt) - 1)
 
@@ -94,20 +112,27 @@ class PromptCache:
             return True
         return keep > 0 and shared_start(seq.tokens, prompt) == min(len(seq.tokens), len(prompt))
 
-    def _new_sequence(self) -> CachedSequence:
+    def _new_sequence(self, exit) -> CachedSequence:
+        if exit is not None:   # the library runs no exit rule on a context keeping loop states
+            return CachedSequence(self._model.context())
         try:
             return CachedSequence(self._model.context(keep_loop_states=True), keeps_loop_states=True)
         except UnsupportedError:   # no loop, a warm state init or a shared KV: nothing to deepen
             return CachedSequence(self._model.context())
 
-    def acquire(self, prompt, depth: int) -> Lease:
+    def acquire(self, prompt, depth: int, exit=None) -> Lease:
         """A context for a request of `prompt` (token ids, at least one) at loop `depth`
-        (resolved: not 0), holding as much of the prompt as the cache has."""
+        (resolved: not 0) under the `exit` rule (an ExitRule or its string or dict form;
+        None or fixed: none), holding as much of the prompt as the cache has."""
         prompt = list(prompt)
+        exit = exit_rule(exit)
+        exit = exit if exit is not None and exit.active else None
         with self._lock:
             best, keep = None, 0
             for seq in self._idle:   # least recently used first: it wins a tie
-                n = self._reusable(seq, prompt, depth)
+                if exit is not None and seq.keeps_loop_states:
+                    continue   # a context that keeps loop states cannot run the rule
+                n = self._reusable(seq, prompt, depth, exit)
                 if best is None or n > keep or (n == keep and seq.depth == depth != best.depth):
                     best, keep = seq, n
             if best is not None and (self._live >= self._capacity or self._extends(best, prompt, keep)):
@@ -117,7 +142,7 @@ class PromptCache:
                 self._live += 1
         if best is None:
             try:
-                best = self._new_sequence()
+                best = self._new_sequence(exit)
             except BaseException:
                 with self._lock:
                     self._live -= 1
@@ -131,7 +156,7 @@ class PromptCache:
                 best.tokens = best.tokens[:keep]
                 if best.depth != depth:
                     best.context.deepen(depth)
-            best.depth = depth
+            best.depth, best.exit = depth, exit
         except BaseException:
             self._discard(best)
             raise

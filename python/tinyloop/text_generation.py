@@ -31,6 +31,9 @@ class TextGeneration:
     text_offsets: list = field(default_factory=list)
     #: with the logprobs option: each generated token's TokenLogprob (model.py)
     logprobs: list | None = None
+    #: the loop depth of the pass that chose each generated token (the stream's, as far as
+    #: it got; it may run past completion_tokens); None when the stream reports none
+    depths: list | None = field(default_factory=list)
     #: tokens whose text the pieces yielded so far cover: those before the first stop
     #: string, and while streaming those whose text has been sent whole
     sent_tokens: int = 0
@@ -104,6 +107,7 @@ def generate_text(model, prompt_ids: Sequence[int], stops: Sequence[str], option
     pipe = TextPipe(model.tokenizer, stops, record, prompt_ids)
     stream = (model if context is None else context).stream(prompt_ids, **options)
     record.logprobs = getattr(stream, "logprobs", None)
+    record.depths = getattr(stream, "depths", None)
     tokens = batcher.tokens(stream) if batcher is not None else stream
     try:
         for token in tokens:

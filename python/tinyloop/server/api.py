@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..chat_template import ChatTemplateError, ChatTemplateUnavailable
 from ..errors import InvalidArgumentError
+from ..exit_rule import ExitRule, ExitRuleError
 from ..grammar import SchemaError, json_object_grammar, json_schema_to_gbnf, request_grammar
 from . import tools
 from .errors import RequestError
@@ -26,7 +27,7 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed",
                   "user",
                   # TinyLoop extensions (docs/server.md)
                   "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft",
-                  "draft_p_min", "response_format", "grammar"}
+                  "draft_p_min", "response_format", "grammar", "exit"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                 "tools", "tool_choice", "parallel_tool_calls"}
@@ -164,7 +165,7 @@ def check_model(body: dict, served) -> str:
 
 
 def _common(body, model, served, allowed: set, max_tokens_name="max_tokens",
-            min_tokens=1, strict=True, max_tokens_cap=None) -> dict:
+            min_tokens=1, strict=True, max_tokens_cap=None, default_exit=None) -> dict:
     ignored = check_fields(body, allowed, strict)
     name = check_model(body, served)
     n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
@@ -195,10 +196,33 @@ def _common(body, model, served, allowed: set, max_tokens_name="max_tokens",
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(body, info.vocab_size),
         grammar=_grammar(body, model),
+        exit=_exit_rule(body, info, default_exit),
     )
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
+    if options["exit"] is not None and options["exit"].active and options["draft_depth"]:
+        given = "" if "exit" in body else " (the server's default exit rule; send \"exit\": \"fixed\" to draft)"
+        raise RequestError(f"exit {options['exit']}{given} does not combine with draft_depth", "exit")
     return options, n, seed is not None, name, ignored
+
+
+def _exit_rule(body, info, default):
+    """TinyLoop's `exit` (adaptive depth): a string such as "kl:1e-3" or an object {"rule",
+    "threshold", "min_depth", "patience"}; without it the server's default (None: fixed
+    depth, no depths reported). A rule the model cannot run is refused here, by name."""
+    value = body.get("exit")
+    if value is None:
+        return default
+    try:
+        rule = ExitRule.parse(value, field="exit")
+    except ExitRuleError as e:
+        raise RequestError(str(e), "exit") from None
+    if rule.active and info.n_core == 0:
+        raise RequestError(f"exit {rule}: this model has no loop, so no depth to exit early from", "exit")
+    if rule.kind == "gate" and not info.metadata.get("loop.exit_gate"):
+        raise RequestError(f"exit {rule}: this model has no exit gate (loop.exit_gate); use another rule",
+                           "exit")
+    return rule
 
 
 def _grammar(body, model):
@@ -307,14 +331,16 @@ def _ask_logprobs(options: dict, top: int | None) -> int | None:
     return top
 
 
-def completion_request(body, model, served, *, strict=True, max_tokens_cap=None) -> GenerationRequest:
+def completion_request(body, model, served, *, strict=True, max_tokens_cap=None,
+                       default_exit=None) -> GenerationRequest:
     """A completions request; `served` is the served name or names, `strict` refuses
-    IGNORED_FIELDS too, `max_tokens_cap` bounds max_tokens."""
+    IGNORED_FIELDS too, `max_tokens_cap` bounds max_tokens, `default_exit` is the exit
+    rule of a request without `exit`."""
     echo = flag_field(body, "echo") if isinstance(body, dict) else False
     # with echo, max_tokens 0 scores the prompt alone (as evaluation harnesses ask)
     options, n, seeded, name, ignored = _common(body, model, served, COMPLETION_FIELDS,
                                                 min_tokens=0 if echo else 1, strict=strict,
-                                                max_tokens_cap=max_tokens_cap)
+                                                max_tokens_cap=max_tokens_cap, default_exit=default_exit)
     if options["max_tokens"] is None:
         options["max_tokens"] = min(16, max_tokens_cap or 16)   # OpenAI's default for completions
     top = _ask_logprobs(options, _number(body, "logprobs", None, lo=0, hi=_MAX_TOP_LOGPROBS,
@@ -375,7 +401,8 @@ def _encode(model, text: str, param: str, add_bos) -> list:
         raise RequestError(f"{param} is not valid text: {e}", param) from None
 
 
-def chat_request(body, model, served, template, *, strict=True, max_tokens_cap=None) -> GenerationRequest:
+def chat_request(body, model, served, template, *, strict=True, max_tokens_cap=None,
+                 default_exit=None) -> GenerationRequest:
     """A chat request (as completion_request), its tools checked and rendered (tools.py)."""
     name = "max_tokens"
     if isinstance(body, dict) and "max_completion_tokens" in body:
@@ -384,7 +411,7 @@ def chat_request(body, model, served, template, *, strict=True, max_tokens_cap=N
                                "max_completion_tokens")
         name = "max_completion_tokens"
     options, n, seeded, model_name, ignored = _common(body, model, served, CHAT_FIELDS, name, strict=strict,
-                                                      max_tokens_cap=max_tokens_cap)
+                                                      max_tokens_cap=max_tokens_cap, default_exit=default_exit)
     calling = tools.parse_tools(body)
     if tools.constrained(calling):
         if options["grammar"] is not None:
@@ -530,6 +557,16 @@ def chat_body(rid, model_name, choices: list, usage_: dict) -> dict:
         {"index": i, "message": message if isinstance(message, dict) else {"role": "assistant", "content": message},
          "finish_reason": finish, "logprobs": logprobs}
         for i, (message, finish, logprobs) in enumerate(choices)]), usage=usage_)
+
+
+def depth_report(record) -> dict | None:
+    """A choice's `tinyloop` extension (docs/server.md, "Adaptive depth"): the loop depth
+    of the pass that chose each completion token, and their mean; None when the
+    generation reported no depths (a mode's own loop)."""
+    if record.depths is None:
+        return None
+    depths = list(record.depths[:record.completion_tokens])
+    return {"depths": depths, "mean_depth": sum(depths) / len(depths) if depths else 0.0}
 
 
 # -- log-probabilities ----------------------------------------------------------------------

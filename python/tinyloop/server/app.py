@@ -75,6 +75,9 @@ class ServerOptions:
     drain_timeout: float = 30.0
     #: access log lines as JSON objects
     json_logs: bool = False
+    #: the exit rule (tinyloop.ExitRule) of generation requests that give none; None:
+    #: fixed depth, and no depths reported unless a request asks
+    exit: object = None
 
 
 @dataclass
@@ -303,7 +306,8 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     engine, options = state.engine, state.options
     parsed = await run_in_threadpool(api.completion_request, body, engine.model, engine.names,
-                                     strict=options.strict, max_tokens_cap=options.max_tokens)
+                                     strict=options.strict, max_tokens_cap=options.max_tokens,
+                                     default_exit=options.exit)
     return await _generate(request, parsed, chat=False)
 
 
@@ -312,7 +316,8 @@ async def chat(request: Request) -> Response:
     state = _state(request)
     engine, options = state.engine, state.options
     parsed = await run_in_threadpool(api.chat_request, body, engine.model, engine.names, engine.template,
-                                     strict=options.strict, max_tokens_cap=options.max_tokens)
+                                     strict=options.strict, max_tokens_cap=options.max_tokens,
+                                     default_exit=options.exit)
     return await _generate(request, parsed, chat=True)
 
 

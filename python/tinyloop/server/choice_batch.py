@@ -6,7 +6,9 @@ A prompt is prefilled once, up to its last token, and the context is forked for 
 its choices; the last token then runs in each choice's own stream, since its logits start
 that choice's generation. On the CPU the logits are the same bits as one generation after
 another gives (a batched row, a forked sequence and a fresh prefill compute alike), so
-every choice is the generation it would be alone.
+every choice is the generation it would be alone. Under an exit rule (adaptive depth) each
+choice's stream runs its whole prompt instead, since the rule applies to the prompt's
+tokens too.
 
 The caller reads the choices in order (run.chunks()); reading one steps every choice
 still going and keeps the text of the others until they are read, so a client sees the
@@ -30,6 +32,14 @@ def batchable(choices) -> bool:
     its own, so drafting choices run one after another as before)."""
     return len(choices) > 1 and all(c.options["max_tokens"] > 0 and not c.options.get("draft_depth")
                                     for c in choices)
+
+
+def _shares_prefill(choice) -> bool:
+    """Whether the choice starts from its prompt's shared prefill: a prompt of more than
+    one token, run at fixed depth. Under an exit rule the prompt's tokens exit too, which
+    the prefill (Context.append) does not do: such a choice's stream runs its whole prompt."""
+    rule = choice.options.get("exit")
+    return len(choice.prompt_ids) > 1 and not (rule is not None and rule.active)
 
 
 class BatchedChoice:
@@ -103,7 +113,7 @@ class ChoiceBatch:
         # choices have still to start from it
         self._prefixes: dict[int, list] = {}
         for choice in choices:
-            if len(choice.prompt_ids) > 1:
+            if _shares_prefill(choice):
                 self._prefixes.setdefault(choice.prompt_index, [None, 0])[1] += 1
 
     def __enter__(self):
@@ -132,7 +142,7 @@ class ChoiceBatch:
         ids = choice.prompt_ids
         # room for the prompt and max_tokens: the context's cache is no larger than needed
         size = min(self.model.info.max_seq_len, len(ids) + choice.options["max_tokens"])
-        if len(ids) == 1:
+        if not _shares_prefill(choice):
             return self.model.context(max_seq_len=size), ids
         entry = self._prefixes[choice.prompt_index]
         if entry[0] is None:
@@ -157,7 +167,7 @@ class ChoiceBatch:
             run.done, run.error = True, e
             self._free(run)
             return
-        run.record.logprobs = run.stream.logprobs
+        run.record.logprobs, run.record.depths = run.stream.logprobs, run.stream.depths
         if self._batcher is not None:
             self._batcher.enter([run.stream])
         self._live.append(run)

@@ -152,7 +152,16 @@ class Job:
         self.engine.metrics.generation(time.monotonic() - self.arrived, usage["prompt_tokens"],
                                        usage["completion_tokens"],
                                        usage["prompt_tokens_details"]["cached_tokens"],
-                                       [r.finish_reason for r in self.records])
+                                       [r.finish_reason for r in self.records],
+                                       [d for r in self.records for d in (r.depths or [])[:r.completion_tokens]])
+
+    def _with_depths(self, choice: dict, record) -> dict:
+        """The choice with its `tinyloop` depths, when the request has an exit rule."""
+        if self.request.options.get("exit") is not None:
+            report = api.depth_report(record)
+            if report is not None:
+                choice["tinyloop"] = report
+        return choice
 
     def _pieces(self, run):
         """The run's (piece, logprobs) chunks, the request's first text piece timed."""
@@ -198,6 +207,8 @@ class Job:
             body = api.chat_body(self.rid, request.model, answers, self.usage())
         else:
             body = api.completion_body(self.rid, request.model, answers, self.usage())
+        for choice, record in zip(body["choices"], self.records):
+            self._with_depths(choice, record)
         self._answered()
         return body
 
@@ -269,9 +280,11 @@ class Job:
         if held:
             message, finish, _ = tools.chat_message(self.request, "".join(text), finish, None, stream=True)
             delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-            yield self.last_chunk(index, finish, report.take(), delta=delta)
+            last = self.last_chunk(index, finish, report.take(), delta=delta)
         else:
-            yield self.last_chunk(index, finish, report.take())
+            last = self.last_chunk(index, finish, report.take())
+        self._with_depths(last["choices"][0], run.record)
+        yield last
 
     # -- runs -------------------------------------------------------------------------------
     def _runs(self, stack, choices) -> list:
@@ -301,7 +314,7 @@ class Job:
             # a kept sequence has one depth: name it, so that 0 cannot mean another
             options = dict(options, depth=options.get("depth") or engine.model.info.default_depth)
             try:
-                lease = engine.cache.acquire(prompt, options["depth"])
+                lease = engine.cache.acquire(prompt, options["depth"], options.get("exit"))
             except TinyLoopError as e:
                 raise library_error(e) from None
             prompt, record.cached_tokens = lease.rest, lease.cached

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import Counter
 
 # seconds; a request's first text piece, and the whole request
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# loop iterations: the depth of the pass that chose a generated token (adaptive depth)
+DEPTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 # the memory report's byte counts exported as gauges (Model.memory_report keys)
 MEMORY_GAUGES = ("weights_bytes", "kv_cache_bytes", "prefix_cache_bytes", "device_bytes", "total_bytes",
                  "kv_pages_in_use")
@@ -25,9 +28,9 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)   # the last: above every bound (+Inf)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
 
     def lines(self, name: str) -> list:
         out, total = [], 0
@@ -52,6 +55,7 @@ class ServerMetrics:
         self.rejections: dict = {}         # reason -> requests refused before any work
         self.ttft = Histogram(TTFT_BUCKETS)
         self.duration = Histogram(REQUEST_BUCKETS)
+        self.depths = Histogram(DEPTH_BUCKETS)
 
     def response(self, route: str, status: int) -> None:
         with self._lock:
@@ -75,10 +79,14 @@ class ServerMetrics:
             self.ttft.observe(seconds)
 
     def generation(self, seconds: float, prompt_tokens: int, generated: int, cached: int,
-                   finish_reasons) -> None:
-        """A generation request that was answered: its duration, tokens and its choices'
-        finish reasons (None for a choice that did not finish)."""
+                   finish_reasons, depths=()) -> None:
+        """A generation request that was answered: its duration, tokens, its choices'
+        finish reasons (None for a choice that did not finish) and the loop depth of each
+        generated token."""
+        counted = Counter(depths)
         with self._lock:
+            for depth, times in counted.items():
+                self.depths.observe(depth, times)
             self.duration.observe(seconds)
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += generated
@@ -127,6 +135,9 @@ class ServerMetrics:
             family("tinyloop_request_duration_seconds", "histogram",
                    "From a generation request's arrival to its answer's end.",
                    self.duration.lines("tinyloop_request_duration_seconds"))
+            family("tinyloop_generation_token_depth", "histogram",
+                   "Loop depth of the pass that chose each generated token (adaptive depth: where the "
+                   "exit rule stopped it).", self.depths.lines("tinyloop_generation_token_depth"))
         for key in MEMORY_GAUGES:
             if key in memory:
                 name = f"tinyloop_memory_{key}"
