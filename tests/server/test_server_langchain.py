@@ -16,8 +16,8 @@ import tinyloop
 from tinyloop.server import ModelServer, ServerOptions
 
 langchain_openai = pytest.importorskip(
-    "langchain_openai", reason="LangChain's OpenAI integration is not installed: "
-    "pip install -e '.[test]' (or '.[clients]') to run the LangChain client tests")
+    "langchain_openai", reason="langchain-openai is not installed: the LangChain client path is NOT tested "
+    "here (pip install -e '.[test]' or '.[clients]' to run it)")
 from langchain_core.messages import AIMessageChunk  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
