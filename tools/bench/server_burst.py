@@ -16,26 +16,42 @@ import threading
 import time
 
 
-def one(port: int, body: bytes, barrier: threading.Barrier, out: list, timeout: float) -> None:
-    barrier.wait()
+def request(port: int, path: str, body: bytes, timeout: float, cut_after: int | None = None) -> dict:
+    """One POST on its own connection: its status, for a stream the time to the first event
+    and whether it ended in [DONE], the whole latency, or the error that cut it. With
+    `cut_after`, the client hangs up after that many events (a client leaving mid-stream)."""
     started = time.monotonic()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         response = conn.getresponse()
-        if response.status != 200:
+        if response.status != 200 or not response.getheader("Content-Type", "").startswith("text/event-stream"):
             response.read()
-            out.append({"status": response.status, "retry_after": response.getheader("Retry-After")})
-            return
-        first, last = None, None
+            conn.close()
+            return {"status": response.status, "retry_after": response.getheader("Retry-After"),
+                    "latency": time.monotonic() - started}
+        first, last, events = None, None, 0
         while line := response.readline():
             if line.startswith(b"data: "):
                 first = first if first is not None else time.monotonic() - started
-                last = line.strip()
-        out.append({"status": 200, "ttft": first, "done": last == b"data: [DONE]"})
+                last, events = line.strip(), events + 1
+                if cut_after is not None and events >= cut_after:
+                    break
         conn.close()
+        return {"status": 200, "ttft": first, "done": last == b"data: [DONE]", "events": events,
+                "latency": time.monotonic() - started}
     except Exception as e:   # a reset, a refused connection, a timeout
-        out.append({"status": None, "error": type(e).__name__})
+        return {"status": None, "error": type(e).__name__, "latency": time.monotonic() - started}
+
+
+def percentile(values: list, q: float, digits: int = 3) -> float | None:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], digits) if values else None
+
+
+def one(port: int, body: bytes, barrier: threading.Barrier, out: list, timeout: float) -> None:
+    barrier.wait()
+    out.append(request(port, "/v1/completions", body, timeout))
 
 
 def main() -> None:
@@ -57,22 +73,19 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
-    ttfts = sorted(r["ttft"] for r in out if r["status"] == 200 and r["ttft"] is not None)
-
-    def pct(q):
-        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 3) if ttfts else None
-
+    ttfts = [r["ttft"] for r in out if r["status"] == 200 and r["ttft"] is not None]
     errors: dict = {}
     for r in out:
         if r["status"] is None:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
     print(json.dumps({
         "clients": args.clients, "wall_s": round(time.monotonic() - started, 2),
-        "answered": sum(1 for r in out if r["status"] == 200 and r["done"]),
-        "streams_cut": sum(1 for r in out if r["status"] == 200 and not r["done"]),
+        "answered": sum(1 for r in out if r["status"] == 200 and r.get("done")),
+        "streams_cut": sum(1 for r in out if r["status"] == 200 and not r.get("done")),
         "429_with_retry_after": sum(1 for r in out if r["status"] == 429 and r["retry_after"]),
         "other_status": sorted({r["status"] for r in out if r["status"] not in (None, 200, 429)}),
-        "failed": errors, "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99)}))
+        "failed": errors, "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99)}))
 
 
 if __name__ == "__main__":
