@@ -23,9 +23,9 @@
 // registers before the current k-step's MMAs, so their latency overlaps the math. The
 // fold costs three FMAs per output per group (per chunk for q* with group 32).
 //
-// Split over k: a batched decode step has at most 64 input rows, so a matrix of 2048
-// output rows is 16 tiles, and 16 blocks leave most of the device idle while each walks
-// all of k. When the tiles are fewer than the device holds, the k-steps are split among
+// Split over k: a batched decode step of up to 64 input rows is one tile high, so a matrix
+// of 2048 output rows is 16 tiles, and 16 blocks leave most of the device idle while each
+// walks all of k. When the tiles are fewer than the device holds, the k-steps are split among
 // ksplit blocks per tile (grid z); each writes its partial tile to the scratch after the
 // split activations, and a second kernel sums the partials in a fixed order (the result
 // does not depend on scheduling) into the outputs.
@@ -298,11 +298,12 @@ gemm_tc_sum_kernel(matrix_set set, const float *__restrict__ part, int n, int ks
 constexpr int TC_MAX_SPLIT = 8;      // k-splits of one tile at most
 constexpr int TC_MIN_SPLIT_STEPS = 4;   // k-steps a split block walks at least
 
-// Blocks per tile over k (1: no split): enough for two blocks per SM, when the input
-// rows are one tile high and the partials fit in the `room` bytes of scratch.
+// Blocks per tile over k (1: no split): enough for two blocks per SM, when the
+// partials fit in the `room` bytes of scratch.
 int split_count(const tl_exec *ex, int tiles, int n, int steps, size_t room) {
-    if (!ex->split_k || n > TC_BM || tiles <= 0) return 1;
-    int k = (2 * ex->sm_count + tiles - 1) / tiles;
+    const int blocks = tiles * ((n + TC_BM - 1) / TC_BM);
+    if (!ex->split_k || blocks <= 0) return 1;
+    int k = (2 * ex->sm_count + blocks - 1) / blocks;
     k = std::min(k, std::min(TC_MAX_SPLIT, steps / TC_MIN_SPLIT_STEPS));
     while (k > 1 && (size_t)k * n * tiles * TC_BN * sizeof(float) > room) k--;
     return k > 1 ? k : 1;
