@@ -469,3 +469,15 @@ def test_closing_the_server_during_a_stream(default_model_server):
     server.model.close()
     thread.join(30)
     assert not any(b"[DONE]" in line for line in got)   # it was cut, not finished
+
+
+def test_a_model_without_a_tokenizer_is_refused_at_start(tmp_path):
+    # every answer is text: serving such a file would answer every request with a 500
+    from tinyloop.fileformat.random_model import make_random_model
+    from tinyloop.server.engine import Engine
+    path = tmp_path / "no_tokenizer.tinyloop"
+    make_random_model(path, seed=1, vocab_size=64, d_model=32, n_head=2, n_kv_head=1, head_dim=16, ffn_dim=64,
+                      n_pre=1, n_core=1, n_post=0, default_depth=1, max_depth=2, max_seq_len=32)
+    with tinyloop.Model(path, threads=1) as model:
+        with pytest.raises(ValueError, match="cannot serve .*no tokenizer"):
+            Engine(model, names="m")

@@ -36,12 +36,17 @@ class Engine:
         names = [names] if isinstance(names, str) else list(names)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError("the served model needs at least one non-empty name")
+        try:   # every answer is text: a file without a tokenizer cannot be served
+            model.tokenizer
+        except TinyLoopError as e:
+            raise ValueError(f"cannot serve {model.path}: {e}") from None
         self.model = model
         self.names = names
         self.parallel = parallel
         self.cache = PromptCache(model, kept) if kept > 0 else None
         # concurrent generations' decode steps in one forward pass; by default where that
-        # pays: on the CPU with more than one slot (docs/server.md)
+        # pays: on the CPU with more than one slot (docs/server.md: on CUDA the shipped
+        # model's 64 streams ran faster unbatched)
         if batch_decode is None:
             batch_decode = parallel > 1 and model.info.device_name.startswith("cpu")
         self.batcher = DecodeBatcher(model) if batch_decode else None
