@@ -27,7 +27,7 @@ from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "tinyloop.plugins"
 #: the distribution whose entry points are the built-in plugins
-DISTRIBUTION = "tinyloop"
+DISTRIBUTION = "tinyloop-runtime"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _TYPES = (bool, int, float, str)
@@ -200,10 +200,11 @@ class PluginRegistry:
         points = builtin_entry_points()
         if not points:
             raise PluginError(f"the built-in plugins are missing: distribution {DISTRIBUTION!r} "
-                              f"declares no {ENTRY_POINT_GROUP!r} entry points; reinstall tinyloop")
+                              f"declares no {ENTRY_POINT_GROUP!r} entry points; "
+                              f"reinstall {DISTRIBUTION}")
         for ep in points:
             self._load_entry_point(ep, f"built-in entry point {ep.name!r} ({ep.value}) of "
-                                       f"distribution {DISTRIBUTION!r}", "; reinstall tinyloop")
+                                       f"distribution {DISTRIBUTION!r}", f"; reinstall {DISTRIBUTION}")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Register third-party plugins: each entry point names a Plugin, or a callable
