@@ -78,7 +78,7 @@ def find_library() -> Path:
     path = _package_file(Path(_LIBRARY_NAME))
     if path is None:
         raise LibraryNotFoundError(
-            f"{_LIBRARY_NAME} not found in the tinyloop package; reinstall tinyloop "
+            f"{_LIBRARY_NAME} not found in the tinyloop package; reinstall tinyloop-runtime "
             "or point TINYLOOP_LIBRARY at the built library")
     return path
 

@@ -1,7 +1,7 @@
 """A model's chat template (its `tokenizer.chat_template` metadata, Jinja as Hugging Face
 writes them), rendered in Jinja's sandbox with `messages`, `add_generation_prompt`,
 `bos_token` and `eos_token`, as Hugging Face renders it. Needs the jinja2 package
-(`pip install 'tinyloop[serve]'`); used by `tinyloop chat` and the server's chat endpoint.
+(a dependency of the package); used by `tinyloop chat` and the server's chat endpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def load_chat_template(model) -> Callable[..., str] | None:
     except ImportError:
         def missing(messages, add_generation_prompt=True):
             raise ChatTemplateUnavailable("chat needs the jinja2 package to render the model's chat "
-                                    "template (pip install 'tinyloop[serve]')")
+                                    "template (pip install jinja2)")
         return missing
 
     def raise_exception(message):

@@ -440,7 +440,7 @@ def _serve_on_ray(args, options) -> dict:
     try:
         from .server import ray_serve
     except ImportError as e:
-        raise CommandError(f"--ray needs Ray Serve: pip install 'tinyloop[ray]' ({e})") from None
+        raise CommandError(f"--ray needs Ray Serve: pip install 'tinyloop-runtime[ray]' ({e})") from None
     cpus = args.replica_cpus if args.replica_cpus is not None else (args.threads or 1)
     gpus = args.replica_gpus
     if gpus is None:
@@ -725,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the decode steps of concurrent generations in one forward pass "
                         "(default: on for the CPU with --parallel above 1)")
     _add_exit_flag(p, "requests that give none")
-    ray = p.add_argument_group("Ray Serve (docs/scale-out.md; needs pip install 'tinyloop[ray]')")
+    ray = p.add_argument_group("Ray Serve (docs/scale-out.md; needs pip install 'tinyloop-runtime[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve N replicas of the model on Ray Serve, behind Ray's HTTP proxy at "
                           "--host:--port")

@@ -27,7 +27,7 @@ from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "tinyloop.plugins"
 #: the distribution whose entry points are the built-in plugins
-DISTRIBUTION = "tinyloop"
+DISTRIBUTION = "tinyloop-runtime"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _TYPES = (bool, int, float, str)
@@ -196,18 +196,20 @@ class PluginRegistry:
         return len(self._plugins)
 
     def load_builtins(self) -> None:
-        """Register the built-in plugins: the tinyloop distribution's own entry points."""
+        """Register the built-in plugins: the tinyloop-runtime distribution's own entry points."""
         points = builtin_entry_points()
         if not points:
             raise PluginError(f"the built-in plugins are missing: distribution {DISTRIBUTION!r} "
-                              f"declares no {ENTRY_POINT_GROUP!r} entry points; reinstall tinyloop")
+                              f"declares no {ENTRY_POINT_GROUP!r} entry points; "
+                              f"reinstall {DISTRIBUTION}")
         for ep in points:
             self._load_entry_point(ep, f"built-in entry point {ep.name!r} ({ep.value}) of "
-                                       f"distribution {DISTRIBUTION!r}", "; reinstall tinyloop")
+                                       f"distribution {DISTRIBUTION!r}",
+                                   f"; reinstall {DISTRIBUTION}")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Register third-party plugins: each entry point names a Plugin, or a callable
-        returning one, and its name must be the plugin's name. The tinyloop
+        returning one, and its name must be the plugin's name. The tinyloop-runtime
         distribution's own are load_builtins'."""
         for ep in importlib.metadata.entry_points(group=group):
             dist = getattr(ep, "dist", None)
@@ -285,7 +287,7 @@ class PluginRegistry:
 
 
 def builtin_entry_points() -> list:
-    """The entry points of the built-in plugins: those of the installed tinyloop
+    """The entry points of the built-in plugins: those of the installed tinyloop-runtime
     distribution (pyproject.toml's [project.entry-points."tinyloop.plugins"]), or, for a
     source tree on sys.path without an install (PYTHONPATH=python:plugins), that table
     read from the tree's pyproject.toml."""

@@ -183,7 +183,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ '<s>' + m['role'] + '\n' + m['conten
 
 
 def test_chat_keeps_the_conversation(tmp_path):
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     path = tmp_path / "chat.tinyloop"
     textmodel.make_text_model(path, chat_template=CHAT_TEMPLATE)
     proc = subprocess.run([sys.executable, "-m", "tinyloop", "chat", str(path), "--system", "Be kind.",
@@ -210,7 +210,7 @@ def test_chat_keeps_the_conversation(tmp_path):
 
 
 def test_chat_drops_old_turns_to_fit_the_context(tmp_path):
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     path = tmp_path / "chat.tinyloop"
     textmodel.make_text_model(path, chat_template=CHAT_TEMPLATE)
     lines = "".join(f"message {i} " + "x" * 20 + "\n" for i in range(4)) + "y" * 200 + "\n"

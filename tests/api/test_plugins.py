@@ -96,7 +96,7 @@ def test_builtins_are_the_distributions_entry_points():
     assert {ep.name: ep.value for ep in from_tree} == table
     registry = PluginRegistry()
     registry.load_builtins()
-    assert "of distribution 'tinyloop'" in registry.origin("speculative")
+    assert "of distribution 'tinyloop-runtime'" in registry.origin("speculative")
     # third-party loading leaves tinyloop's own entry points to load_builtins
     others = PluginRegistry()
     others.load_entry_points()
@@ -292,7 +292,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\
 def front_end(tmp_path_factory):
     """A chat model, the configs switching each test mode on, and the environment of a
     `tinyloop` process that has the modes' distribution installed."""
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     import textmodel
     root = tmp_path_factory.mktemp("front_end")
     make_distribution(root, "[tinyloop.plugins]\ncap_tokens = fake_mode_pkg:CAP\n"

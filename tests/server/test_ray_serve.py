@@ -3,7 +3,7 @@ the command starts on this machine (loopback only, bounded in time), reached thr
 Ray's HTTP proxy on 127.0.0.1 with the official `openai` client and plain httpx: both
 replicas answer, streams end with [DONE], errors keep OpenAI's shape, the API key holds,
 and with --prefix-routing a prompt's family stays on one replica. Skipped, loudly, when
-Ray Serve is not installed (pip install 'tinyloop[ray]')."""
+Ray Serve is not installed (pip install 'tinyloop-runtime[ray]')."""
 
 import importlib.util
 import json
@@ -22,7 +22,7 @@ import textmodel
 
 if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
     pytest.skip("Ray Serve is not installed: the --ray path is NOT tested here "
-                "(pip install 'tinyloop[ray]' to run it)", allow_module_level=True)
+                "(pip install 'tinyloop-runtime[ray]' to run it)", allow_module_level=True)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

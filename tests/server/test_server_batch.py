@@ -98,7 +98,7 @@ def test_streamed_batched_choices_send_the_sequential_events(servers, name):
 
 
 def test_chat_choices(paths):
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     batched, sequential = Running(paths[1]), Running(paths[1], batch_choices=False)
     try:
         request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "n": 3,

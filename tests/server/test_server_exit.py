@@ -82,7 +82,7 @@ def test_every_choice_and_prompt_has_its_depths(server):
 
 
 def test_chat_reports_depths(chat_server):
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "exit": "kl:1e-3", **GREEDY}
     status, body = chat_server.post("/v1/chat/completions", request)
     assert status == 200, body

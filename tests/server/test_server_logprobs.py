@@ -110,7 +110,7 @@ def test_stop_string_drops_the_tokens_after_it(server):
 
 
 def test_chat_logprobs(chat_server):
-    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install 'tinyloop[serve]')")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2 (pip install jinja2)")
     request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "logprobs": True,
                "top_logprobs": 2, **GREEDY}
     status, body = chat_server.post("/v1/chat/completions", request)

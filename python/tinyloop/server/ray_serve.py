@@ -1,5 +1,5 @@
 """`tinyloop serve --ray`: the server's OpenAI routes on Ray Serve, N replicas of the
-engine behind Ray's router (docs/scale-out.md). Needs `pip install 'tinyloop[ray]'`;
+engine behind Ray's router (docs/scale-out.md). Needs `pip install 'tinyloop-runtime[ray]'`;
 nothing else in the package imports this module or Ray.
 
 Each replica loads the model and serves the same ASGI app as `tinyloop serve`
