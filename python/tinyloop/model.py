@@ -13,7 +13,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .exit_rule import exit_rule
 from .kv_policy import kv_policy_values
 from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .chat_template import ChatTemplate
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
                 5: "aborted", 6: "context_full"}
@@ -712,6 +715,9 @@ class Model(_Scoring, NativeHandle):
     decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
     f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype")."""
 
+    _chat_template: "ChatTemplate | None" = None
+    _chat_template_loaded = False
+
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
@@ -1127,6 +1133,55 @@ class Model(_Scoring, NativeHandle):
         """A read-only snapshot of `tokens` computed at `depth` (0 = the default), for
         contexts to start from (context(prefix=...), Context.load_prefix)."""
         return _prefix.PrefixCache.compute(self, tokens, depth)
+
+    # -- chat -------------------------------------------------------------------
+    @property
+    def chat_template(self) -> "ChatTemplate | None":
+        """The file's chat template (tokenizer.chat_template), compiled once: the renderer
+        `tinyloop chat` and the server use. None when the file has none."""
+        if not self._chat_template_loaded:
+            from .chat_template import load_chat_template
+            self._chat_template = load_chat_template(self)
+            self._chat_template_loaded = True
+        return self._chat_template
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
+             documents: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **options: Any) -> GenerateResult:
+        """The assistant's reply to `messages` (dicts with role and content, as Hugging Face
+        takes them): the conversation rendered through the file's chat template, then
+        generate() with `options`; `text` is the reply. `tools`, `documents` and
+        `chat_template_kwargs` (any other variables) go to the template."""
+        ids = self._chat_ids(messages, tools, documents, add_generation_prompt, chat_template_kwargs)
+        result = self.generate(ids, **options)
+        return replace(result, text=self.tokenizer.decode_continuation(ids, result.tokens))
+
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
+                    documents: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> Iterator[str]:
+        """chat() as text pieces while they are generated (stream_text of the rendered
+        conversation)."""
+        ids = self._chat_ids(messages, tools, documents, add_generation_prompt, chat_template_kwargs)
+        return self.stream_text(ids, **options)
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
+                  documents: Sequence[Any] | None, add_generation_prompt: bool,
+                  variables: Mapping[str, Any] | None) -> list[int]:
+        from .chat_template import ChatTemplateError
+        template = self.chat_template
+        if template is None:
+            raise ChatTemplateError(f"{self.path} has no chat template (tokenizer.chat_template): "
+                                    "use generate() with a prompt")
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+            raise TypeError("messages must be a list of dicts with role and content")
+        extra = dict(variables or {})
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None:
+                extra[name] = value
+        text = template(messages, add_generation_prompt, **extra)
+        # the template writes the BOS it wants
+        return self.tokenizer.encode(text, add_bos=False)
 
 
 class Context(_Scoring, ModelChild):
