@@ -15,7 +15,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      TinyLoopError, UnsupportedError)
 from .exit_rule import ExitRule, ExitRuleError
 from .grammar import Grammar, SchemaError, json_schema_to_gbnf
-from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
+from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream, TopLogprob
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -35,5 +35,5 @@ __all__ = [
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
     "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
-    "TokenLogprob", "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
+    "TokenLogprob", "TokenStream", "Tokenizer", "TopLogprob", "UnsupportedError", "library_version", "load_config",
 ]

@@ -13,7 +13,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -101,15 +101,38 @@ def _metadata_str(native, handle, key) -> str:
 _METADATA_GETTERS = {1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
 
 
+class _IdLogprob(NamedTuple):
+    id: int
+    logprob: float
+
+
+class TopLogprob(_IdLogprob):
+    """One of a step's most likely tokens: the pair (id, logprob), as it unpacks and
+    compares, with the token's `text` beside it (None for a model without a tokenizer)."""
+
+    text: str | None
+
+    def __new__(cls, id: int, logprob: float, text: str | None = None) -> "TopLogprob":
+        self = super().__new__(cls, id, logprob)
+        self.text = text
+        return self
+
+    def __repr__(self) -> str:
+        return f"TopLogprob(id={self.id}, logprob={self.logprob!r}, text={self.text!r})"
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model's distribution at that step
     (log_softmax of the logits at the generation's depth, before temperature, filters
-    and penalty), and the step's most likely tokens as (id, logprob), best first."""
+    and penalty), and the step's most likely tokens (TopLogprob: id, logprob and text),
+    best first. `text` is the token's text (Tokenizer.token_text; None without a
+    tokenizer)."""
 
     token: int
     logprob: float
-    top: tuple = ()
+    top: tuple[TopLogprob, ...] = ()
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -286,6 +309,14 @@ class _GenerateOptions:
         return [tokens, lengths, tokens_c, lengths_c]
 
 
+def _token_text_of(model: "Model") -> Callable[[int], str] | None:
+    """The model's Tokenizer.token_text, or None when the file has no tokenizer."""
+    try:
+        return model.tokenizer.token_text
+    except TinyLoopError:
+        return None
+
+
 class TokenStream(ModelChild):
     """Iterator over generated token ids (the C pull iterator, no callbacks).
 
@@ -317,6 +348,7 @@ class TokenStream(ModelChild):
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
         self._depth = native.ffi.new("int32_t *")
+        self._token_text = _token_text_of(model) if options.logprobs else None
 
     def __iter__(self) -> "TokenStream":
         return self
@@ -355,7 +387,9 @@ class TokenStream(ModelChild):
         lp, ids, lps = ffi.new("float *"), ffi.new("int32_t[]", max(k, 1)), ffi.new("float[]", max(k, 1))
         native.check(native.lib.tl_stream_logprobs(self._handle, lp, ids if k else ffi.NULL,
                                                    lps if k else ffi.NULL))
-        return TokenLogprob(token, float(lp[0]), tuple((int(ids[j]), float(lps[j])) for j in range(k)))
+        text = self._token_text
+        top = tuple(TopLogprob(int(ids[j]), float(lps[j]), text and text(int(ids[j]))) for j in range(k))
+        return TokenLogprob(token, float(lp[0]), top, text and text(token))
 
     def _finish(self) -> None:
         c_result = self._native.ffi.new("tl_generate_result *")

@@ -51,6 +51,7 @@ class Tokenizer:
         self.eos_id = eos_id
         self.add_bos = bool(add_bos) and bos_id >= 0
         self._byte_level = None   # built on first use by token_bytes
+        self._texts: dict[int, str] = {}   # token_text's, as asked
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +92,15 @@ class Tokenizer:
         alone = self.decode([token], skip_special_tokens=False)
         twice = self.decode([token, token], skip_special_tokens=False)
         return (twice[len(alone):] if twice.startswith(alone) else alone).encode("utf-8")
+
+    def token_text(self, token: int) -> str:
+        """One token's text (token_bytes as UTF-8): what it adds to a text, its
+        word-initial space included; a token holding part of a character gives U+FFFD
+        for the bytes of it (token_bytes has them)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.token_bytes(token).decode("utf-8", "replace")
+        return text
 
     def incremental_decoder(self, context: Sequence[int] = ()) -> "IncrementalDecoder":
         """A decoder of the tokens that follow `context` (e.g. a prompt; () = the start of
