@@ -8,6 +8,7 @@ The shared library is opened on first use, so configuration, plugins and the CLI
 argument parsing work without it. See docs/python.md.
 """
 
+from .aio import AsyncModel, AsyncStream
 from .config import Config, load_config
 from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, FileFormatError,
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
@@ -29,7 +30,7 @@ def library_version() -> str:
 
 
 __all__ = [
-    "Grammar", "SchemaError", "json_schema_to_gbnf",
+    "AsyncModel", "AsyncStream", "Grammar", "SchemaError", "json_schema_to_gbnf",
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
     "ExitRule", "ExitRuleError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
