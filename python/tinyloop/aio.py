@@ -80,13 +80,15 @@ def _stream_work(state: _StreamState, open_stream: Callable[[], tuple[Iterator[A
         try:
             for item in items:
                 if state.stop.is_set() or not _deliver(loop, queue.put_nowait, (_ITEM, item)):
-                    return
+                    break
         finally:
             close = getattr(items, "close", None)
             if close is not None:
                 close()   # a text generator closes its token stream
             state.source.close()
-        state.result = state.source.result
+        if not state.stop.is_set():
+            state.result = state.source.result
+        # also after a stop: a later __anext__ ends instead of waiting
         _deliver(loop, queue.put_nowait, (_END, None))
     except BaseException as e:   # handed to the awaiting task
         _deliver(loop, queue.put_nowait, (_ERROR, e))
@@ -108,6 +110,7 @@ class AsyncStream(Generic[T]):
         self._open = open_stream
         self._state = _StreamState()
         self._queue: asyncio.Queue[tuple[int, Any]] | None = None
+        self._ended = False   # the worker's last word (its end or error) was taken
 
     @property
     def result(self) -> GenerateResult | None:
@@ -129,7 +132,7 @@ class AsyncStream(Generic[T]):
             loop, queue, start = asyncio.get_running_loop(), asyncio.Queue[tuple[int, Any]](), self._open
             self._queue = queue
             self._workers.start(lambda: _stream_work(state, start, loop, queue), state.stop)
-        if state.done.is_set() and self._queue.empty():
+        if self._ended:
             raise StopAsyncIteration
         try:
             kind, value = await self._queue.get()
@@ -138,6 +141,7 @@ class AsyncStream(Generic[T]):
             raise
         if kind != _ITEM:
             state.stop.set()
+            self._ended = True
             if kind == _ERROR:
                 raise value
             raise StopAsyncIteration
