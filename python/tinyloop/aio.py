@@ -17,7 +17,8 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
-from .model import GenerateResult, Model, ModelInfo, StrategyStream, TokenStream, _drained, _text_stream
+from .model import (GenerateResult, IntArray, Model, ModelInfo, StrategyStream, TokenStream, _drained,
+                    _text_stream)
 from .tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -246,9 +247,10 @@ class AsyncModel:
             return self._text(ids, options)
         return AsyncStream(self._workers, start)
 
-    def _text(self, ids: Sequence[int], options: dict[str, Any]) -> tuple[Iterator[str], TokenStream | StrategyStream]:
-        stream = self.model.stream(ids, **options)
-        return _text_stream(stream, self.model.tokenizer), stream
+    def _text(self, ids: Sequence[int] | IntArray, options: dict[str, Any]) -> tuple[Iterator[str], TokenStream | StrategyStream]:
+        prompt = self.model._prompt_ids(ids)
+        stream = self.model.stream(prompt, **options)
+        return _text_stream(stream, self.model.tokenizer, prompt), stream
 
     def _drain(self, stream: TokenStream | StrategyStream, prompt: str | Sequence[int], ids: Any,
                stop: threading.Event) -> GenerateResult | None:
