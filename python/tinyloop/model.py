@@ -13,7 +13,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Mapping, NamedTuple, Sequence, TypeAlias
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -110,7 +110,8 @@ def _metadata_str(native: Any, handle: Any, key: Any) -> str:
 
 
 #: tl_metadata_type (tinyloop.h, the file's type codes) -> its getter
-_METADATA_GETTERS: dict[int, Callable[[Any, Any, Any], int | float | str]] = {1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
+_METADATA_GETTERS: dict[int, Callable[[Any, Any, Any], int | float | str]] = {
+    1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
 
 
 class _IdLogprob(NamedTuple):

@@ -5,6 +5,7 @@ client reaches included."""
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,9 +30,7 @@ def test_py_typed_is_installed():
 
 
 def test_strict_client_type_checks(tmp_path):
-    try:
-        import mypy  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mypy") is None:
         pytest.skip("SKIPPED LOUDLY: mypy is not installed (pip install 'tinyloop[test]' has it); "
                     "the public API's annotations were not checked")
     config = tmp_path / "mypy.ini"
