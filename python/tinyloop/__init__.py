@@ -8,6 +8,7 @@ The shared library is opened on first use, so configuration, plugins and the CLI
 argument parsing work without it. See docs/python.md.
 """
 
+from .aio import AsyncModel, AsyncStream
 from .config import Config, load_config
 from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, FileFormatError,
                      FormatError, InternalError, InvalidArgumentError, LibraryNotFoundError,
@@ -15,7 +16,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
                      TinyLoopError, UnsupportedError)
 from .exit_rule import ExitRule, ExitRuleError
 from .grammar import Grammar, SchemaError, json_schema_to_gbnf
-from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
+from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream, TopLogprob
 from .prefix import PrefixCache, PrefixPool
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -29,11 +30,11 @@ def library_version() -> str:
 
 
 __all__ = [
-    "Grammar", "SchemaError", "json_schema_to_gbnf",
+    "AsyncModel", "AsyncStream", "Grammar", "SchemaError", "json_schema_to_gbnf",
     "AbortedError", "BackendError", "Config", "ConfigError", "Context", "ContextFullError",
     "ExitRule", "ExitRuleError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
     "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
-    "TokenLogprob", "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
+    "TokenLogprob", "TokenStream", "Tokenizer", "TopLogprob", "UnsupportedError", "library_version", "load_config",
 ]

@@ -8,49 +8,50 @@ its own message.
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import numpy as np
 
 _INT32_MAX = 2**31 - 1
 
 
-def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+def integer(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     # bool is an int subclass, but `depth=True` is always a mistake
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
+    number = int(value)
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+    return number
 
 
-def boolean(name: str, value) -> bool:
+def boolean(name: str, value: Any) -> bool:
     # an int is not a bool here: `logprobs=1` is as likely a mistake as a wish
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
-def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
+def real(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
          exclusive_minimum: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if value != value:
+    number = float(value)
+    if number != number:
         raise ValueError(f"{name} must not be NaN")
     if minimum is not None:
-        if exclusive_minimum and value <= minimum:
-            raise ValueError(f"{name} must be > {minimum}, got {value}")
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
+        if exclusive_minimum and number <= minimum:
+            raise ValueError(f"{name} must be > {minimum}, got {number}")
+        if number < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+    return number
 
 
-def token_array(tokens, vocab_size: int, *, name: str = "tokens",
+def token_array(tokens: Any, vocab_size: int, *, name: str = "tokens",
                 min_length: int = 1) -> np.ndarray:
     """A 1-D C-contiguous int32 array of token ids.
 
@@ -90,5 +91,5 @@ def token_array(tokens, vocab_size: int, *, name: str = "tokens",
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
-def max_int32(name: str, value) -> int:
+def max_int32(name: str, value: Any) -> int:
     return integer(name, value, minimum=0, maximum=_INT32_MAX)

@@ -3,16 +3,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, TypeVar
+
 from .errors import TinyLoopError
+
+if TYPE_CHECKING:
+    from .model import Model
+
+_Handle = TypeVar("_Handle", bound="NativeHandle")
 
 
 class NativeHandle:
     """Owns a native handle (`_handle`, None once freed), freed by close(), by the
     with-statement or when collected. Subclasses free it in _free(handle)."""
 
-    _handle = None
+    _handle: Any = None   # a cffi pointer
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         raise NotImplementedError
 
     def _collectable(self) -> bool:
@@ -29,13 +36,13 @@ class NativeHandle:
         if handle is not None:
             self._free(handle)
 
-    def __enter__(self):
+    def __enter__(self: _Handle) -> _Handle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         if self._handle is not None and self._collectable():
             self.close()
 
@@ -46,13 +53,14 @@ class ModelChild(NativeHandle):
 
     #: what "... is closed" calls it (default: the class name)
     _kind: str | None = None
+    _model: "Model"
 
-    def _adopt(self, handle) -> None:
+    def _adopt(self, handle: Any) -> None:
         """Take ownership of a new handle; the model closes it when it closes."""
         self._handle = handle
         self._model._children.add(self)
 
-    def _require_open(self):
+    def _require_open(self) -> Any:
         self._model._require_open()
         if self._handle is None:
             raise TinyLoopError(f"{self._kind or type(self).__name__} is closed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from typing import Any
 
 LOGGER_NAME = "tinyloop"
 
@@ -20,15 +21,15 @@ LEVELS = {0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO, 3: logging.DEBU
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def install(ffi, lib):
+def install(ffi: Any, lib: Any) -> Any:
     """Route the library's messages to `logger`. Returns the cffi callback, which must
     stay referenced while the library may call it; None for a library older than
     tl_log_set (it wrote its few warnings to stderr itself)."""
     if not hasattr(lib, "tl_log_set"):
         return None
 
-    @ffi.callback("void(tl_log_level, const char *, void *)")
-    def forward(level, message, _user_data):
+    @ffi.callback("void(tl_log_level, const char *, void *)")  # type: ignore[untyped-decorator]
+    def forward(level: Any, message: Any, _user_data: Any) -> None:
         try:
             text = ffi.string(message).decode("utf-8", "replace")
             logger.log(LEVELS.get(int(level), logging.WARNING), "%s", text)

@@ -19,6 +19,7 @@ import re
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from . import _log
 from .errors import LibraryNotFoundError, error_for_status
@@ -101,14 +102,14 @@ class Native:
     """The opened library: `ffi` (cffi.FFI) and `lib` (its functions)."""
 
     def __init__(self, library: Path, header: Path):
-        import cffi   # imported here so that tools without cffi can still import tinyloop
+        import cffi  # type: ignore[import-untyped]  # imported here so that tools without cffi can still import tinyloop
 
         self.library_path = library
         self.header_path = header
-        self.ffi = cffi.FFI()
+        self.ffi: Any = cffi.FFI()
         self.ffi.cdef(extract_cdef(header.read_text(encoding="utf-8")))
         try:
-            self.lib = self.ffi.dlopen(str(library))
+            self.lib: Any = self.ffi.dlopen(str(library))
         except OSError as e:
             raise LibraryNotFoundError(f"cannot load {library}: {e}") from None
         got = int(self.lib.tl_abi_version())
@@ -120,7 +121,7 @@ class Native:
         self.log_forwarder = _log.install(self.ffi, self.lib)
 
     def last_error(self) -> str:
-        return self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace")
+        return str(self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace"))
 
     def check(self, status: int) -> None:
         """Raise the TinyLoopError subclass of a failed call with the C message.
@@ -130,7 +131,7 @@ class Native:
             raise error_for_status(int(status), self.last_error())
 
     def version(self) -> str:
-        return self.ffi.string(self.lib.tl_version_string()).decode("utf-8", "replace")
+        return str(self.ffi.string(self.lib.tl_version_string()).decode("utf-8", "replace"))
 
 
 _native: Native | None = None

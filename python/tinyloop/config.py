@@ -38,7 +38,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .exit_rule import EXIT_KINDS, ExitRule, ExitRuleError
@@ -130,7 +130,7 @@ class Config:
         beside = Path(self.source).resolve().parent / path
         return str(beside) if beside.exists() else path
 
-    def load_options(self) -> dict:
+    def load_options(self) -> dict[str, Any]:
         """Keyword arguments of tinyloop.Model (plus "path"), after the mode hooks."""
         options = {"path": self.model_path(), "device": self.model.device,
                    "threads": self.model.threads, "max_seq_len": self.model.max_seq_len,
@@ -141,7 +141,7 @@ class Config:
             options["kv_dtype"] = self.model.kv_dtype
         return apply_load_hooks(self.modes, options)
 
-    def generate_options(self) -> dict:
+    def generate_options(self) -> dict[str, Any]:
         """Keyword arguments of Model.generate / Model.stream ([exit] as `exit`, when set)."""
         options = asdict(self.sampling)
         if self.exit is not None:
@@ -160,12 +160,12 @@ class _Locator:
         self._lines = text.splitlines() if text else []
 
     @staticmethod
-    def _parts(dotted: str) -> tuple:
+    def _parts(dotted: str) -> tuple[str, ...]:
         return tuple(p.strip().strip("\"'") for p in dotted.split("."))
 
     def line(self, key: str) -> int | None:
         parts = self._parts(key)
-        table: tuple = ()
+        table: tuple[str, ...] = ()
         for number, text in enumerate(self._lines, 1):
             header = self._HEADER.match(text)
             if header:
@@ -182,7 +182,7 @@ class _Locator:
         return None
 
 
-def _error_factory(source: str | None, text: str | None):
+def _error_factory(source: str | None, text: str | None) -> Callable[..., ConfigError]:
     locator = _Locator(text)
 
     def error(key: str, problem: str, near: str | None = None) -> ConfigError:
@@ -197,7 +197,7 @@ def _error_factory(source: str | None, text: str | None):
     return error
 
 
-def _check_section(name: str, table: Any, error) -> dict:
+def _check_section(name: str, table: Any, error: Callable[..., ConfigError]) -> dict[str, Any]:
     if not isinstance(table, Mapping):
         raise error(name, f"must be a table ([{name}]), got {type(table).__name__}")
     options = {o.name: o for o in _SECTIONS[name]}
@@ -212,7 +212,7 @@ def _check_section(name: str, table: Any, error) -> dict:
     return values
 
 
-def config_from_dict(data: Mapping, *, source: str | None = None, text: str | None = None,
+def config_from_dict(data: Mapping[str, Any], *, source: str | None = None, text: str | None = None,
                      registry: PluginRegistry | None = None) -> Config:
     """A checked Config from parsed TOML. `text` (the TOML source) lets errors give lines."""
     error = _error_factory(source, text)
@@ -226,13 +226,13 @@ def config_from_dict(data: Mapping, *, source: str | None = None, text: str | No
     if not isinstance(modes_table, Mapping):
         raise error("modes", f"must be a table of [modes.<name>] tables, "
                              f"got {type(modes_table).__name__}")
-    modes: tuple = ()
+    modes: tuple[ActiveMode, ...] = ()
     if modes_table:
         modes = (registry or default_registry()).resolve(modes_table, error)
     return Config(model=model, sampling=sampling, modes=modes, source=source, exit=exit_rule)
 
 
-def _exit_rule(table, error) -> ExitRule:
+def _exit_rule(table: Any, error: Callable[..., ConfigError]) -> ExitRule:
     values = _check_section("exit", table, error)
     try:
         return ExitRule.parse(values, field="exit")
@@ -249,7 +249,7 @@ def parse_config(text: str, source: str | None = None,
     return config_from_dict(data, source=source, text=text, registry=registry)
 
 
-def load_config(path, registry: PluginRegistry | None = None) -> Config:
+def load_config(path: str | os.PathLike[str], registry: PluginRegistry | None = None) -> Config:
     """Read and check a tinyloop.toml file."""
     path = os.fspath(path)
     try:

@@ -28,14 +28,15 @@ class ExitGate:
         lam = self.lam.astype(np.float64)
         survive = np.concatenate([np.ones((lam.shape[0], 1)), np.cumprod(1.0 - lam, axis=1)[:, :-1]],
                                  axis=1)
-        p = lam * survive
+        p: np.ndarray = lam * survive
         p[:, -1] = survive[:, -1]
         return p
 
     @property
     def cdf(self) -> np.ndarray:
         """cdf[i, t] = p[i, 0] + ... + p[i, t] (float64; the last column is 1)."""
-        return np.cumsum(self.p, axis=1)
+        cdf: np.ndarray = np.cumsum(self.p, axis=1)
+        return cdf
 
     def exit_steps(self, threshold: float | None = None) -> np.ndarray:
         """Per position, the 1-based iteration the `cdf_threshold` rule exits at: the first
@@ -45,4 +46,5 @@ class ExitGate:
         t = self.threshold if threshold is None else float(threshold)
         reached = self.cdf >= t
         reached[:, -1] = True
-        return (np.argmax(reached, axis=1) + 1).astype(np.int32)
+        steps: np.ndarray = (np.argmax(reached, axis=1) + 1).astype(np.int32)
+        return steps

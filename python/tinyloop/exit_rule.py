@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from .errors import InvalidArgumentError
 
@@ -53,7 +53,7 @@ class ExitRule:
     min_depth: int = 1
     patience: int = 2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         values = _checked(self.kind, self.threshold, self.min_depth, self.patience, field="exit")
         for key, value in zip(("kind", "threshold", "min_depth", "patience"), values):
             object.__setattr__(self, key, value)   # normalised: 1 -> 1.0, numpy ints -> int
@@ -78,9 +78,9 @@ class ExitRule:
             text = f"{self.kind}:{self.threshold!r}"
         return text + (f",min_depth={self.min_depth}" if self.min_depth != 1 else "")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The rule as the dict form parse() reads (what --json and logs show)."""
-        out = {"rule": self.kind}
+        out: dict[str, Any] = {"rule": self.kind}
         if self.kind in THRESHOLD_RULES:
             out["threshold"] = self.threshold
         if self.kind == "argmax_stable":
@@ -89,7 +89,7 @@ class ExitRule:
             out["min_depth"] = self.min_depth
         return out
 
-    def fill(self, c_rule) -> None:
+    def fill(self, c_rule: Any) -> None:
         """Set a cffi `tl_exit_rule` (a struct field such as opts.exit) to this rule."""
         c_rule.kind = EXIT_KINDS[self.kind]
         c_rule.threshold = self.threshold
@@ -97,7 +97,7 @@ class ExitRule:
         c_rule.patience = self.patience
 
     @classmethod
-    def parse(cls, value, field: str = "exit") -> "ExitRule":
+    def parse(cls, value: Any, field: str = "exit") -> "ExitRule":
         """An ExitRule from "RULE[:VALUE][,min_depth=N][,patience=N]" (VALUE: the threshold,
         or argmax_stable's patience), from a mapping {"rule", "threshold", "min_depth",
         "patience"}, or an ExitRule as is. ExitRuleError names `field` (or its key)."""
@@ -111,17 +111,17 @@ class ExitRule:
                                    f"and \"threshold\", got {type(value).__name__}")
 
 
-def exit_rule(value, field: str = "exit") -> ExitRule | None:
+def exit_rule(value: Any, field: str = "exit") -> ExitRule | None:
     """ExitRule.parse(value), or None for None (no rule given)."""
     return None if value is None else ExitRule.parse(value, field)
 
 
-def _split(text: str, field: str) -> dict:
+def _split(text: str, field: str) -> dict[str, Any]:
     """The mapping form of "RULE[:VALUE][,key=N]...": VALUE is the threshold, or the
     patience for argmax_stable."""
     head, *extras = [part.strip() for part in text.split(",")]
     rule, colon, number = (s.strip() for s in head.partition(":"))
-    table: dict = {"rule": rule}
+    table: dict[str, Any] = {"rule": rule}
     if colon:
         if not number:
             raise ExitRuleError(field, f"{text!r}: nothing after {rule + ':'!r} (e.g. kl:1e-3)")
@@ -137,14 +137,14 @@ def _split(text: str, field: str) -> dict:
     return table
 
 
-def _number(text: str, key: str, integer: bool):
+def _number(text: str, key: str, integer: bool) -> int | float:
     try:
         return int(text) if integer else float(text)
     except ValueError:
         raise ExitRuleError(key, f"{text!r} is not {'an integer' if integer else 'a number'}") from None
 
 
-def _from_mapping(table: Mapping, field: str) -> ExitRule:
+def _from_mapping(table: Mapping[str, Any], field: str) -> ExitRule:
     unknown = [k for k in table if k not in _KEYS]
     if unknown:
         raise ExitRuleError(f"{field}.{unknown[0]}", f"unknown key (allowed: {', '.join(_KEYS)})")
@@ -164,17 +164,19 @@ def _from_mapping(table: Mapping, field: str) -> ExitRule:
     return ExitRule(*_checked(kind, **values, field=field))
 
 
-def _check_kind(kind, field: str) -> None:
+def _check_kind(kind: Any, field: str) -> None:
     if not isinstance(kind, str) or kind not in EXIT_KINDS:
         raise ExitRuleError(f"{field}.rule", f"must be one of {', '.join(EXIT_KINDS)}, got {kind!r}")
 
 
-def _checked(kind, threshold=0.0, min_depth=1, patience=2, *, field: str) -> tuple:
+def _checked(kind: Any, threshold: Any = 0.0, min_depth: Any = 1, patience: Any = 2, *,
+             field: str) -> tuple[str, float, int, int]:
     """(kind, threshold, min_depth, patience) typed (a float threshold, int depths) and in
     range, else ExitRuleError naming `field.key`."""
     _check_kind(kind, field)
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
         raise ExitRuleError(f"{field}.threshold", f"must be a number, got {type(threshold).__name__}")
+    threshold = float(threshold)
     if not math.isfinite(threshold) or threshold < 0:
         raise ExitRuleError(f"{field}.threshold", f"must be a finite number >= 0, got {threshold}")
     if kind == "gate" and not 0 < threshold <= 1:
@@ -183,6 +185,6 @@ def _checked(kind, threshold=0.0, min_depth=1, patience=2, *, field: str) -> tup
     for key, value in (("min_depth", min_depth), ("patience", patience)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ExitRuleError(f"{field}.{key}", f"must be an integer, got {type(value).__name__}")
-        if not 1 <= value <= _INT32_MAX:
+        if not 1 <= int(value) <= _INT32_MAX:
             raise ExitRuleError(f"{field}.{key}", f"must be in [1, {_INT32_MAX}], got {value}")
     return kind, float(threshold), int(min_depth), int(patience)

@@ -13,19 +13,34 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _args, _native
 from . import prefix as _prefix
 from ._handle import ModelChild, NativeHandle
 from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
 from .exit_gate import ExitGate
-from .exit_rule import exit_rule
+from .exit_rule import ExitRule, exit_rule
 from .kv_policy import kv_policy_values
 from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .chat_template import ChatTemplate
+    from .config import Config
+    from .plugins import ActiveMode
+
+#: token ids: a sequence of ints or a 1-D numpy integer array
+Tokens: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
+#: a prompt: text (encoded with the model's tokenizer) or token ids
+Prompt: TypeAlias = "str | Tokens"
+#: an exit rule (adaptive depth): an ExitRule, its string ("kl:1e-3") or dict form, or None
+ExitSpec: TypeAlias = "ExitRule | str | Mapping[str, Any] | None"
+FloatArray: TypeAlias = "npt.NDArray[np.float32]"
+IntArray: TypeAlias = "npt.NDArray[np.int32]"
 
 STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "grammar",
                 5: "aborted", 6: "context_full"}
@@ -70,48 +85,72 @@ class ModelInfo:
     #: the KV cache's element type as loaded: "f32" or "f16" (Model kv_dtype)
     kv_dtype: str
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
-    metadata: dict = field(default_factory=dict, compare=False, repr=False)
+    metadata: dict[str, int | float | str] = field(default_factory=dict, compare=False, repr=False)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _metadata_int(native, handle, key) -> int:
+def _metadata_int(native: Any, handle: Any, key: Any) -> int:
     value = native.ffi.new("int64_t *")
     native.check(native.lib.tl_model_get_metadata_int(handle, key, value))
     return int(value[0])
 
 
-def _metadata_float(native, handle, key) -> float:
+def _metadata_float(native: Any, handle: Any, key: Any) -> float:
     value = native.ffi.new("double *")
     native.check(native.lib.tl_model_get_metadata_float(handle, key, value))
     return float(value[0])
 
 
-def _metadata_str(native, handle, key) -> str:
+def _metadata_str(native: Any, handle: Any, key: Any) -> str:
     value, length = native.ffi.new("const char **"), native.ffi.new("size_t *")
     native.check(native.lib.tl_model_get_metadata_string(handle, key, value, length))
     return bytes(native.ffi.buffer(value[0], length[0])).decode("utf-8")
 
 
 #: tl_metadata_type (tinyloop.h, the file's type codes) -> its getter
-_METADATA_GETTERS = {1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
+_METADATA_GETTERS: dict[int, Callable[[Any, Any, Any], int | float | str]] = {
+    1: _metadata_int, 2: _metadata_float, 3: _metadata_str}
+
+
+class _IdLogprob(NamedTuple):
+    id: int
+    logprob: float
+
+
+class TopLogprob(_IdLogprob):
+    """One of a step's most likely tokens: the pair (id, logprob), as it unpacks and
+    compares, with the token's `text` beside it (None for a model without a tokenizer)."""
+
+    text: str | None
+
+    def __new__(cls, id: int, logprob: float, text: str | None = None) -> "TopLogprob":
+        self = super().__new__(cls, id, logprob)
+        self.text = text
+        return self
+
+    def __repr__(self) -> str:
+        return f"TopLogprob(id={self.id}, logprob={self.logprob!r}, text={self.text!r})"
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model's distribution at that step
     (log_softmax of the logits at the generation's depth, before temperature, filters
-    and penalty), and the step's most likely tokens as (id, logprob), best first."""
+    and penalty), and the step's most likely tokens (TopLogprob: id, logprob and text),
+    best first. `text` is the token's text (Tokenizer.token_text; None without a
+    tokenizer)."""
 
     token: int
     logprob: float
-    top: tuple = ()
+    top: tuple[TopLogprob, ...] = ()
+    text: str | None = None
 
 
 @dataclass(frozen=True)
 class GenerateResult:
-    tokens: list
+    tokens: list[int]
     text: str | None
     stop_reason: str
     prompt_tokens: int
@@ -123,10 +162,10 @@ class GenerateResult:
     #: prompt tokens loaded from a prefix pool instead of computed
     cached_tokens: int = 0
     #: with logprobs=True: one TokenLogprob per token of `tokens`; else None
-    logprobs: list | None = None
+    logprobs: list[TokenLogprob] | None = None
     #: the loop depth of the pass that chose each token of `tokens` (adaptive depth: where
     #: the `exit` rule stopped it); None where not reported (generate_batch, a mode's loop)
-    depths: list | None = None
+    depths: list[int] | None = None
     #: the mean loop depth of the passes that chose the tokens (0 without tokens)
     mean_depth: float = 0.0
 
@@ -147,8 +186,9 @@ class GenerateResult:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
 
-def _result_from_c(c_result, tokens: list, text: str | None, options: "_GenerateOptions",
-                   logprobs: list | None = None, depths: list | None = None) -> GenerateResult:
+def _result_from_c(c_result: Any, tokens: list[int], text: str | None, options: "_GenerateOptions",
+                   logprobs: list[TokenLogprob] | None = None,
+                   depths: list[int] | None = None) -> GenerateResult:
     mean_depth = float(c_result.mean_depth) if options.reports_depths else float(options.depth if tokens else 0)
     return GenerateResult(tokens=tokens, text=text, logprobs=logprobs, depths=depths, mean_depth=mean_depth,
                           stop_reason=STOP_REASONS.get(int(c_result.stop_reason), "unknown"),
@@ -168,11 +208,15 @@ class _GenerateOptions:
                "n_draft", "draft_p_min", "tree", "tree_budget", "logprobs", "top_logprobs",
                "presence_penalty", "frequency_penalty", "logit_bias", "grammar", "exit")
 
-    def __init__(self, model: "Model", *, max_tokens=128, depth=0, temperature=0.8, top_k=40,
-                 top_p=0.95, min_p=0.05, repetition_penalty=1.0, repetition_window=64, seed=0,
-                 eos=None, stop=None, draft_depth=0, n_draft=0, draft_p_min=0.0, tree=(),
-                 tree_budget=0, logprobs=False, top_logprobs=0, presence_penalty=0.0,
-                 frequency_penalty=0.0, logit_bias=None, grammar=None, exit=None):
+    def __init__(self, model: "Model", *, max_tokens: int = 128, depth: int = 0,
+                 temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 repetition_penalty: float = 1.0, repetition_window: int = 64, seed: int = 0,
+                 eos: int | bool | None = None, stop: Sequence[str | Tokens] | None = None,
+                 draft_depth: int = 0, n_draft: int = 0, draft_p_min: float = 0.0,
+                 tree: Sequence[int] = (), tree_budget: int = 0, logprobs: bool = False,
+                 top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None, grammar: Any = None,
+                 exit: ExitSpec = None):
         native = model._native
         ffi = native.ffi
         self.max_tokens = _args.integer("max_tokens", max_tokens, minimum=1, maximum=2**31 - 1)
@@ -224,7 +268,7 @@ class _GenerateOptions:
         self.depth = opts.depth or model.info.default_depth
         self.c = opts
 
-    def token_depths(self, ffi) -> np.ndarray:
+    def token_depths(self, ffi: Any) -> IntArray:
         """The array tl_generate writes each generated token's depth into (opts.token_depths)."""
         depths = np.full(self.max_tokens, self.depth, dtype=np.int32)
         c_depths = ffi.from_buffer("int32_t[]", depths, require_writable=True)
@@ -233,7 +277,7 @@ class _GenerateOptions:
         return depths
 
     @staticmethod
-    def _eos(model: "Model", eos) -> int:
+    def _eos(model: "Model", eos: int | bool | None) -> int:
         if eos is None:
             return _EOS_MODEL
         if eos is False:
@@ -241,7 +285,7 @@ class _GenerateOptions:
         return _args.integer("eos", eos, minimum=0, maximum=model.info.vocab_size - 1)
 
     @staticmethod
-    def _set_bias(model: "Model", opts, logit_bias) -> list:
+    def _set_bias(model: "Model", opts: Any, logit_bias: Mapping[int, float] | None) -> list[Any]:
         """logit_bias: a mapping of token id -> bias added to its logit (-100..100)."""
         if not logit_bias:
             return []
@@ -257,7 +301,7 @@ class _GenerateOptions:
         return [ids, values, ids_c, values_c]
 
     @staticmethod
-    def _set_stop(model: "Model", opts, stop) -> list:
+    def _set_stop(model: "Model", opts: Any, stop: Sequence[str | Tokens] | None) -> list[Any]:
         if stop is None:
             return []
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
@@ -283,14 +327,22 @@ class _GenerateOptions:
         return [tokens, lengths, tokens_c, lengths_c]
 
 
+def _token_text_of(model: "Model") -> Callable[[int], str] | None:
+    """The model's Tokenizer.token_text, or None when the file has no tokenizer."""
+    try:
+        return model.tokenizer.token_text
+    except TinyLoopError:
+        return None
+
+
 class TokenStream(ModelChild):
     """Iterator over generated token ids (the C pull iterator, no callbacks).
 
     After the last token, `.result` holds the GenerateResult. Breaking out early is
     fine: close() (or garbage collection, or the with-statement) frees the stream."""
 
-    def __init__(self, model: "Model", context: "Context | None", prompt: np.ndarray,
-                 options: _GenerateOptions, pool=None):
+    def __init__(self, model: "Model", context: "Context | None", prompt: IntArray,
+                 options: _GenerateOptions, pool: "_prefix.PrefixPool | None" = None):
         native = model._native
         self._native = native
         self._model = model
@@ -298,7 +350,7 @@ class TokenStream(ModelChild):
         self._options = options
         self.tokens: list[int] = []
         #: with logprobs=True: a TokenLogprob per token returned so far; else None
-        self.logprobs: list | None = [] if options.logprobs else None
+        self.logprobs: list[TokenLogprob] | None = [] if options.logprobs else None
         #: the loop depth of the pass that chose each token returned so far
         self.depths: list[int] = []
         self.result: GenerateResult | None = None
@@ -314,6 +366,7 @@ class TokenStream(ModelChild):
         self._token = native.ffi.new("int32_t *")
         self._reason = native.ffi.new("tl_stop_reason *")
         self._depth = native.ffi.new("int32_t *")
+        self._token_text = _token_text_of(model) if options.logprobs else None
 
     def __iter__(self) -> "TokenStream":
         return self
@@ -352,7 +405,9 @@ class TokenStream(ModelChild):
         lp, ids, lps = ffi.new("float *"), ffi.new("int32_t[]", max(k, 1)), ffi.new("float[]", max(k, 1))
         native.check(native.lib.tl_stream_logprobs(self._handle, lp, ids if k else ffi.NULL,
                                                    lps if k else ffi.NULL))
-        return TokenLogprob(token, float(lp[0]), tuple((int(ids[j]), float(lps[j])) for j in range(k)))
+        text = self._token_text
+        top = tuple(TopLogprob(int(ids[j]), float(lps[j]), text and text(int(ids[j]))) for j in range(k))
+        return TokenLogprob(token, float(lp[0]), top, text and text(token))
 
     def _finish(self) -> None:
         c_result = self._native.ffi.new("tl_generate_result *")
@@ -363,7 +418,7 @@ class TokenStream(ModelChild):
                                      list(self.depths))
         self.close()
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._native.lib.tl_stream_free(handle)
 
 
@@ -375,7 +430,7 @@ _strategy_thread = _StrategyThread()
 
 
 @contextmanager
-def _inside_strategy():
+def _inside_strategy() -> Iterator[None]:
     """While a mode's strategy runs on this thread, the generations it starts are the
     library's own: no mode applies to them (the strategy has had the options)."""
     outer, _strategy_thread.running = _strategy_thread.running, True
@@ -394,7 +449,7 @@ class StrategyStream:
     depths = None
     result = None
 
-    def __init__(self, model: "Model", tokens):
+    def __init__(self, model: "Model", tokens: Any):
         self._model = model
         self.tokens: list[int] = []
         with _inside_strategy():
@@ -415,7 +470,7 @@ class StrategyStream:
         self.tokens.append(token)
         return token
 
-    def _step(self):
+    def _step(self) -> int | None | TinyLoopError:
         """next(): the token, None at the end, or the TinyLoopError it failed with."""
         try:
             return next(self)
@@ -431,14 +486,15 @@ class StrategyStream:
             with _inside_strategy():
                 tokens.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "StrategyStream":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _drained(stream, prompt, ids: np.ndarray, model: "Model") -> GenerateResult:
+def _drained(stream: "TokenStream | StrategyStream", prompt: Prompt, ids: IntArray,
+             model: "Model") -> GenerateResult:
     """generate()'s result from a stream run to its end (its text when the prompt was a
     str); a strategy's stream, which has no result of its own, gets stop reason "none"."""
     with stream:
@@ -453,8 +509,10 @@ def _drained(stream, prompt, ids: np.ndarray, model: "Model") -> GenerateResult:
     return result
 
 
-def _text_stream(stream: TokenStream, tokenizer: Tokenizer) -> Iterator[str]:
-    decoder = tokenizer.incremental_decoder(stream._prompt.tolist())
+def _text_stream(stream: "TokenStream | StrategyStream", tokenizer: Tokenizer,
+                 context: IntArray) -> Iterator[str]:
+    """The stream's text pieces; `context`: its prompt's ids."""
+    decoder = tokenizer.incremental_decoder(context.tolist())
     with stream:
         for token in stream:
             piece = decoder.push(token)
@@ -470,19 +528,21 @@ class _Scoring:
 
     _model: "Model"
 
-    def _ctx_handle(self):
+    def _ctx_handle(self) -> Any:
         return None
 
-    def score(self, tokens, depth: int = 0) -> np.ndarray:
+    def score(self, tokens: Tokens, depth: int = 0) -> FloatArray:
         """log p(tokens[i+1] | tokens[..i]) for every i, as float32 of length n-1."""
-        return self._score(tokens, depth, uncertainty=False)[0]
+        logprobs: FloatArray = self._score(tokens, depth, uncertainty=False)[0]
+        return logprobs
 
-    def score_with_uncertainty(self, tokens, depth: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def score_with_uncertainty(self, tokens: Tokens, depth: int = 0) -> tuple[FloatArray, FloatArray]:
         """(logprobs, entropies), float32 of length n-1 each: score's log-probabilities and
         the entropy (nats) of each predicted distribution, from the same pass."""
         return self._score(tokens, depth, uncertainty=True)
 
-    def score_with_depths(self, tokens, depth: int = 0, exit=None, given_depths=None) -> tuple:
+    def score_with_depths(self, tokens: Tokens, depth: int = 0, exit: ExitSpec = None,
+                          given_depths: Tokens | None = None) -> tuple[FloatArray, IntArray]:
         """(logprobs, depths) with adaptive depth (docs/model.md, "Adaptive depth"): each
         position's loop stopped by the `exit` rule (an ExitRule, or its string or dict
         form: "kl:1e-3") or run to its depth in `given_depths` (n ints in 1..depth, e.g. a
@@ -493,15 +553,15 @@ class _Scoring:
         return self._score(tokens, depth, uncertainty=False, exit=exit, given_depths=given_depths,
                            with_depths=True)
 
-    def _score(self, tokens, depth: int, uncertainty: bool, exit=None, given_depths=None,
-               with_depths: bool = False) -> tuple:
+    def _score(self, tokens: Tokens, depth: int, uncertainty: bool, exit: ExitSpec = None,
+               given_depths: Tokens | None = None, with_depths: bool = False) -> tuple[Any, ...]:
         """score / score_with_uncertainty's arrays, and with `with_depths` each position's
         depth (int32, n) after them."""
         model = self._model
         ids = _args.token_array(tokens, model.info.vocab_size, min_length=2)
         native, ffi = model._native, model._native.ffi
         opts = model._score_options(depth, exit)
-        outs = tuple(np.empty(len(ids) - 1, dtype=np.float32) for _ in range(1 + uncertainty))
+        outs: tuple[Any, ...] = tuple(np.empty(len(ids) - 1, dtype=np.float32) for _ in range(1 + uncertainty))
         keep = []   # what opts points into, alive until the call has returned
         if given_depths is not None:
             given = model._given_depths(given_depths, len(ids), opts)
@@ -522,7 +582,8 @@ class _Scoring:
             native.check(getattr(native.lib, f"tl_context_{name}")(ctx, *args))
         return outs
 
-    def score_top_logprobs(self, tokens, top_k: int, depth: int = 0) -> tuple:
+    def score_top_logprobs(self, tokens: Tokens, top_k: int,
+                           depth: int = 0) -> tuple[FloatArray, IntArray, FloatArray]:
         """(logprobs, top_ids, top_logprobs): score's log-probabilities (length n-1) and,
         at every position, the top_k (1..20) most likely next tokens, int32 and float32
         arrays of shape (n-1, top_k), best first (the lower id first on ties)."""
@@ -544,7 +605,7 @@ class _Scoring:
             native.check(native.lib.tl_context_score_top_logprobs(ctx, *args))
         return logprobs, top_ids, top_lps
 
-    def score_exit_gate(self, tokens, depth: int = 0) -> "ExitGate":
+    def score_exit_gate(self, tokens: Tokens, depth: int = 0) -> "ExitGate":
         """The exit gate of a model whose file has one (Ouro; docs/model.md, "Exit gate") for
         the tokens as a fresh sequence at `depth` (0 = the default): an ExitGate whose `lam`
         is float32 [n, depth], with `p`, `cdf` and `exit_steps()` of the file's exit rule."""
@@ -565,7 +626,7 @@ class _Scoring:
         return ExitGate(lam, str(meta.get("loop.exit_rule", "none")),
                         float(meta.get("loop.exit_threshold", 1.0)))
 
-    def score_last_token(self, tokens, depth: int = 0) -> np.ndarray:
+    def score_last_token(self, tokens: Tokens, depth: int = 0) -> FloatArray:
         """Logits (float32, vocab) of the position after the last token."""
         model = self._model
         ids = _args.token_array(tokens, model.info.vocab_size)
@@ -581,7 +642,7 @@ class _Scoring:
             native.check(native.lib.tl_context_score_last_token(ctx, *args))
         return out
 
-    def generate(self, prompt, **options) -> GenerateResult:
+    def generate(self, prompt: Prompt, **options: Any) -> GenerateResult:
         """Generate up to max_tokens tokens after `prompt` (a str or token ids).
 
         Options: max_tokens, depth, temperature (0 = greedy), top_k, top_p, min_p,
@@ -608,7 +669,8 @@ class _Scoring:
         ids = model._prompt_ids(prompt)
         return self._generate(prompt, ids, model._generation_options(options), pool)
 
-    def _generate(self, prompt, ids: np.ndarray, options: dict, pool) -> GenerateResult:
+    def _generate(self, prompt: Prompt, ids: IntArray, options: dict[str, Any],
+                  pool: "_prefix.PrefixPool | None") -> GenerateResult:
         model = self._model
         mode = model._strategy_now()
         if mode is not None:
@@ -637,7 +699,7 @@ class _Scoring:
         text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
         return _result_from_c(c_result, tokens, text, opts, depths=depths[:n].tolist())
 
-    def stream(self, prompt, **options) -> "TokenStream | StrategyStream":
+    def stream(self, prompt: Prompt, **options: Any) -> "TokenStream | StrategyStream":
         """Like generate(), yielding token ids as they are produced (a StrategyStream when a
         mode of the model replaces the generation loop)."""
         model = self._model
@@ -650,28 +712,32 @@ class _Scoring:
         opts = _GenerateOptions(model, **options)
         return TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
 
-    def _strategy_stream(self, mode, ids: np.ndarray, options: dict, pool):
+    def _strategy_stream(self, mode: "ActiveMode", ids: IntArray, options: dict[str, Any],
+                         pool: "_prefix.PrefixPool | None") -> "TokenStream | StrategyStream":
         """The generation of a mode's strategy: its own TokenStream when it returns one."""
         if pool is not None:
             raise UnsupportedError(f"mode {mode.name!r} replaces the generation loop: pool= is "
                                    "not supported with it")
         with _inside_strategy():
-            tokens = mode.plugin.strategy(self, ids, options, mode.config)
+            strategy = mode.plugin.strategy
+            assert strategy is not None   # strategy_mode() picks a mode that has one
+            tokens = strategy(self, ids, options, mode.config)
         return tokens if isinstance(tokens, TokenStream) else StrategyStream(self._model, tokens)
 
-    def _pool_option(self, options: dict):
-        pool = options.pop("pool", None)
+    def _pool_option(self, options: dict[str, Any]) -> "_prefix.PrefixPool | None":
+        pool: _prefix.PrefixPool | None = options.pop("pool", None)
         if pool is not None and self._ctx_handle() is not None:
             raise InvalidArgumentError("pool= starts a generation on a context of its own: use it "
                                        "on the Model (a Context loads a prefix with load_prefix)")
         return pool
 
-    def stream_text(self, prompt, **options) -> Iterator[str]:
+    def stream_text(self, prompt: Prompt, **options: Any) -> Iterator[str]:
         """Like stream(), yielding decoded text pieces (whole UTF-8 characters only)."""
-        return _text_stream(self.stream(prompt, **options), self._model.tokenizer)
+        ids = self._model._prompt_ids(prompt)
+        return _text_stream(self.stream(ids, **options), self._model.tokenizer, ids)
 
 
-def _choice_value(name: str, value, choices: dict) -> int:
+def _choice_value(name: str, value: Any, choices: dict[str, int]) -> int:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if value not in choices:
@@ -712,7 +778,10 @@ class Model(_Scoring, NativeHandle):
     decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
     f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype")."""
 
-    def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
+    _chat_template: "ChatTemplate | None" = None
+    _chat_template_loaded = False
+
+    def __init__(self, path: str | os.PathLike[str], *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
@@ -739,18 +808,18 @@ class Model(_Scoring, NativeHandle):
         opts.kv_dtype = _choice_value("kv_dtype", kv_dtype, KV_DTYPES)
         out = ffi.new("tl_model **")
         self._lock = threading.Lock()
-        self._children: weakref.WeakSet = weakref.WeakSet()
+        self._children: weakref.WeakSet[ModelChild] = weakref.WeakSet()
         native.check(native.lib.tl_load_model(self.path.encode(), opts, out))
         self._handle = out[0]
         self._tokenizer: Tokenizer | None = None
         #: the active modes of the config the model was loaded from (Model.from_config):
         #: their configure_generate hooks and strategy apply to every generation
-        self.modes: tuple = ()
-        self._strategy = None
+        self.modes: tuple[ActiveMode, ...] = ()
+        self._strategy: ActiveMode | None = None
         self.info = self._read_info()
 
     @classmethod
-    def from_config(cls, config, **overrides) -> "Model":
+    def from_config(cls, config: "Config | str | os.PathLike[str]", **overrides: Any) -> "Model":
         """Load the model a tinyloop.toml (path or tinyloop.config.Config) describes.
 
         Active modes adjust the load options; keyword overrides win over both. The model
@@ -769,17 +838,17 @@ class Model(_Scoring, NativeHandle):
         return model
 
     @classmethod
-    def default(cls, **options) -> "Model":
+    def default(cls, **options: Any) -> "Model":
         """Load the default model: $TINYLOOP_DEFAULT_MODEL when set, else the model shipped
         in the package (tinyloop-smollm2-looped). Options are those of Model()."""
         return cls(_default_model_path(), **options)
 
     # -- lifetime ---------------------------------------------------------------
     @property
-    def _model(self) -> "Model":
+    def _model(self) -> "Model":  # type: ignore[override]  # _Scoring's attribute, read-only here
         return self
 
-    def _require_open(self):
+    def _require_open(self) -> Any:
         handle = self._handle
         if handle is None:
             raise TinyLoopError(f"model {self.path} is closed")
@@ -792,7 +861,7 @@ class Model(_Scoring, NativeHandle):
         with self._lock:
             super().close()
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         for child in list(self._children):
             child.close()
         self._native.lib.tl_free_model(handle)
@@ -807,7 +876,7 @@ class Model(_Scoring, NativeHandle):
         c_info = ffi.new("tl_model_info *")
         self._native.lib.tl_model_info_default(c_info)
         self._native.check(self._native.lib.tl_model_get_info(self._handle, c_info))
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(ModelInfo):
             if f.name in ("path", "metadata"):
                 continue
@@ -821,10 +890,10 @@ class Model(_Scoring, NativeHandle):
             values[f.name] = value if isinstance(value, str) else int(value)
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
-    def _file_metadata(self) -> dict:
+    def _file_metadata(self) -> dict[str, int | float | str]:
         return {k: v for k, v in self.metadata().items() if k != "tokenizer.json"}
 
-    def metadata(self) -> dict:
+    def metadata(self) -> dict[str, int | float | str]:
         """Every metadata entry of the file, key -> int, float or str, in key order
         (docs/format.md lists the keys; unknown ones are included)."""
         native, ffi = self._native, self._native.ffi
@@ -836,7 +905,7 @@ class Model(_Scoring, NativeHandle):
                 return dict(sorted(f.metadata.items()))
         count, key, kind = ffi.new("size_t *"), ffi.new("const char **"), ffi.new("tl_metadata_type *")
         native.check(lib.tl_model_metadata_count(handle, count))
-        out = {}
+        out: dict[str, int | float | str] = {}
         for i in range(count[0]):
             native.check(lib.tl_model_metadata_key(handle, i, key, kind))
             name = ffi.string(key[0]).decode("utf-8")
@@ -869,7 +938,7 @@ class Model(_Scoring, NativeHandle):
                                         add_bos=bool(self.info.metadata.get("tokenizer.add_bos", 0)))
         return self._tokenizer
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> dict[str, int]:
         """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
         kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
@@ -888,13 +957,13 @@ class Model(_Scoring, NativeHandle):
         return int(out[0])
 
     # -- calls --------------------------------------------------------------------
-    def _check_depth(self, depth) -> int:
-        depth = _args.integer("depth", depth, minimum=0)
-        if self.info.max_depth > 0 and depth > self.info.max_depth:
-            raise ValueError(f"depth {depth} exceeds the model's max_depth {self.info.max_depth}")
-        return depth
+    def _check_depth(self, depth: Any) -> int:
+        checked = _args.integer("depth", depth, minimum=0)
+        if self.info.max_depth > 0 and checked > self.info.max_depth:
+            raise ValueError(f"depth {checked} exceeds the model's max_depth {self.info.max_depth}")
+        return checked
 
-    def _score_options(self, depth, exit=None):
+    def _score_options(self, depth: Any, exit: ExitSpec = None) -> Any:
         opts = self._native.ffi.new("tl_score_options *")
         self._native.lib.tl_score_options_default(opts)
         opts.depth = self._check_depth(depth)
@@ -903,7 +972,7 @@ class Model(_Scoring, NativeHandle):
             rule.fill(opts.exit)
         return opts
 
-    def _given_depths(self, given, n_tokens: int, opts) -> np.ndarray:
+    def _given_depths(self, given: Tokens, n_tokens: int, opts: Any) -> IntArray:
         """given_depths checked: n_tokens ints in 1..depth, and no exit rule beside them."""
         if opts.exit.kind != 0:
             raise InvalidArgumentError("given_depths: not with an exit rule (exit); give one or the other")
@@ -918,24 +987,25 @@ class Model(_Scoring, NativeHandle):
                                        f"{int(array.min())}..{int(array.max())}")
         return np.ascontiguousarray(array, dtype=np.int32)
 
-    def _generation_options(self, options: dict) -> dict:
+    def _generation_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """One generation's keyword arguments after the modes' configure_generate hooks
         (inside a strategy none apply)."""
         if not self.modes or _strategy_thread.running:
             return options
         return apply_generate_hooks(self.modes, dict(options))
 
-    def _strategy_now(self):
+    def _strategy_now(self) -> "ActiveMode | None":
         """The mode whose strategy runs a generation started now, if any."""
         return None if _strategy_thread.running else self._strategy
 
-    def _prompt_ids(self, prompt) -> np.ndarray:
+    def _prompt_ids(self, prompt: Prompt) -> IntArray:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         return _args.token_array(prompt, self.info.vocab_size, name="prompt")
 
-    def score_windows(self, tokens, depth: int = 0, ctx: int = 0, progress=None,
-                      uncertainty: bool = False, exit=None, with_depths: bool = False):
+    def score_windows(self, tokens: Tokens, depth: int = 0, ctx: int = 0,
+                      progress: Callable[[int, int], object] | None = None, uncertainty: bool = False,
+                      exit: ExitSpec = None, with_depths: bool = False) -> Any:
         """Log-probs of tokens[1:], scoring windows of at most `ctx` tokens; with
         uncertainty=True, (log-probs, entropies) as score_with_uncertainty gives them.
         `exit`: an exit rule the windows are scored with (score_with_depths); with_depths=True
@@ -962,13 +1032,13 @@ class Model(_Scoring, NativeHandle):
         outs = tuple(np.concatenate(parts) for parts in zip(*pieces))
         return outs if uncertainty or with_depths else outs[0]
 
-    def perplexity(self, tokens, depth: int = 0, ctx: int = 0, exit=None) -> float:
+    def perplexity(self, tokens: Tokens, depth: int = 0, ctx: int = 0, exit: ExitSpec = None) -> float:
         """exp(-mean log p) over tokens[1:], windowed as in score_windows() (with `exit`,
         an exit rule the windows are scored with)."""
         logprobs = self.score_windows(tokens, depth, ctx, exit=exit)
         return float(np.exp(-np.mean(logprobs, dtype=np.float64)))
 
-    def score_logit_lens(self, tokens, max_depth: int = 0) -> np.ndarray:
+    def score_logit_lens(self, tokens: Tokens, max_depth: int = 0) -> FloatArray:
         """Logits (float32, [max_depth, vocab]) of the position after the last token at
         every loop depth 1..max_depth (0 = the model's max_depth): row d-1 is depth d."""
         ids = _args.token_array(tokens, self.info.vocab_size)
@@ -981,7 +1051,7 @@ class Model(_Scoring, NativeHandle):
             ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
-    def embed(self, tokens, depth: int = 0) -> np.ndarray:
+    def embed(self, tokens: Tokens, depth: int = 0) -> FloatArray:
         """An embedding of the tokens (float32, [d_model]): the mean over the positions of
         the head's input (the final norm's output) at loop depth `depth` (0 = the
         default), the tokens run as a fresh sequence (C: tl_embed)."""
@@ -993,8 +1063,8 @@ class Model(_Scoring, NativeHandle):
                                          opts, ffi.from_buffer("float[]", out, require_writable=True)))
         return out
 
-    def score_with_consistency_escalation(self, tokens, min_depth: int = 1, max_depth: int = 0,
-                                          max_changed: float = 0.05) -> tuple:
+    def score_with_consistency_escalation(self, tokens: Tokens, min_depth: int = 1, max_depth: int = 0,
+                                          max_changed: float = 0.05) -> tuple[FloatArray, FloatArray, int]:
         """(logprobs, entropies, depth): the tokens scored at min_depth, then at twice the
         depth (at most max_depth, 0 = the model's default depth) and so on, until at most
         max_changed (a share) of the greedy predictions changed from the depth scored
@@ -1015,7 +1085,7 @@ class Model(_Scoring, NativeHandle):
             ffi.from_buffer("float[]", entropies, require_writable=True), depth))
         return logprobs, entropies, int(depth[0])
 
-    def generate_batch(self, prompts, **options) -> list:
+    def generate_batch(self, prompts: Sequence[Prompt], **options: Any) -> list[GenerateResult]:
         """generate() for several prompts at once, with the same options: one GenerateResult
         per prompt, in order. Each prompt is its own sequence; after their prefills, the
         decode steps of all sequences still going run as one forward pass (docs/api.md,
@@ -1049,7 +1119,7 @@ class Model(_Scoring, NativeHandle):
             results.append(_result_from_c(c_results[i], tokens, text, opts))
         return results
 
-    def append_batch(self, contexts, tokens) -> np.ndarray:
+    def append_batch(self, contexts: Sequence["Context"], tokens: Tokens) -> FloatArray:
         """One decode step of several sequences at once: tokens[i] is appended to
         contexts[i] (distinct contexts of this model) at its sequence's depth. Returns the
         logits after each, float32 [len(contexts), vocab]. The steps share one forward pass;
@@ -1070,7 +1140,7 @@ class Model(_Scoring, NativeHandle):
                 ffi.from_buffer("float[]", logits, require_writable=True)))
         return logits
 
-    def next_batch(self, streams) -> list:
+    def next_batch(self, streams: Sequence["TokenStream | StrategyStream"]) -> list[int | None | TinyLoopError]:
         """One next() of several streams of this model at once (distinct streams over
         distinct contexts): the streams whose next token takes one plain decode step share
         one forward pass (docs/api.md, "Batched decoding"). Returns, per stream, its next
@@ -1083,11 +1153,11 @@ class Model(_Scoring, NativeHandle):
                 raise InvalidArgumentError(f"streams[{i}] is not a stream of this model")
         if len({id(stream) for stream in streams}) != len(streams):
             raise InvalidArgumentError("a stream appears twice in the batch")
-        out: list = [None] * len(streams)
+        out: list[int | None | TinyLoopError] = [None] * len(streams)
         for i, stream in enumerate(streams):
             if isinstance(stream, StrategyStream):
                 out[i] = stream._step()
-        live = [i for i, stream in enumerate(streams)
+        live = [(i, stream) for i, stream in enumerate(streams)
                 if isinstance(stream, TokenStream) and stream._handle is not None]
         if not live:
             return out
@@ -1095,14 +1165,14 @@ class Model(_Scoring, NativeHandle):
         n = len(live)
         tokens, reasons, statuses = ffi.new("int32_t[]", n), ffi.new("tl_stop_reason[]", n), ffi.new("tl_status[]", n)
         native.check(native.lib.tl_stream_next_batch(
-            ffi.new("tl_stream *[]", [streams[i]._handle for i in live]), n, tokens, reasons, statuses))
+            ffi.new("tl_stream *[]", [stream._handle for _, stream in live]), n, tokens, reasons, statuses))
         message = native.last_error()
-        for j, i in enumerate(live):
+        for j, (i, stream) in enumerate(live):
             if int(statuses[j]) != 0:
                 out[i] = error_for_status(int(statuses[j]), message)
-                streams[i].close()
+                stream.close()
             else:
-                out[i] = streams[i]._took(int(tokens[j]))
+                out[i] = stream._took(int(tokens[j]))
         return out
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
@@ -1123,10 +1193,59 @@ class Model(_Scoring, NativeHandle):
                 raise
         return ctx
 
-    def prefix_cache(self, tokens, depth: int = 0) -> "_prefix.PrefixCache":
+    def prefix_cache(self, tokens: Tokens, depth: int = 0) -> "_prefix.PrefixCache":
         """A read-only snapshot of `tokens` computed at `depth` (0 = the default), for
         contexts to start from (context(prefix=...), Context.load_prefix)."""
         return _prefix.PrefixCache.compute(self, tokens, depth)
+
+    # -- chat -------------------------------------------------------------------
+    @property
+    def chat_template(self) -> "ChatTemplate | None":
+        """The file's chat template (tokenizer.chat_template), compiled once: the renderer
+        `tinyloop chat` and the server use. None when the file has none."""
+        if not self._chat_template_loaded:
+            from .chat_template import load_chat_template
+            self._chat_template = load_chat_template(self)
+            self._chat_template_loaded = True
+        return self._chat_template
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
+             documents: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **options: Any) -> GenerateResult:
+        """The assistant's reply to `messages` (dicts with role and content, as Hugging Face
+        takes them): the conversation rendered through the file's chat template, then
+        generate() with `options`; `text` is the reply. `tools`, `documents` and
+        `chat_template_kwargs` (any other variables) go to the template."""
+        ids = self._chat_ids(messages, tools, documents, add_generation_prompt, chat_template_kwargs)
+        result = self.generate(ids, **options)
+        return replace(result, text=self.tokenizer.decode_continuation(ids, result.tokens))
+
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
+                    documents: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> Iterator[str]:
+        """chat() as text pieces while they are generated (stream_text of the rendered
+        conversation)."""
+        ids = self._chat_ids(messages, tools, documents, add_generation_prompt, chat_template_kwargs)
+        return self.stream_text(ids, **options)
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
+                  documents: Sequence[Any] | None, add_generation_prompt: bool,
+                  variables: Mapping[str, Any] | None) -> list[int]:
+        from .chat_template import ChatTemplateError
+        template = self.chat_template
+        if template is None:
+            raise ChatTemplateError(f"{self.path} has no chat template (tokenizer.chat_template): "
+                                    "use generate() with a prompt")
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+            raise TypeError("messages must be a list of dicts with role and content")
+        extra = dict(variables or {})
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None:
+                extra[name] = value
+        text = template(messages, add_generation_prompt, **extra)
+        # the template writes the BOS it wants
+        return self.tokenizer.encode(text, add_bos=False)
 
 
 class Context(_Scoring, ModelChild):
@@ -1152,10 +1271,10 @@ class Context(_Scoring, ModelChild):
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
         self._adopt(out[0])
 
-    def _ctx_handle(self):
+    def _ctx_handle(self) -> Any:
         return self._require_open()
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_context_free(handle)
 
     def __len__(self) -> int:
@@ -1164,7 +1283,7 @@ class Context(_Scoring, ModelChild):
             self._require_open(), out))
         return int(out[0])
 
-    def append(self, tokens, depth: int = 0) -> np.ndarray:
+    def append(self, tokens: Tokens, depth: int = 0) -> FloatArray:
         """Run `tokens` through the model after the sequence so far; return the logits
         (float32, vocab) of the position after the last one."""
         model = self._model
@@ -1194,7 +1313,7 @@ class Context(_Scoring, ModelChild):
                                                                          require_writable=True))
         return logprobs
 
-    def _deepen(self, depth, last_logits, logprobs) -> None:
+    def _deepen(self, depth: int, last_logits: Any, logprobs: Any) -> None:
         model = self._model
         ffi = model._native.ffi
         model._native.check(model._native.lib.tl_context_deepen(

@@ -42,7 +42,7 @@ class _Required:
 REQUIRED: Any = _Required()
 
 #: the factory of located config errors: (dotted key, problem) -> ConfigError
-ErrorFactory = Callable[[str, str], ConfigError]
+ErrorFactory = Callable[[str, str], Exception]
 
 
 def plain_error(key: str, problem: str) -> ConfigError:
@@ -57,7 +57,7 @@ class Option:
     type: type
     default: Any = REQUIRED
     help: str = ""
-    choices: tuple | None = None
+    choices: tuple[Any, ...] | None = None
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
@@ -111,11 +111,11 @@ class Plugin:
     name: str
     description: str = ""
     options: tuple[Option, ...] = ()
-    conflicts: frozenset = frozenset()
-    requires: frozenset = frozenset()
-    configure_load: Callable[[Mapping, dict], None] | None = None
-    strategy: Callable[[Any, Any, dict, Mapping], Iterable[int]] | None = None
-    configure_generate: Callable[[Mapping, dict], None] | None = None
+    conflicts: frozenset[str] = frozenset()
+    requires: frozenset[str] = frozenset()
+    configure_load: Callable[[Mapping[str, Any], dict[str, Any]], None] | None = None
+    strategy: Callable[[Any, Any, dict[str, Any], Mapping[str, Any]], Iterable[int]] | None = None
+    configure_generate: Callable[[Mapping[str, Any], dict[str, Any]], None] | None = None
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -126,7 +126,7 @@ class ActiveMode:
     """A plugin switched on, with its checked configuration (defaults filled in)."""
 
     plugin: Plugin
-    config: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def name(self) -> str:
@@ -168,7 +168,7 @@ def validate_plugin(plugin: Any, origin: str) -> Plugin:
 
 
 class PluginRegistry:
-    def __init__(self):
+    def __init__(self) -> None:
         self._plugins: dict[str, Plugin] = {}
         self._origins: dict[str, str] = {}
 
@@ -218,7 +218,7 @@ class PluginRegistry:
             self._load_entry_point(ep, f"entry point {ep.name!r} ({ep.value})"
                                    + (f" of distribution {dist.name!r}" if dist is not None else ""))
 
-    def _load_entry_point(self, ep, origin: str, hint: str = "") -> None:
+    def _load_entry_point(self, ep: Any, origin: str, hint: str = "") -> None:
         try:
             obj = ep.load()
             plugin = obj if isinstance(obj, Plugin) or not callable(obj) else obj()
@@ -248,8 +248,8 @@ class PluginRegistry:
         return tuple(sorted(active, key=lambda m: m.name))
 
     @staticmethod
-    def _check_options(plugin: Plugin, table: Mapping, key: str,
-                       error: ErrorFactory) -> Mapping:
+    def _check_options(plugin: Plugin, table: Mapping[str, Any], key: str,
+                       error: ErrorFactory) -> Mapping[str, Any]:
         config = {}
         for opt_name, value in table.items():
             opt = plugin.option(opt_name)
@@ -286,7 +286,7 @@ class PluginRegistry:
                         " each replace the generation strategy; enable only one of them")
 
 
-def builtin_entry_points() -> list:
+def builtin_entry_points() -> list[Any]:
     """The entry points of the built-in plugins: those of the installed tinyloop-runtime
     distribution (pyproject.toml's [project.entry-points."tinyloop.plugins"]), or, for a
     source tree on sys.path without an install (PYTHONPATH=python:plugins), that table
@@ -298,7 +298,7 @@ def builtin_entry_points() -> list:
     return [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
 
 
-def _source_tree_entry_points(pyproject: Path) -> list:
+def _source_tree_entry_points(pyproject: Path) -> list[Any]:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - exercised on Python 3.10 only
@@ -314,7 +314,7 @@ def _source_tree_entry_points(pyproject: Path) -> list:
             for name, value in table.items()]
 
 
-def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
+def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict[str, Any]) -> dict[str, Any]:
     """Let every active mode adjust the Model keyword arguments; returns them."""
     for mode in modes:
         if mode.plugin.configure_load is not None:
@@ -322,7 +322,7 @@ def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict) -> dict:
     return load_options
 
 
-def apply_generate_hooks(modes: Iterable[ActiveMode], generate_options: dict) -> dict:
+def apply_generate_hooks(modes: Iterable[ActiveMode], generate_options: dict[str, Any]) -> dict[str, Any]:
     """Let every active mode adjust one generation's keyword arguments; returns them."""
     for mode in modes:
         if mode.plugin.configure_generate is not None:

@@ -7,14 +7,14 @@ from the longest one their prompt begins with; it may be shared by threads."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import _args
 from ._handle import ModelChild
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .model import Model, Tokens
 
 DEFAULT_POOL_BYTES = 256 << 20
 
@@ -24,7 +24,7 @@ class PrefixCache(ModelChild):
     Context.prefix_cache). Loading it is thread-safe; close() releases this reference
     (a pool that holds the cache keeps its own)."""
 
-    def __init__(self, model: "Model", handle):
+    def __init__(self, model: "Model", handle: Any):
         self._model = model
         self._adopt(handle)
         native, ffi = model._native, model._native.ffi
@@ -33,7 +33,7 @@ class PrefixCache(ModelChild):
         self.n_tokens, self.depth, self.bytes = int(n[0]), int(depth[0]), int(size[0])
 
     @classmethod
-    def compute(cls, model: "Model", tokens, depth: int = 0) -> "PrefixCache":
+    def compute(cls, model: "Model", tokens: "Tokens", depth: int = 0) -> "PrefixCache":
         ids = _args.token_array(tokens, model.info.vocab_size)
         native, ffi = model._native, model._native.ffi
         out = ffi.new("tl_prefix_cache **")
@@ -48,7 +48,7 @@ class PrefixCache(ModelChild):
     def __repr__(self) -> str:
         return f"<tinyloop.PrefixCache {self.n_tokens} tokens at depth {self.depth}, {self.bytes} bytes>"
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_prefix_cache_free(handle)
 
 
@@ -70,7 +70,7 @@ class PrefixPool(ModelChild):
         native.check(native.lib.tl_prefix_pool_create(model._require_open(), opts, out))
         self._adopt(out[0])
 
-    def add(self, tokens, depth: int = 0) -> None:
+    def add(self, tokens: "Tokens", depth: int = 0) -> None:
         """Compute `tokens` at `depth` (0 = the default) and hold them (a prefix already
         held is only marked as used)."""
         model = self._model
@@ -87,7 +87,7 @@ class PrefixPool(ModelChild):
         self._model._native.check(self._model._native.lib.tl_prefix_pool_add_cache(
             self._require_open(), cache._require_open()))
 
-    def lookup(self, prompt, depth: int = 0) -> int:
+    def lookup(self, prompt: "Tokens", depth: int = 0) -> int:
         """The length of the longest held prefix that `prompt` (token ids) starts with,
         computed at `depth`; 0 when none (marks the match as used)."""
         model = self._model
@@ -100,7 +100,7 @@ class PrefixPool(ModelChild):
         native.lib.tl_prefix_cache_free(out[0])
         return int(matched[0])
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """prefixes held, their bytes, max_bytes, hits, misses and evicted (counts)."""
         native, ffi = self._model._native, self._model._native.ffi
         c = ffi.new("tl_prefix_pool_stats *")
@@ -109,11 +109,11 @@ class PrefixPool(ModelChild):
         return {"prefixes": int(c.n_prefixes), "bytes": int(c.bytes), "max_bytes": int(c.max_bytes),
                 "hits": int(c.n_hits), "misses": int(c.n_misses), "evicted": int(c.n_evicted)}
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_prefix_pool_free(handle)
 
 
-def pool_handle(model: "Model", pool) -> object:
+def pool_handle(model: "Model", pool: object) -> Any:
     """The handle of a pool argument of a generation on `model`."""
     if not isinstance(pool, PrefixPool):
         raise TypeError(f"pool must be a tinyloop.PrefixPool, not {type(pool).__name__}")

@@ -7,7 +7,7 @@ tokenizer's own template says.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from .errors import TinyLoopError
 
@@ -21,7 +21,7 @@ _MAX_PENDING = 3
 _CONTEXT_TOKENS = 4
 
 
-def _byte_level_alphabet() -> dict:
+def _byte_level_alphabet() -> dict[str, int]:
     """The character a byte-level BPE vocabulary writes for each byte, reversed: bytes
     that are printable Latin-1 stand for themselves, the others (controls, space, soft
     hyphen, ...) for the characters from U+0100 on, in byte order."""
@@ -50,7 +50,8 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = bool(add_bos) and bos_id >= 0
-        self._byte_level = None   # built on first use by token_bytes
+        self._byte_level: dict[str, int] | None = None   # built on first use by token_bytes
+        self._texts: dict[int, str] = {}   # token_text's, as asked
 
     @property
     def vocab_size(self) -> int:
@@ -92,12 +93,21 @@ class Tokenizer:
         twice = self.decode([token, token], skip_special_tokens=False)
         return (twice[len(alone):] if twice.startswith(alone) else alone).encode("utf-8")
 
-    def incremental_decoder(self, context: Sequence[int] = ()) -> "IncrementalDecoder":
+    def token_text(self, token: int) -> str:
+        """One token's text (token_bytes as UTF-8): what it adds to a text, its
+        word-initial space included; a token holding part of a character gives U+FFFD
+        for the bytes of it (token_bytes has them)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.token_bytes(token).decode("utf-8", "replace")
+        return text
+
+    def incremental_decoder(self, context: Iterable[int] = ()) -> "IncrementalDecoder":
         """A decoder of the tokens that follow `context` (e.g. a prompt; () = the start of
         a text): its pieces join to decode(context + tokens) after decode(context)."""
         return IncrementalDecoder(self, context)
 
-    def decode_continuation(self, context: Sequence[int], ids: Iterable[int]) -> str:
+    def decode_continuation(self, context: Iterable[int], ids: Iterable[int]) -> str:
         """The text `ids` add after `context`, as an incremental decoder gives it whole
         (decode(ids) alone would lose a word-initial SentencePiece space)."""
         decoder = IncrementalDecoder(self, context)
@@ -117,7 +127,7 @@ class IncrementalDecoder:
     character are left out of that window (their character is the prompt's, not text of
     the continuation)."""
 
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, context: Iterable[int] = ()):
         self._tokenizer = tokenizer
         seed = [int(t) for t in list(context)[-_CONTEXT_TOKENS:]]
         while seed and tokenizer.decode(seed).endswith(_INCOMPLETE):
@@ -146,7 +156,7 @@ class IncrementalDecoder:
         self._prefix_offset, self._read_offset = self._read_offset, end
         return text[len(prefix):]
 
-    def push_all(self, tokens: Sequence[int]) -> str:
+    def push_all(self, tokens: Iterable[int]) -> str:
         return "".join(self.push(t) for t in tokens)
 
     def flush(self) -> str:

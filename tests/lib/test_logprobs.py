@@ -169,3 +169,28 @@ def test_benchmark_tool(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["way"] for row in rows] == list(tool.WAYS)
     assert rows[0]["vs_plain"] == 1.0 and all(row["decode_tokens_per_s"] > 0 for row in rows)
+
+
+def test_logprob_entries_carry_token_text(text_model, shipped, files):
+    """Each entry and each of its top tokens carries the token's text beside its id; the
+    top entries still unpack and compare as (id, logprob) pairs. Without a tokenizer the
+    texts are None."""
+    from tinyloop import TopLogprob
+    options = dict(max_tokens=6, temperature=0, eos=False, logprobs=True, top_logprobs=4)
+    result = text_model.generate("Zürich", **options)   # byte tokens: ü spans two
+    tokenizer = text_model.tokenizer
+    for entry in result.logprobs:
+        assert entry.text == tokenizer.token_text(entry.token)
+        assert entry.text == (chr(entry.token) if entry.token < 128 else entry.text)
+        for top in entry.top:
+            assert isinstance(top, TopLogprob) and top.text == tokenizer.token_text(top.id)
+            token, logprob = top
+            assert (token, logprob) == top == (top.id, top.logprob)
+    assert text_model.tokenizer.token_text(0xC3) == "\ufffd"   # a lead byte alone
+    reply = shipped.generate("The capital of France is", **options)
+    assert "".join(e.text for e in reply.logprobs) == reply.text
+    assert all(t.text == shipped.tokenizer.decode([t.id]) or t.text.startswith(" ")
+               for e in reply.logprobs for t in e.top)
+    with tinyloop.Model(files.path("base"), device=DEVICE) as model:
+        bare = model.generate([1, 2, 3], **options)
+        assert all(e.text is None and all(t.text is None for t in e.top) for e in bare.logprobs)

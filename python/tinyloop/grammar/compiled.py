@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .._handle import ModelChild
 
@@ -34,7 +34,7 @@ JSON_GBNF = "root ::= value\n" + _JSON_RULES
 JSON_OBJECT_GBNF = "root ::= object\n" + _JSON_RULES
 
 
-def _vocabulary_bytes(model: "Model") -> list:
+def _vocabulary_bytes(model: "Model") -> list[bytes]:
     """Each token's bytes (b"" for special tokens, which a grammar never allows)."""
     tok = model.tokenizer
     special = {int(i) for i, t in tok._tok.get_added_tokens_decoder().items() if t.special}
@@ -48,7 +48,7 @@ class Grammar(ModelChild):
     (one bytes per vocabulary id; b"" = never allowed) replaces the tokenizer's, e.g.
     for a model without one."""
 
-    def __init__(self, model: "Model", gbnf: str, token_bytes=None):
+    def __init__(self, model: "Model", gbnf: str, token_bytes: Sequence[bytes] | None = None):
         if not isinstance(gbnf, str):
             raise TypeError(f"gbnf must be a str, got {type(gbnf).__name__}")
         self._model = model
@@ -66,7 +66,8 @@ class Grammar(ModelChild):
         self.gbnf = gbnf
 
     @classmethod
-    def from_json_schema(cls, model: "Model", schema, token_bytes=None) -> "Grammar":
+    def from_json_schema(cls, model: "Model", schema: Mapping[str, Any] | str | bytes,
+                         token_bytes: Sequence[bytes] | None = None) -> "Grammar":
         """The grammar of the JSON documents `schema` (a dict or JSON text) accepts
         (tinyloop.grammar.json_schema: its subset and limits); SchemaError for keywords it cannot
         honour."""
@@ -81,18 +82,18 @@ class Grammar(ModelChild):
         native.check(native.lib.tl_grammar_accepts(self._require_open(), data, len(data), ok))
         return bool(ok[0])
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_grammar_free(handle)
 
 
 # ---- the server's grammars (docs/server.md, response_format and grammar) ------------
 
-_vocabularies: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_json_objects: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_vocabularies: "weakref.WeakKeyDictionary[Model, list[bytes]]" = weakref.WeakKeyDictionary()
+_json_objects: "weakref.WeakKeyDictionary[Model, Grammar]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def _cached_vocabulary(model: "Model") -> list:
+def _cached_vocabulary(model: "Model") -> list[bytes]:
     with _lock:
         pieces = _vocabularies.get(model)
         if pieces is None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 _LITERAL_OR_CLASS = r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
 _PRIMARY = re.compile(r'[\w-]+|' + _LITERAL_OR_CLASS)
@@ -27,16 +28,16 @@ def literal(text: str) -> str:
 
 def seq(*parts: str) -> str:
     """The parts one after another (empty literals left out)."""
-    parts = [p for p in parts if p != '""']
-    return " ".join(parts) if parts else '""'
+    kept = [p for p in parts if p != '""']
+    return " ".join(kept) if kept else '""'
 
 
-def alternatives(exprs) -> str | None:
+def alternatives(exprs: Iterable[str | None]) -> str | None:
     """The distinct expressions as one alternative (None when there are none)."""
-    exprs = list(dict.fromkeys(e for e in exprs if e is not None))
-    if not exprs:
+    distinct = list(dict.fromkeys(e for e in exprs if e is not None))
+    if not distinct:
         return None
-    return exprs[0] if len(exprs) == 1 else "( " + " | ".join(exprs) + " )"
+    return distinct[0] if len(distinct) == 1 else "( " + " | ".join(distinct) + " )"
 
 
 def group(expr: str) -> str:
@@ -45,6 +46,6 @@ def group(expr: str) -> str:
     return expr if _PRIMARY.fullmatch(expr) else f"( {expr} )"
 
 
-def names(body: str) -> list:
+def names(body: str) -> list[str]:
     """The rule names a rule body refers to."""
     return re.findall(r"[\w-]+", re.sub(_LITERAL_OR_CLASS, " ", body))

@@ -20,6 +20,7 @@ import math
 import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 from fractions import Fraction
+from typing import Any, Mapping, cast
 
 from . import json_schema_numbers as numbers
 from .gbnf_text import literal, names
@@ -78,7 +79,7 @@ _BASE_RULES = {
             r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? "::" h16 '
             r'| ( h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 ( ":" h16 )? )? )? )? )? )? )? "::"',
 }
-_FORMATS = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid", "ipv4": "ipv4", "ipv6": "ipv6"}
+_FORMATS: dict[str, str | None] = {"date": "date", "time": "time", "date-time": None, "uuid": "uuid", "ipv4": "ipv4", "ipv6": "ipv6"}
 
 
 class SchemaError(ValueError):
@@ -86,7 +87,7 @@ class SchemaError(ValueError):
     its place (a JSON pointer into the schema)."""
 
 
-def _json_text(value) -> str:
+def _json_text(value: Any) -> str:
     """The compact JSON text of a const or enum value."""
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -95,11 +96,11 @@ def _json_text(value) -> str:
 
 
 class _Converter:
-    def __init__(self, root):
+    def __init__(self, root: Any) -> None:
         self.root = root
-        self.rules = {}          # name -> body, in the order written
-        self.bodies = {}         # body -> name, so that equal rules are written once
-        self.refs = {}           # "#/$defs/x" -> rule name (set before its body: recursion)
+        self.rules: dict[str, str | None] = {}   # name -> body, in the order written
+        self.bodies: dict[str, str] = {}   # body -> name, so that equal rules are written once
+        self.refs: dict[str, str] = {}           # "#/$defs/x" -> rule name (set before its body: recursion)
 
     # ---- rules --------------------------------------------------------------------------
     @staticmethod
@@ -140,7 +141,7 @@ class _Converter:
         return " ".join(parts) if parts else '""'
 
     # ---- schemas ------------------------------------------------------------------------
-    def visit(self, schema, path: str, hint: str) -> str:
+    def visit(self, schema: Any, path: str, hint: str) -> str:
         """An expression (a rule name or a parenthesised alternative) for `schema`."""
         if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
             return self.use("value")
@@ -177,13 +178,13 @@ class _Converter:
         exprs = [self.typed(schema, t, path, hint) for t in dict.fromkeys(types)]
         return exprs[0] if len(exprs) == 1 else self.rule(hint, " | ".join(exprs))
 
-    def only(self, schema: dict, allowed: set, path: str) -> None:
+    def only(self, schema: dict[str, Any], allowed: set[str], path: str) -> None:
         extra = set(schema) - allowed - _ANNOTATIONS - {"nullable"}
         if extra:
             raise SchemaError(f"{path}/{sorted(extra)[0]}: not supported beside "
                               f"{'/'.join(sorted(allowed))}")
 
-    def implied_type(self, schema: dict, path: str):
+    def implied_type(self, schema: dict[str, Any], path: str) -> Any:
         """The type a schema without `type` constrains, from its keywords."""
         if {"properties", "required", "additionalProperties"} & set(schema):
             return "object"
@@ -194,7 +195,7 @@ class _Converter:
         self.check_keywords(schema, set(), path)
         return ["object", "array", "string", "number", "boolean", "null"]
 
-    def ref(self, schema: dict, path: str) -> str:
+    def ref(self, schema: dict[str, Any], path: str) -> str:
         self.only(schema, {"$ref"}, path)
         target = schema["$ref"]
         if target in self.refs:
@@ -206,7 +207,7 @@ class _Converter:
         self.rules[name] = self.visit(node, target[1:], name)
         return name
 
-    def alternatives(self, schema: dict, key: str, path: str, hint: str) -> str:
+    def alternatives(self, schema: dict[str, Any], key: str, path: str, hint: str) -> str:
         self.only(schema, {key}, path)
         branches = schema[key]
         if not isinstance(branches, list) or not branches:
@@ -214,7 +215,7 @@ class _Converter:
         exprs = [self.visit(s, f"{path}/{key}/{i}", f"{hint}-{i}") for i, s in enumerate(branches)]
         return self.rule(hint, " | ".join(dict.fromkeys(exprs)))
 
-    def merge_all_of(self, schema: dict, path: str) -> dict:
+    def merge_all_of(self, schema: dict[str, Any], path: str) -> dict[str, Any]:
         """allOf of object schemas (or references to them) as one object schema."""
         merged = {k: v for k, v in schema.items() if k != "allOf"}
         parts = schema["allOf"]
@@ -240,7 +241,7 @@ class _Converter:
         merged.update(type="object", properties=props, required=required)
         return merged
 
-    def resolve(self, target, where: str):
+    def resolve(self, target: Any, where: str) -> Any:
         """The node a local reference (#, #/a/b, with JSON-pointer escapes) points to."""
         if not isinstance(target, str) or not (target == "#" or target.startswith("#/")):
             raise SchemaError(f"{where}/$ref: only references inside the schema (#/...) are "
@@ -265,7 +266,7 @@ class _Converter:
         "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
     }
 
-    def check_keywords(self, schema: dict, allowed: set, path: str) -> None:
+    def check_keywords(self, schema: dict[str, Any], allowed: set[str], path: str) -> None:
         known = set().union(*self._TYPE_KEYWORDS.values())
         for key in schema:
             if key in _ANNOTATIONS or key in ("type", "nullable") or key in allowed:
@@ -275,7 +276,7 @@ class _Converter:
             raise SchemaError(f"{path}/{key}: this keyword is not supported (generated values "
                               f"could not be guaranteed to satisfy it)")
 
-    def typed(self, schema: dict, t, path: str, hint: str) -> str:
+    def typed(self, schema: dict[str, Any], t: Any, path: str, hint: str) -> str:
         if t not in self._TYPE_KEYWORDS:
             raise SchemaError(f"{path}/type: unknown type {t!r}")
         self.check_keywords(schema, self._TYPE_KEYWORDS[t], path)
@@ -289,7 +290,7 @@ class _Converter:
             return self.array(schema, path, hint)
         return self.use(t)
 
-    def bound(self, schema: dict, key: str, path: str, default):
+    def bound(self, schema: dict[str, Any], key: str, path: str, default: Any) -> Any:
         value = schema.get(key, default)
         if value is default:
             return value
@@ -300,14 +301,14 @@ class _Converter:
                               f"({MAX_BOUND})")
         return value
 
-    def bounds(self, schema: dict, lo_key: str, hi_key: str, path: str):
+    def bounds(self, schema: dict[str, Any], lo_key: str, hi_key: str, path: str) -> tuple[Any, Any]:
         lo = self.bound(schema, lo_key, path, 0)
         hi = self.bound(schema, hi_key, path, None)
         if hi is not None and hi < lo:
             raise SchemaError(f"{path}/{hi_key}: {hi} is below {lo_key} {lo}: no value fits")
         return lo, hi
 
-    def string(self, schema: dict, path: str, hint: str) -> str:
+    def string(self, schema: dict[str, Any], path: str, hint: str) -> str:
         fmt = schema.get("format")
         if "pattern" in schema:
             return self.pattern(schema, path, hint)
@@ -318,7 +319,7 @@ class _Converter:
             if "minLength" in schema or "maxLength" in schema:
                 raise SchemaError(f"{path}/format: not supported together with a length bound")
             inner = (f'{self.use("date")} [tT] {self.use("time")}' if fmt == "date-time"
-                     else self.use(_FORMATS[fmt]))
+                     else self.use(cast(str, _FORMATS[fmt])))
             return self.rule(f"{hint}-{fmt}", f'"\\"" {inner} "\\""')
         lo, hi = self.bounds(schema, "minLength", "maxLength", path)
         if lo == 0 and hi is None:
@@ -326,7 +327,7 @@ class _Converter:
         chars = self.repeat(f"{hint}-chars", self.use("char1"), lo, hi)
         return self.rule(f"{hint}-string", f'"\\"" {chars} "\\""')
 
-    def pattern(self, schema: dict, path: str, hint: str) -> str:
+    def pattern(self, schema: dict[str, Any], path: str, hint: str) -> str:
         pattern = schema["pattern"]
         if not isinstance(pattern, str):
             raise SchemaError(f"{path}/pattern: must be a string")
@@ -346,7 +347,7 @@ class _Converter:
                               f"matches {'any number of' if longest is None else longest} characters")
         return self.rule(f"{hint}-pattern", f'"\\"" {content} "\\""')
 
-    def numeric(self, schema: dict, t: str, path: str, hint: str) -> str:
+    def numeric(self, schema: dict[str, Any], t: str, path: str, hint: str) -> str:
         (lo, lo_key), (hi, hi_key) = self.numeric_bounds(schema, t, path)
         if lo is None and hi is None:
             return self.use(t)
@@ -371,9 +372,9 @@ class _Converter:
                               f"outside the numbers the grammar writes (16 digits before the point)")
         lo = None if lo is not None and lo < -cap else lo
         hi = None if hi is not None and hi > cap else hi
-        return self.rule(f"{hint}-range", numbers.number_range(self, lo, hi, 16))
+        return self.rule(f"{hint}-range", cast(str, numbers.number_range(self, lo, hi, 16)))
 
-    def numeric_bounds(self, schema: dict, t: str, path: str):
+    def numeric_bounds(self, schema: dict[str, Any], t: str, path: str) -> list[tuple[Any, Any]]:
         """((lo, key), (hi, key)): the tightest inclusive bounds (None: none) and the
         keywords they come from. Integers get ints; numbers get decimals with at most
         FRACTION_DIGITS places, rounded inwards, that a text must reach so that its
@@ -390,7 +391,7 @@ class _Converter:
                     given.append((key, flag))
             else:
                 given += [(k, k == strict_key) for k in (key, strict_key) if k in schema]
-            best = (None, None)
+            best: tuple[Any, Any] = (None, None)
             for k, strict in given:
                 v = schema[k]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or \
@@ -404,14 +405,14 @@ class _Converter:
         return sides
 
     @staticmethod
-    def integer_bound(v, strict: bool, up: bool) -> int:
-        v = Fraction(v)
+    def integer_bound(v: Any, strict: bool, up: bool) -> int:
+        exact = Fraction(v)
         if up:
-            return math.ceil(v) - 1 if strict else math.floor(v)
-        return math.floor(v) + 1 if strict else math.ceil(v)
+            return math.ceil(exact) - 1 if strict else math.floor(exact)
+        return math.floor(exact) + 1 if strict else math.ceil(exact)
 
     @staticmethod
-    def number_bound(v, strict: bool, up: bool, where: str) -> Decimal:
+    def number_bound(v: Any, strict: bool, up: bool, where: str) -> Decimal:
         try:
             f = float(v)
         except OverflowError:
@@ -427,7 +428,7 @@ class _Converter:
             ctx.prec = 400
             return d.quantize(step, rounding=ROUND_FLOOR if up else ROUND_CEILING)
 
-    def object(self, schema: dict, path: str, hint: str) -> str:
+    def object(self, schema: dict[str, Any], path: str, hint: str) -> str:
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"{path}/properties: must be an object")
@@ -477,7 +478,7 @@ class _Converter:
             start = self.rule(f"{hint}-from-{k}", new_start)
         return self.rule(hint, f'"{{" {ws} {start} "}}"')
 
-    def array(self, schema: dict, path: str, hint: str) -> str:
+    def array(self, schema: dict[str, Any], path: str, hint: str) -> str:
         if schema.get("uniqueItems", False) is not False:
             raise SchemaError(f"{path}/uniqueItems: only false is supported (a grammar cannot "
                               f"compare items)")
@@ -505,7 +506,7 @@ class _Converter:
 
     def grammar(self) -> str:
         top = self.visit(self.root, "", "root")
-        bodies = {"root": top} if top != "root" else {}
+        bodies: dict[str, Any] = {"root": top} if top != "root" else {}
         bodies.update(self.rules)
         bodies.update(_BASE_RULES)
         reached, todo = set(), ["root"]
@@ -517,7 +518,7 @@ class _Converter:
         return "".join(f"{name} ::= {body}\n" for name, body in bodies.items() if name in reached)
 
 
-def json_schema_to_gbnf(schema) -> str:
+def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bytes) -> str:
     """GBNF for the JSON documents `schema` (a dict or a JSON string) accepts (within the
     limits the module docstring lists); SchemaError for what cannot be honoured."""
     if isinstance(schema, (str, bytes)):

@@ -14,8 +14,19 @@ bodies share one name), `repeat(hint, item, lo, hi)` writes lo..hi repetitions a
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Protocol, cast
 
 from .gbnf_text import alternatives, seq
+
+
+class Rules(Protocol):
+    """What the ranges need of the converter writing the grammar."""
+
+    def rule(self, hint: str, body: str) -> str: ...
+
+    def repeat(self, hint: str, item: str, lo: int, hi: int | None) -> str: ...
+
+    def use(self, name: str) -> str: ...
 
 #: digits after the point of a bounded number, as the base rule `fraction`
 FRACTION_DIGITS = 16
@@ -25,16 +36,16 @@ def _digit_class(lo: int, hi: int) -> str:
     return f'"{lo}"' if lo == hi else f"[{lo}-{hi}]"
 
 
-def _any(rules, lo: int, hi: int) -> str:
+def _any(rules: Rules, lo: int, hi: int) -> str:
     return rules.repeat("digits", rules.use("digit"), lo, hi)
 
 
-def _edge(rules, digit: int, tail: str) -> str:
+def _edge(rules: Rules, digit: int, tail: str) -> str:
     """`digit` then `tail`; a long tail gets a rule (one a level, rather than a deep nest)."""
     return seq(f'"{digit}"', rules.rule("digits-tail", tail) if len(tail) > 60 else tail)
 
 
-def digits_between(rules, low: str, high: str | None, min_len: int, max_len: int) -> str | None:
+def digits_between(rules: Rules, low: str, high: str | None, min_len: int, max_len: int) -> str | None:
     """An expression for the digit strings s, min_len <= len(s) <= max_len, with
     low <= s <= high (high None: no upper bound) where all three compare as if padded
     with zeros on the right: numeric order for strings of one length, order of value for
@@ -44,7 +55,7 @@ def digits_between(rules, low: str, high: str | None, min_len: int, max_len: int
         high = None                      # nothing of max_len digits or fewer is above it
     if not low.strip("0") and high is None:
         return _any(rules, min_len, max_len)
-    if not low.strip("0") and not high.strip("0"):
+    if not low.strip("0") and not cast(str, high).strip("0"):
         return rules.repeat("zeros", '"0"', min_len, max_len)
     alts = ['""'] if min_len == 0 and not low.strip("0") else []
     if max_len:
@@ -73,9 +84,10 @@ def digits_between(rules, low: str, high: str | None, min_len: int, max_len: int
     return alternatives(alts)
 
 
-def natural_range(rules, lo: int, hi: int) -> str:
+def natural_range(rules: Rules, lo: int, hi: int) -> str:
     """The decimal texts (no leading zeros) of the integers lo..hi, 0 <= lo <= hi."""
-    alts, full = [], None              # full: a run of lengths whose every number is in
+    alts: list[str | None] = []
+    full: tuple[int, int] | None = None   # a run of lengths whose every number is in
     if lo == 0:
         alts.append('"0"')
         lo = 1
@@ -90,17 +102,18 @@ def natural_range(rules, lo: int, hi: int) -> str:
         alts.append(digits_between(rules, str(a), str(b), n, n))
     if full:
         alts.append(seq("[1-9]", rules.repeat("digits", rules.use("digit"), full[0] - 1, full[1] - 1)))
-    return alternatives(alts)
+    # lo <= hi: some text fits
+    return cast(str, alternatives(alts))
 
 
-def integer_range(rules, lo: int, hi: int) -> str:
+def integer_range(rules: Rules, lo: int, hi: int) -> str:
     """The JSON texts of the integers lo..hi (lo <= hi), without a negative zero."""
-    alts = []
+    alts: list[str | None] = []
     if lo < 0:
         alts.append(f'"-" {natural_range(rules, max(-hi, 1), -lo)}')
     if hi >= 0:
         alts.append(natural_range(rules, max(lo, 0), hi))
-    return alternatives(alts)
+    return cast(str, alternatives(alts))
 
 
 def _split(value: Decimal) -> tuple[int, str]:
@@ -110,7 +123,7 @@ def _split(value: Decimal) -> tuple[int, str]:
     return int(whole), frac.rstrip("0")
 
 
-def _fraction(rules, low: str, high: str | None) -> str | None:
+def _fraction(rules: Rules, low: str, high: str | None) -> str | None:
     """An optional fraction ("." and 1 to FRACTION_DIGITS digits) whose value lies in
     [0.low, 0.high] (high None: below 1)."""
     if not low and high is None:
@@ -122,7 +135,7 @@ def _fraction(rules, low: str, high: str | None) -> str | None:
     return alternatives(alts)
 
 
-def magnitude_range(rules, lo: Decimal, hi: Decimal | None, int_digits: int) -> str | None:
+def magnitude_range(rules: Rules, lo: Decimal, hi: Decimal | None, int_digits: int) -> str | None:
     """The texts `I ("." F)?` (I without leading zeros, of at most int_digits digits; F
     of at most FRACTION_DIGITS) whose value lies in [lo, hi] (hi None: any of those
     texts at or above lo). lo >= 0 and hi have at most FRACTION_DIGITS places."""
@@ -135,21 +148,21 @@ def magnitude_range(rules, lo: Decimal, hi: Decimal | None, int_digits: int) -> 
     top = _fraction(rules, "", hi_frac)
     first = lo_int if not lo_frac else lo_int + 1
     last = hi_int if top == any_frac else hi_int - 1
-    alts = []
+    alts: list[str | None] = []
     if lo_frac:
-        alts.append(seq(f'"{lo_int}"', _fraction(rules, lo_frac, None)))
+        alts.append(seq(f'"{lo_int}"', cast(str, _fraction(rules, lo_frac, None))))
     if first <= last:
-        alts.append(seq(natural_range(rules, first, last), any_frac))
+        alts.append(seq(natural_range(rules, first, last), cast(str, any_frac)))
     if last < hi_int and top is not None:
         alts.append(seq(f'"{hi_int}"', top))
     return alternatives(alts)
 
 
-def number_range(rules, lo: Decimal | None, hi: Decimal | None, int_digits: int) -> str | None:
+def number_range(rules: Rules, lo: Decimal | None, hi: Decimal | None, int_digits: int) -> str | None:
     """The JSON texts without an exponent, and without a negative zero, whose value lies
     in [lo, hi] (None: unbounded on that side, within int_digits integer digits). The
     bounds have at most FRACTION_DIGITS places. None when no text fits."""
-    alts = []
+    alts: list[str | None] = []
     smallest = Decimal(1).scaleb(-FRACTION_DIGITS)
     if lo is None or lo < 0:
         below = max(-hi, smallest) if hi is not None and hi < 0 else smallest

@@ -22,8 +22,17 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, Callable, Iterable, NoReturn, Sequence, TypeAlias, cast
 
 from .gbnf_text import alternatives, group, literal, seq
+from .json_schema_numbers import Rules
+
+#: a character set: sorted, disjoint inclusive code point ranges
+Ranges: TypeAlias = "tuple[tuple[int, int], ...]"
+#: a set as (ECMA's, a subset of Python's, a superset of Python's)
+Triple: TypeAlias = "tuple[Ranges, Ranges, Ranges]"
+#: a parsed node (the shapes the parser's comment lists)
+Node: TypeAlias = "tuple[Any, ...]"
 
 #: the largest count a {n,m} may give
 MAX_COUNT = 1000
@@ -38,8 +47,8 @@ class PatternError(ValueError):
 _TOP = 0x10FFFF
 
 
-def _norm(ranges) -> tuple:
-    out = []
+def _norm(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
         if out and lo <= out[-1][1] + 1:
             out[-1] = (out[-1][0], max(out[-1][1], hi))
@@ -48,12 +57,13 @@ def _norm(ranges) -> tuple:
     return tuple(out)
 
 
-def _union(*sets) -> tuple:
+def _union(*sets: Ranges) -> Ranges:
     return _norm([r for s in sets for r in s])
 
 
-def _complement(s) -> tuple:
-    out, at = [], 0
+def _complement(s: Ranges) -> Ranges:
+    out: list[tuple[int, int]] = []
+    at = 0
     for lo, hi in s:
         if lo > at:
             out.append((at, lo - 1))
@@ -63,11 +73,11 @@ def _complement(s) -> tuple:
     return tuple(out)
 
 
-def _intersect(*sets) -> tuple:
+def _intersect(*sets: Ranges) -> Ranges:
     return _complement(_union(*(_complement(s) for s in sets)))
 
 
-def _chars(*cps) -> tuple:
+def _chars(*cps: int) -> Ranges:
     return _norm([(c, c) for c in cps])
 
 
@@ -86,24 +96,25 @@ _PY_SPACE = _union(((9, 13), (0x1C, 0x20), (0x2000, 0x200A), (0x2028, 0x2029)),
 
 # A set as (ECMA's set, a subset of Python's, a superset of Python's): Python's own \w,
 # \d and \s depend on its Unicode tables, so only bounds on them are known.
-_SHORTHANDS = {
+_SHORTHANDS: dict[str, Triple] = {
     "d": (_DIGIT, _DIGIT, _union(_DIGIT, _NON_ASCII)),
     "w": (_WORD, _WORD, _union(_WORD, _NON_ASCII)),
     "s": (_ECMA_SPACE, _PY_SPACE, _union(_PY_SPACE, _chars(0x180E, 0x200B, 0xFEFF))),
 }
-_DOT = (_complement(_chars(10, 13, 0x2028, 0x2029)),) + (_complement(_chars(10)),) * 2
+_DOT: Triple = (_complement(_chars(10, 13, 0x2028, 0x2029)),) + (_complement(_chars(10)),) * 2
 
 
-def _negate(triple) -> tuple:
+def _negate(triple: Triple) -> Triple:
     ecma, inner, outer = triple
     return _complement(ecma), _complement(outer), _complement(inner)
 
 
-def _triple_union(triples) -> tuple:
-    return tuple(_union(*(t[i] for t in triples)) for i in range(3))
+def _triple_union(triples: Sequence[Triple]) -> Triple:
+    ecma, inner, outer = (_union(*(t[i] for t in triples)) for i in range(3))
+    return ecma, inner, outer
 
 
-def _safe(triple) -> tuple:
+def _safe(triple: Triple) -> Ranges:
     """The characters both ECMA and Python put in the set, that the grammar may write."""
     return _intersect(triple[0], triple[1], _WRITABLE)
 
@@ -125,27 +136,27 @@ class _Parser:
     def __init__(self, text: str):
         self.text, self.pos = text, 0
 
-    def fail(self, what: str, at: int | None = None):
+    def fail(self, what: str, at: int | None = None) -> NoReturn:
         raise PatternError(f"{what} (at offset {self.pos if at is None else at}) is not supported")
 
     def peek(self, k: int = 0) -> str:
         return self.text[self.pos + k] if self.pos + k < len(self.text) else ""
 
-    def parse(self):
+    def parse(self) -> Node:
         node = self.disjunction()
         if self.pos < len(self.text):        # only an unmatched ")" stops a disjunction early
             self.fail("an unmatched ')'")
         return node
 
-    def disjunction(self):
+    def disjunction(self) -> Node:
         alts = [self.alternative()]
         while self.peek() == "|":
             self.pos += 1
             alts.append(self.alternative())
         return alts[0] if len(alts) == 1 else ("alt", alts)
 
-    def alternative(self):
-        items = []
+    def alternative(self) -> Node:
+        items: list[Node] = []
         while self.peek() not in ("", "|", ")"):
             item = self.term()
             if item[0] == "set" and len(item[1]) == 1 and item[1][0][0] == item[1][0][1]:
@@ -156,7 +167,7 @@ class _Parser:
                 items.append(item)
         return items[0] if len(items) == 1 else ("cat", items)
 
-    def term(self):
+    def term(self) -> Node:
         at, c = self.pos, self.peek()
         if c in "^$":
             self.pos += 1
@@ -168,15 +179,15 @@ class _Parser:
         if c == "{":
             self.fail("a '{' that starts no quantifier (write \\{)")
         if c == "(":
-            atom = self.group()
+            atom: Node = self.group()
         elif c == "[":
             atom = ("set", _safe(self.char_class()))
         elif c == ".":
             self.pos += 1
             atom = ("set", _safe(_DOT))
         elif c == "\\":
-            atom = self.escape(in_class=False)
-            atom = ("set", _safe(atom)) if isinstance(atom, tuple) else ("str", self.char(atom, at))
+            escaped = self.escape(in_class=False)
+            atom = ("set", _safe(escaped)) if isinstance(escaped, tuple) else ("str", self.char(escaped, at))
         else:
             self.pos += 1
             atom = ("str", self.char(ord(c), at))
@@ -190,11 +201,12 @@ class _Parser:
     def quantifier_here(self) -> bool:
         return self.peek() in ("*", "+", "?") or bool(_QUANTIFIER.match(self.text, self.pos))
 
-    def quantified(self, atom):
+    def quantified(self, atom: Node) -> Node:
         c = self.peek()
         if c in ("*", "+", "?"):
             self.pos += 1
-            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            bounds: dict[str, tuple[int, int | None]] = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+            lo, hi = bounds[c]
         elif c == "{" and (m := _QUANTIFIER.match(self.text, self.pos)):
             lo = int(m[1])
             hi = lo if not m[2] else int(m[3]) if m[3] else None
@@ -211,7 +223,7 @@ class _Parser:
             self.fail("a quantifier after a quantifier")
         return ("rep", atom, lo, hi)
 
-    def group(self):
+    def group(self) -> Node:
         at = self.pos
         if self.text.startswith("(?:", at):
             self.pos += 3
@@ -228,7 +240,7 @@ class _Parser:
         self.pos += 1
         return node
 
-    def escape(self, in_class: bool):
+    def escape(self, in_class: bool) -> int | Triple:
         """After a backslash: a code point, or a set (ECMA, Python inner, outer)."""
         at = self.pos
         self.pos += 1
@@ -262,12 +274,12 @@ class _Parser:
             self.fail(f"the escape \\{c}", at)
         return ord(c)                        # an escaped punctuation or other character
 
-    def no_set_operator(self):
+    def no_set_operator(self) -> None:
         if self.text.startswith(("--", "&&", "~~", "||"), self.pos):
             c = self.peek()
             self.fail(f"'{c}{c}' inside a class (an operator in other dialects; escape it)")
 
-    def class_atom(self):
+    def class_atom(self) -> int | Triple:
         self.no_set_operator()
         at, c = self.pos, self.peek()
         if c == "\\":
@@ -277,7 +289,7 @@ class _Parser:
         self.pos += 1
         return ord(c)
 
-    def class_char(self):
+    def class_char(self) -> int | Triple:
         """A class atom; a code point must be one the grammar can write."""
         at = self.pos
         atom = self.class_atom()
@@ -285,7 +297,7 @@ class _Parser:
             self.char(atom, at)
         return atom
 
-    def char_class(self) -> tuple:
+    def char_class(self) -> Triple:
         """A [...] set as (ECMA, Python inner, Python outer)."""
         start = self.pos
         self.pos += 1
@@ -293,7 +305,7 @@ class _Parser:
         self.pos += negated
         if self.peek() == "]":
             self.fail("an empty class (ECMA matches nothing, Python reads a ']')", start)
-        items = []
+        items: list[Triple] = []
         while self.peek() != "]":
             if not self.peek():
                 self.fail("a '[' without its ']'", start)
@@ -315,7 +327,7 @@ class _Parser:
         return _negate(triple) if negated else triple
 
 
-def parse(pattern: str):
+def parse(pattern: str) -> Node:
     """The node tree of `pattern`; PatternError for what the subset leaves out."""
     tree = _Parser(pattern).parse()
     copies = _nested_copies(tree)
@@ -327,12 +339,13 @@ def parse(pattern: str):
     return tree
 
 
-def _nested_copies(node) -> int:
+def _nested_copies(node: Node) -> int:
     """The largest product of repetition counts along one nesting path (an unbounded
     repetition counts its minimum, at least 1)."""
     if node[0] == "rep":
         _, atom, lo, hi = node
-        return max(lo, hi or 0, 1) * _nested_copies(atom)
+        copies: int = max(lo, hi or 0, 1) * _nested_copies(atom)
+        return copies
     if node[0] in ("cat", "alt"):
         return max((_nested_copies(n) for n in node[1]), default=1)
     return 1
@@ -345,14 +358,17 @@ class _Part:
     gives it without the empty string (what a repetition repeats: `x*` of an x that
     may match nothing is left recursion to the grammar)."""
 
-    def __init__(self, expr: str, lo: int, hi: int | None, nonempty=None):
+    def __init__(self, expr: str, lo: int, hi: int | None,
+                 nonempty: Callable[[], str | None] | None = None):
         self.expr, self.lo, self.hi = expr, lo, hi
-        self._nonempty, self._ne = nonempty, ...
+        self._nonempty = nonempty
+        self._ne: Any = ...   # not worked out yet
 
     def nonempty(self) -> str | None:
         if self._ne is ...:
             self._ne = self.expr if self.lo > 0 else self._nonempty() if self._nonempty else None
-        return self._ne
+        found: str | None = self._ne
+        return found
 
 
 _EPS = _Part('""', 0, 0)
@@ -363,15 +379,16 @@ def _cat(a: _Part | None, b: _Part | None) -> _Part | None:
         return None
     hi = None if a.hi is None or b.hi is None else a.hi + b.hi
     return _Part(seq(a.expr, b.expr), a.lo + b.lo, hi,
-                 lambda: alternatives([a.nonempty() and seq(a.nonempty(), b.expr), b.nonempty()]))
+                 lambda: alternatives([a.nonempty() and seq(cast(str, a.nonempty()), b.expr), b.nonempty()]))
 
 
-def _alt(*parts) -> _Part | None:
-    parts = [p for p in parts if p is not None]
+def _alt(*given: _Part | None) -> _Part | None:
+    parts = [p for p in given if p is not None]
     if not parts:
         return None
-    hi = None if any(p.hi is None for p in parts) else max(p.hi for p in parts)
-    return _Part(alternatives(p.expr for p in parts), min(p.lo for p in parts), hi,
+    highs = [p.hi for p in parts]
+    hi = None if any(h is None for h in highs) else max(cast("list[int]", highs))
+    return _Part(cast(str, alternatives(p.expr for p in parts)), min(p.lo for p in parts), hi,
                  lambda: alternatives(p.nonempty() for p in parts))
 
 
@@ -382,7 +399,7 @@ def _star(p: _Part | None) -> _Part:
     return _Part(f"{group(body)}*", 0, None, lambda: f"{group(body)}+")
 
 
-def _eps(*parts) -> _Part | None:
+def _eps(*parts: _Part | None) -> _Part | None:
     return _EPS if any(p is not None and p.lo == 0 for p in parts) else None
 
 
@@ -390,7 +407,8 @@ class _Lang:
     """What a node matches with no anchor passed (m), after passing ^ (s), before $ (e)
     and with both (b); None where it matches nothing so."""
 
-    def __init__(self, m=None, s=None, e=None, b=None):
+    def __init__(self, m: _Part | None = None, s: _Part | None = None, e: _Part | None = None,
+                 b: _Part | None = None):
         self.m, self.s, self.e, self.b = m, s, e, b
 
     def anchored(self) -> bool:
@@ -406,7 +424,7 @@ def _lang_cat(x: _Lang, y: _Lang) -> _Lang:
                _cat(_eps(x.b, x.e), _eps(y.s, y.b))))
 
 
-def _lang_alt(langs) -> _Lang:
+def _lang_alt(langs: Sequence[_Lang]) -> _Lang:
     return _Lang(*(_alt(*(getattr(x, k) for x in langs)) for k in "mseb"))
 
 
@@ -417,7 +435,7 @@ def _lang_star(x: _Lang) -> _Lang:
 
 
 class _Writer:
-    def __init__(self, rules, hint: str):
+    def __init__(self, rules: Rules, hint: str):
         self.rules, self.hint = rules, hint
 
     def named(self, p: _Part | None, what: str) -> _Part | None:
@@ -425,9 +443,10 @@ class _Writer:
         if p is None or group(p.expr) == p.expr:
             return p
         name = self.rules.rule(f"{self.hint}-{what}", p.expr)
-        return _Part(name, p.lo, p.hi, lambda: p.nonempty() and self.rules.rule(f"{self.hint}-{what}-1", p.nonempty()))
+        return _Part(name, p.lo, p.hi,
+                     lambda: p.nonempty() and self.rules.rule(f"{self.hint}-{what}-1", cast(str, p.nonempty())))
 
-    def lang(self, node) -> _Lang:
+    def lang(self, node: Node) -> _Lang:
         kind = node[0]
         if kind == "set":
             return _Lang(m=_Part(self.set_expr(node[1]), 1, 1) if node[1] else None)
@@ -466,7 +485,8 @@ class _Writer:
         p = x.m
         if p is None:
             return _Lang(m=_EPS if lo == 0 else None)
-        item = self.named(p, "pattern-item")
+        item = cast(_Part, self.named(p, "pattern-item"))   # p is not None: neither is it
+        longest: int | None
         if hi is None:
             expr = seq(*([item.expr] * lo), _star(item).expr)
             longest = 0 if p.hi == 0 else None
@@ -474,23 +494,23 @@ class _Writer:
             expr = self.rules.repeat(f"{self.hint}-pattern", item.expr, lo, hi)
             longest = None if p.hi is None else p.hi * hi
 
-        def nonempty():          # a first copy that is not empty, then any of the rest
+        def nonempty() -> str | None:          # a first copy that is not empty, then any of the rest
             if hi == 0 or item.nonempty() is None:
                 return None
             rest = _star(item).expr if hi is None else self.rules.repeat(
                 f"{self.hint}-pattern", item.expr, 0, hi - 1)
-            return seq(group(item.nonempty()), rest)
+            return seq(group(cast(str, item.nonempty())), rest)
         return _Lang(m=_Part(expr, p.lo * lo, longest, nonempty))
 
-    def set_expr(self, ranges) -> str:
+    def set_expr(self, ranges: Ranges) -> str:
         """A rule for one character of `ranges`, as JSON writes it."""
-        alts = []
+        alts: list[str | None] = []
         raw = _intersect(ranges, _RAW)
         if raw:
             alts.append(_gbnf_class(raw))
         escaped = [c for lo, hi in _intersect(ranges, ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)))
                    for c in range(lo, hi + 1)]
-        by_nibble = {}
+        by_nibble: dict[str, list[str]] = {}
         for c in escaped:
             text = json.dumps(chr(c))[1:-1]
             if text.startswith("\\u"):
@@ -499,12 +519,12 @@ class _Writer:
                 alts.append(literal(text))
         for prefix, lows in by_nibble.items():
             alts.append(f"{literal(prefix)} {_gbnf_class(_norm((ord(h), ord(h)) for h in lows))}")
-        expr = alternatives(alts)
+        expr = cast(str, alternatives(alts))   # a set the parser kept is not empty
         return expr if len(alts) == 1 and group(expr) == expr else self.rules.rule(f"{self.hint}-char", expr)
 
 
-def _gbnf_class(ranges) -> str:
-    def one(cp):
+def _gbnf_class(ranges: Ranges) -> str:
+    def one(cp: int) -> str:
         ch = chr(cp)
         return ch if ch.isascii() and ch.isalnum() else f"\\x{cp:02X}" if cp < 0x100 else f"\\u{cp:04X}"
     if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
@@ -512,7 +532,7 @@ def _gbnf_class(ranges) -> str:
     return "[" + "".join(one(lo) if lo == hi else f"{one(lo)}-{one(hi)}" for lo, hi in ranges) + "]"
 
 
-def pattern_content(rules, pattern: str, hint: str) -> tuple[str, int, int | None]:
+def pattern_content(rules: Rules, pattern: str, hint: str) -> tuple[str, int, int | None]:
     """(expression, shortest, longest): the JSON string content (between the quotes)
     whose decoded text `pattern` matches somewhere, and the bounds of its length in
     characters (longest None: unbounded). PatternError for what is not supported."""
