@@ -34,7 +34,7 @@ def boolean(name: str, value) -> bool:
 
 
 def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
-         exclusive_minimum: bool = False) -> float:
+         exclusive_minimum: bool = False, exclusive_maximum: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
@@ -45,8 +45,11 @@ def real(name: str, value, *, minimum: float | None = None, maximum: float | Non
             raise ValueError(f"{name} must be > {minimum}, got {value}")
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    if maximum is not None:
+        if value > maximum:
+            raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        if exclusive_maximum and value == maximum:
+            raise ValueError(f"{name} must be < {maximum}, got {value}")
     return value
 
 
