@@ -560,6 +560,7 @@ def _serve_on_ray(args, options) -> dict:
     # a replica's threads default to its share of CPUs, not every core of its node
     threads = args.threads if args.threads is not None else max(1, int(cpus))
     spec = ray_serve.ReplicaSpec(model=args.model, config=args.config, threads=threads, device=args.device,
+                                 max_seq_len=args.ctx_size, prefill_chunk=args.prefill_chunk,
                                  verify_checksums=args.verify_checksums, names=args.names,
                                  parallel=args.parallel, prompt_cache=args.prompt_cache,
                                  batch_decode=args.batch_decode, options=options, host=args.host)

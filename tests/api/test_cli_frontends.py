@@ -276,3 +276,19 @@ def test_the_batch_header_comment_describes_batching():
     text = header.read_text(encoding="utf-8")
     comment = text[:text.index("TL_API tl_status tl_generate_batch(")].rsplit("/*", 1)[1]
     assert "comes later" not in comment and "batched forward pass" in comment
+
+
+def test_chat_stops_at_stop_strings(tmp_path):
+    pytest.importorskip("jinja2")
+    import textmodel
+    path = tmp_path / "chat.tinyloop"
+    textmodel.make_text_model(path, chat_template=textmodel.CHATML)
+
+    def reply(*flags):
+        proc = run_with_stdin("chat", path, "-n", 8, *GREEDY, *flags, "--json", stdin="Hi\n/exit\n")
+        return last_json(proc)["messages"][-1]["content"]
+
+    whole = reply()
+    assert len(whole) >= 3
+    stop = whole[-2:]
+    assert reply("--stop", stop) == whole[:whole.index(stop)]
