@@ -139,6 +139,9 @@ def _read_grammar(args, model):
     return Grammar(model, gbnf)
 
 
+_NO_PROMPT = "no prompt: give PROMPT, -p TEXT, -f FILE, or text on stdin"
+
+
 def _read_prompt(args) -> str:
     """The prompt: -p TEXT, else the text of -f FILE, else PROMPT; `-` (or no prompt at
     all with stdin not a terminal) reads it from stdin. A file's or stdin's one final
@@ -150,13 +153,16 @@ def _read_prompt(args) -> str:
             return args.prompt
         source = "-"
     elif sys.stdin is None or sys.stdin.isatty():
-        args.command_parser.error("no prompt: give PROMPT, -p TEXT, -f FILE, or text on stdin")
+        args.command_parser.error(_NO_PROMPT)
     else:
         source = "-"
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CommandError(f"{source}: cannot read the prompt: {e}") from None
+    if not text and args.prompt is None and args.prompt_file is None:
+        # no prompt asked for and nothing on stdin (e.g. </dev/null in a script)
+        args.command_parser.error(_NO_PROMPT + " (stdin was empty)")
     return text[:-1] if text.endswith("\n") else text
 
 

@@ -292,3 +292,9 @@ def test_chat_stops_at_stop_strings(tmp_path):
     assert len(whole) >= 3
     stop = whole[-2:]
     assert reply("--stop", stop) == whole[:whole.index(stop)]
+
+
+def test_no_prompt_and_empty_stdin_is_a_usage_error(model_path):
+    proc = subprocess.run([sys.executable, "-m", "tinyloop", "generate", "-m", str(model_path)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no prompt" in proc.stderr and "stdin was empty" in proc.stderr
