@@ -35,7 +35,7 @@ def boolean(name: str, value: Any) -> bool:
 
 
 def real(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
-         exclusive_minimum: bool = False) -> float:
+         exclusive_minimum: bool = False, exclusive_maximum: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     number = float(value)
@@ -46,8 +46,11 @@ def real(name: str, value: Any, *, minimum: float | None = None, maximum: float 
             raise ValueError(f"{name} must be > {minimum}, got {number}")
         if number < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    if maximum is not None and number > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+    if maximum is not None:
+        if number > maximum:
+            raise ValueError(f"{name} must be <= {maximum}, got {number}")
+        if exclusive_maximum and number == maximum:
+            raise ValueError(f"{name} must be < {maximum}, got {number}")
     return number
 
 

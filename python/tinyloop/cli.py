@@ -80,8 +80,10 @@ def _open_model(args, config=None):
         from .default_model import resolve_default_model
         args.default_model = resolve_default_model()
         path = str(args.default_model.path)
-    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
+    overrides = {flag: getattr(args, flag) for flag in ("threads", "device", "prefill_chunk")
                  if getattr(args, flag, None) is not None}
+    if getattr(args, "ctx_size", None) is not None:
+        overrides["max_seq_len"] = args.ctx_size
     return Model.from_config(config, path=path, **overrides)
 
 
@@ -93,11 +95,13 @@ def _peak_rss_mb() -> float:
 
 # -- generate -----------------------------------------------------------------------
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                   "repetition_penalty", "seed")
+                   "repetition_penalty", "seed", "stop", "draft_depth", "n_draft", "draft_p_min",
+                   "tree", "tree_budget")
 
 
 def _sampling(args, config) -> tuple:
-    """(generation options, depth): the config's, overridden by the command-line flags."""
+    """(generation options, depth): the config's, overridden by the command-line flags
+    (--stop given replaces the config's stop strings)."""
     options = config.generate_options()
     for flag in _SAMPLING_FLAGS:
         if getattr(args, flag) is not None:
@@ -135,38 +139,89 @@ def _read_grammar(args, model):
     return Grammar(model, gbnf)
 
 
+_NO_PROMPT = "no prompt: give PROMPT, -p TEXT, -f FILE, or text on stdin"
+
+
+def _read_prompt(args) -> str:
+    """The prompt: -p TEXT, else the text of -f FILE, else PROMPT; `-` (or no prompt at
+    all with stdin not a terminal) reads it from stdin. A file's or stdin's one final
+    newline is dropped (as llama.cpp's -f does): `echo TEXT |` gives TEXT."""
+    if args.prompt_file is not None:
+        source = args.prompt_file
+    elif args.prompt is not None:
+        if args.prompt != "-":
+            return args.prompt
+        source = "-"
+    elif sys.stdin is None or sys.stdin.isatty():
+        args.command_parser.error(_NO_PROMPT)
+    else:
+        source = "-"
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"{source}: cannot read the prompt: {e}") from None
+    if not text and args.prompt is None and args.prompt_file is None:
+        # no prompt asked for and nothing on stdin (e.g. </dev/null in a script)
+        args.command_parser.error(_NO_PROMPT + " (stdin was empty)")
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _ran_depth(stream, depth: int, model) -> int:
+    """The loop depth a generation ran at (its deepest with an exit rule): the stream's
+    after the modes' hooks, else the one asked for, 0 meaning the model's default."""
+    options = getattr(stream, "_options", None)
+    return options.depth if options is not None else depth or model.info.default_depth
+
+
 def cmd_generate(args) -> dict:
     from .plugins import generation_mode
+    from .text_generation import TextGeneration, TextPipe
     config = _load_config(args)
     options, depth = _sampling(args, config)
+    prompt = _read_prompt(args)
     with _open_model(args, config) as model:
         grammar = _read_grammar(args, model)
         if grammar is not None:
             options["grammar"] = grammar
         tokenizer = model.tokenizer
-        prompt_ids = tokenizer.encode(args.prompt)
+        prompt_ids = tokenizer.encode(prompt)
         mode = generation_mode(model.modes)
-        decoder = tokenizer.incremental_decoder(prompt_ids)
+        # stop strings end the text where they start, however the tokens split them
+        record = TextGeneration(prompt_tokens=len(prompt_ids))
+        pipe = TextPipe(tokenizer, list(options.get("stop") or ()), record, prompt_ids)
         started = time.perf_counter()
         # the model applies its modes; a strategy's stream has no result of its own
         stream = model.stream(prompt_ids, depth=depth, **options)
-        generated = []
+        generated, pieces, stopped = [], [], False
         try:
             for token in stream:
                 generated.append(token)
-                sys.stdout.write(decoder.push(token))
+                piece, stopped = pipe.push(token)
+                pieces.append(piece)
+                sys.stdout.write(piece)
                 sys.stdout.flush()
+                if stopped:
+                    break
+            if not stopped:
+                pieces.append(pipe.end(stream.result))
+                sys.stdout.write(pieces[-1])
         finally:
             stream.close()
-        sys.stdout.write(decoder.flush() + "\n")
+        sys.stdout.write("\n")
         sys.stdout.flush()
         elapsed = time.perf_counter() - started
-        payload = {"model": model.path, "text": tokenizer.decode_continuation(prompt_ids, generated),
+        text = ("".join(pieces) if options.get("stop")   # the text before the first stop string
+                else tokenizer.decode_continuation(prompt_ids, generated))
+        payload = {"model": model.path, "text": text,
                    "tokens": generated, "n_tokens": len(generated),
                    "prompt_tokens": len(prompt_ids),
-                   "depth": depth, "mode": mode.name if mode else None,
+                   "depth": _ran_depth(stream, depth, model), "mode": mode.name if mode else None,
                    "seconds": elapsed, "depths": stream.depths}
-        if stream.result is not None:
+        if stopped:   # a stop string ended it before the library's stream did
+            payload.update(stop_reason="stop_sequence", **_depth_report(
+                options.get("exit"), float(np.mean(stream.depths)) if stream.depths else 0.0))
+            _note(f"[{len(generated)} tokens, stop: stop_sequence]")
+        elif stream.result is not None:
             r = stream.result
             payload.update(stop_reason=r.stop_reason, prefill_seconds=r.prefill_seconds,
                            decode_seconds=r.decode_seconds,
@@ -195,6 +250,8 @@ def cmd_score(args) -> dict:
     rule = _exit(args, config)
     with _open_model(args, config) as model:
         ids = model.tokenizer.encode(text)
+        if args.logit_lens:
+            return _logit_lens(args, model, ids)
         if len(ids) < 2:
             raise CommandError(f"{args.file}: needs at least 2 tokens to score, has {len(ids)}")
         ctx = args.ctx if args.ctx is not None else model.info.max_seq_len
@@ -207,13 +264,13 @@ def cmd_score(args) -> dict:
         finally:
             progress.finish()
         elapsed = time.perf_counter() - started
-        model_path = model.path
+        model_path, default_depth = model.path, model.info.default_depth
     logprobs, entropies = scored if args.uncertainty else (scored[0], None)
     perplexity = float(np.exp(-np.mean(logprobs, dtype=np.float64)))
     payload = {"model": model_path, "perplexity": perplexity, "tokens": len(ids),
                "scored_tokens": len(logprobs),
                "tokens_per_s": len(ids) / elapsed if elapsed > 0 else 0.0,
-               "ctx": ctx, "depth": args.depth, "seconds": elapsed,
+               "ctx": ctx, "depth": args.depth or default_depth, "seconds": elapsed,
                **_depth_report(rule, float(np.mean(depths, dtype=np.float64)))}
     shown = ["perplexity", "tokens", "tokens_per_s"]
     if rule is not None:
@@ -226,6 +283,22 @@ def cmd_score(args) -> dict:
             print(f"{key}: {payload[key]:.4f}" if isinstance(payload[key], float)
                   else f"{key}: {payload[key]}")
     return payload
+
+
+def _logit_lens(args, model, ids: list) -> dict:
+    """score --logit-lens: the next token after the whole text at every loop depth
+    1..--depth (0 = the model's max_depth), each depth's most likely tokens."""
+    from .logit_lens import lens_rows
+    if len(ids) > model.info.max_seq_len:
+        raise CommandError(f"{args.file}: {len(ids)} tokens do not fit the context of "
+                           f"{model.info.max_seq_len} (--logit-lens reads the whole text at once)")
+    logits = model.score_logit_lens(ids, max_depth=args.depth)
+    rows = lens_rows(logits, args.top, lambda t: model.tokenizer.decode([t]))
+    if not args.json:
+        for row in rows:
+            best = ", ".join(f"{item['text']!r} {np.exp(item['logprob']):.3f}" for item in row["top_logprobs"])
+            print(f"depth {row['depth']:2d}: entropy {row['entropy']:.3f}  {best}")
+    return {"model": model.path, "tokens": len(ids), "max_depth": len(rows), "logit_lens": rows}
 
 
 # -- bench ---------------------------------------------------------------------------
@@ -260,7 +333,7 @@ def cmd_bench(args) -> dict:
             "decode_tokens_per_s": statistics.median(decode),
             "peak_rss_mb": _peak_rss_mb(),
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-            "repeat": args.repeat, "threads": info.n_threads, "depth": args.depth,
+            "repeat": args.repeat, "threads": info.n_threads, "depth": args.depth or info.default_depth,
             "device": info.device_name, "memory": model.memory_report(),
             "runs": {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "mean_depth": depths},
             **_depth_report(rule, statistics.median(depths)),
@@ -307,6 +380,18 @@ def _print_card(payload: dict) -> None:
     print(payload["card"].rstrip("\n"))
 
 
+def _memory_line(memory: dict) -> str:
+    """memory_report() for `tinyloop info`: the byte counts in MiB, named without their
+    `_bytes`; paged KV's page size and pages in use are counts, shown as such."""
+    mib = 2**20
+    parts = [f"{k.removesuffix('_bytes')} {v / mib:.1f} MiB"
+             for k, v in memory.items() if k.endswith("_bytes")]
+    if memory.get("kv_page_size"):
+        parts.append(f"kv pages {memory['kv_pages_in_use']} in use of "
+                     f"{memory['kv_page_size']} tokens each")
+    return ", ".join(parts)
+
+
 def cmd_info(args) -> dict:
     from .kv_cost import kv_cost_rows
     with _open_model(args) as model:
@@ -351,11 +436,44 @@ def cmd_info(args) -> dict:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
                   f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
-        print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
-                                           for k, v in memory.items() if k.endswith("_bytes")))
+        print("memory:       " + _memory_line(memory))
         if default is not None:
             _print_card(payload)
     return payload
+
+
+# -- modes ---------------------------------------------------------------------------
+def _option_row(option) -> dict:
+    from .plugins import REQUIRED
+    return {"name": option.name, "type": option.type.__name__,
+            "default": None if option.default is REQUIRED else option.default,
+            "required": option.default is REQUIRED, "help": option.help,
+            "choices": list(option.choices) if option.choices is not None else None,
+            "minimum": option.minimum, "maximum": option.maximum}
+
+
+def cmd_modes(args) -> dict:
+    from .plugins import default_registry
+    registry = default_registry()
+    modes = []
+    for name in registry.names():
+        plugin = registry.get(name)
+        modes.append({"name": name, "description": plugin.description, "origin": registry.origin(name),
+                      "conflicts": sorted(plugin.conflicts), "requires": sorted(plugin.requires),
+                      "options": [_option_row(o) for o in plugin.options]})
+    if not args.json:
+        for mode in modes:
+            print(f"[modes.{mode['name']}]  {mode['description']}")
+            for relation in ("conflicts", "requires"):
+                if mode[relation]:
+                    print(f"    {relation} with: {', '.join(mode[relation])}" if relation == "conflicts"
+                          else f"    requires: {', '.join(mode[relation])}")
+            for o in mode["options"]:
+                default = "required" if o["required"] else f"default {o['default']!r}"
+                limits = (f", one of {', '.join(map(repr, o['choices']))}" if o["choices"] else "")
+                print(f"    {o['name']} ({o['type']}, {default}{limits}): {o['help']}")
+            print()
+    return {"modes": modes}
 
 
 # -- convert / quantize / pull ------------------------------------------------------------
@@ -448,6 +566,7 @@ def _serve_on_ray(args, options) -> dict:
     # a replica's threads default to its share of CPUs, not every core of its node
     threads = args.threads if args.threads is not None else max(1, int(cpus))
     spec = ray_serve.ReplicaSpec(model=args.model, config=args.config, threads=threads, device=args.device,
+                                 max_seq_len=args.ctx_size, prefill_chunk=args.prefill_chunk,
                                  verify_checksums=args.verify_checksums, names=args.names,
                                  parallel=args.parallel, prompt_cache=args.prompt_cache,
                                  batch_decode=args.batch_decode, options=options, host=args.host)
@@ -470,6 +589,7 @@ def cmd_chat(args) -> dict:
             raise CommandError(f"{model.path} has no chat template (tokenizer.chat_template): "
                                "use `tinyloop generate`")
         messages = [{"role": "system", "content": args.system}] if args.system else []
+        stops = list(options.get("stop") or ())   # matched on the reply's text
         interactive = sys.stdin.isatty()
         # each turn continues the conversation's sequence: only the new message runs
         cache, depth = PromptCache(model, 1), depth or model.info.default_depth
@@ -491,7 +611,7 @@ def cmd_chat(args) -> dict:
                 record = TextGeneration(prompt_tokens=len(ids))
                 lease, reply, ok = cache.acquire(ids, depth, options.get("exit")), [], False
                 try:
-                    for piece in generate_text(model, lease.rest, [], dict(options, depth=depth),
+                    for piece in generate_text(model, lease.rest, stops, dict(options, depth=depth),
                                                record, context=lease.context):
                         reply.append(piece)
                         sys.stdout.write(piece)
@@ -580,22 +700,77 @@ def _add_exit_flag(p: argparse.ArgumentParser, what: str) -> None:
                         "argmax_stable:3, gate:0.9, fixed (docs/cli.md); default: the config's [exit]")
 
 
+def _tree_shape(text: str) -> tuple:
+    """--tree 3,1,1: the drafts' branching per level, 1..8 levels of 1..8 each."""
+    try:
+        widths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 3,1,1, got {text!r}") from None
+    if not 1 <= len(widths) <= 8 or not all(1 <= w <= 8 for w in widths):
+        raise argparse.ArgumentTypeError(f"needs 1..8 levels, each 1..8, got {text!r}")
+    return widths
+
+
+def _below_one(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:   # the library's range: 1 would keep only the top tokens' ties
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+# the defaults --help shows for the flags whose unset value means "the config's, else
+# this": the library's (tl_generate_options_default), as SAMPLING_OPTIONS holds them
+def _sampling_default(name: str) -> str:
+    from .config import SAMPLING_OPTIONS
+    return f"default: the config's, else {next(o.default for o in SAMPLING_OPTIONS if o.name == name)}"
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_positive)
-    p.add_argument("--depth", type=_non_negative, help="loop depth (0 = the model's default)")
-    p.add_argument("--temperature", type=float, help="0 = greedy")
-    p.add_argument("--top-k", type=_non_negative)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=_non_negative)
+    p.add_argument("-n", "--max-tokens", type=_positive, help="new tokens at most; " + _sampling_default("max_tokens"))
+    p.add_argument("--depth", type=_non_negative,
+                   help="loop depth (0 = the model's default); default: the config's, else 0")
+    p.add_argument("--temperature", type=float, help="0 = greedy; " + _sampling_default("temperature"))
+    p.add_argument("--top-k", type=_non_negative, help="0 = off; " + _sampling_default("top_k"))
+    p.add_argument("--top-p", type=float, help="1 = off; " + _sampling_default("top_p"))
+    p.add_argument("--min-p", type=_below_one, help="0 = off, below 1; " + _sampling_default("min_p"))
+    p.add_argument("--repetition-penalty", type=float, help="1 = off; " + _sampling_default("repetition_penalty"))
+    p.add_argument("--seed", type=_non_negative, help="sampling seed; " + _sampling_default("seed"))
+    p.add_argument("--stop", action="append", type=_stop_text, metavar="TEXT",
+                   help="end the text before TEXT (repeatable); default: the config's sampling.stop, else none")
+    drafts = p.add_argument_group("speculative decoding (docs/api.md, \"Speculative decoding\", \"Tree speculation\")")
+    drafts.add_argument("--draft-depth", type=int, metavar="L",
+                        help="draft tokens at loop depth L, verified at --depth (-1 = the model file's "
+                             "draft.depth, else 1); default: 0 = off")
+    drafts.add_argument("--n-draft", type=_non_negative, metavar="N",
+                        help="tokens per draft round (at most 32); default: 0 = the file's, else 4")
+    drafts.add_argument("--draft-p-min", type=_non_negative_number, metavar="P",
+                        help="stop a round at a draft less likely than P; default: 0 = never")
+    drafts.add_argument("--tree", type=_tree_shape, metavar="W,W,...",
+                        help="tree speculation with --draft-depth: the drafts' branching per level, "
+                             "e.g. 3,1,1; default: a chain")
+    drafts.add_argument("--tree-budget", type=_non_negative, metavar="N",
+                        help="drafted tree nodes per round at most (1..63); default: 0 = the shape's size")
     _add_exit_flag(p, "every token")
 
 
-def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_non_negative, help="CPU threads (0 = all cores)")
-    p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
-    p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes")
+def _add_runtime_flags(p: argparse.ArgumentParser, ctx_size: bool = True) -> None:
+    p.add_argument("-t", "--threads", type=_non_negative,
+                   help="CPU threads (0 = all cores); default: the config's, else 0")
+    if ctx_size:
+        p.add_argument("-c", "--ctx-size", type=_non_negative, metavar="N",
+                       help="context length in tokens (0 = the model's max_seq_len); default: the "
+                            "config's model.max_seq_len, else 0")
+    p.add_argument("--prefill-chunk", type=_non_negative, metavar="N",
+                   help="prompt tokens per forward pass (0 = the library's choice); default: the "
+                        "config's model.prefill_chunk, else 0")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto; default: the config's, else cpu")
+    p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes; default: none")
 
 
 _MODEL_HELP = ("model file, pulled name (smollm2-135m) or tinyloop-smollm2-looped; default: "
@@ -620,6 +795,36 @@ def _merge_model_arguments(args) -> None:
     args.model = option
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help names every option's default: the help's own words when they say it,
+    else the parser's default value."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default is None:
+            return text
+        shown = "off" if action.default is False else action.default
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _merge_prompt_arguments(args) -> None:
+    """generate: with -p or -f the one positional argument is the MODEL; without them one
+    positional argument is the PROMPT, two are MODEL PROMPT."""
+    if getattr(args, "command", None) != "generate":
+        return
+    given = args.prompt_option is not None or args.prompt_file is not None
+    if given:
+        if args.prompt is not None:
+            if args.model is not None:
+                args.command_parser.error(f"the prompt is given twice ({args.prompt!r} and -p/-f)")
+            args.model = args.prompt
+        args.prompt = args.prompt_option
+    elif args.prompt is None and args.model is not None:
+        args.prompt, args.model = args.model, None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyloop",
                                      description="Inference for weight-shared looped transformers.")
@@ -628,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name, handler, help_text):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of stdout")
         p.set_defaults(handler=handler, command_parser=p)
@@ -636,38 +841,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     # one positional argument is the PROMPT; two are MODEL PROMPT (docs/cli.md)
     p = command("generate", cmd_generate, "generate text, streamed as it comes")
-    _add_model_arguments(p, "as -m MODEL; a single positional argument is the PROMPT")
-    p.add_argument("prompt", metavar="PROMPT")
+    _add_model_arguments(p, "as -m MODEL; a single positional argument is the PROMPT "
+                            "(the MODEL with -p or -f)")
+    p.add_argument("prompt", nargs="?", metavar="PROMPT",
+                   help="the prompt; - reads it from stdin; default: -p, -f, else stdin when it "
+                        "is not a terminal")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT",
+                        help="the prompt, as PROMPT; default: none")
+    source.add_argument("-f", "--file", dest="prompt_file", metavar="FILE",
+                        help="read the prompt from FILE (- = stdin); default: none")
     constraint = p.add_mutually_exclusive_group()
-    constraint.add_argument("--grammar", metavar="FILE", help="constrain the text to a GBNF grammar")
+    constraint.add_argument("--grammar", metavar="FILE", help="constrain the text to a GBNF grammar; default: none")
     constraint.add_argument("--json-schema", metavar="FILE",
-                            help="constrain the text to JSON that a JSON Schema accepts")
+                            help="constrain the text to JSON that a JSON Schema accepts; default: none")
     _add_sampling_flags(p)
     _add_runtime_flags(p)
 
     p = command("chat", cmd_chat, "chat on stdin/stdout through the model's chat template "
                                   "(/exit or end of input stops)")
     _add_model_arguments(p, "as -m MODEL")
-    p.add_argument("--system", help="a system message that starts the conversation")
+    p.add_argument("--system", help="a system message that starts the conversation; default: none")
     _add_sampling_flags(p)
     _add_runtime_flags(p)
 
     p = command("score", cmd_score, "perplexity of a text file")
     _add_model_arguments(p, "as -m MODEL; a single positional argument is the FILE")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--depth", type=_non_negative, default=0)
-    p.add_argument("--ctx", type=_non_negative,
-                   help="window length in tokens (default: the model's max_seq_len)")
+    p.add_argument("--depth", type=_non_negative, default=0,
+                   help="loop depth, 0 = the model's default (with --logit-lens: the deepest "
+                        "depth shown, 0 = the model's max_depth)")
+    p.add_argument("-c", "--ctx", type=_non_negative,
+                   help="window length in tokens; default: the model's max_seq_len")
     p.add_argument("--uncertainty", action="store_true",
                    help="also the mean entropy (nats) of the predictions")
+    p.add_argument("--logit-lens", action="store_true",
+                   help="instead of the perplexity: the next token after the whole text at every "
+                        "loop depth 1..--depth (Model.score_logit_lens)")
+    p.add_argument("--top", type=_positive, default=5, metavar="K",
+                   help="--logit-lens: the K most likely tokens per depth")
     _add_exit_flag(p, "every position (prints the mean depth used)")
-    _add_runtime_flags(p)
+    _add_runtime_flags(p, ctx_size=False)
 
     p = command("bench", cmd_bench, "prefill and decode speed, peak memory")
     _add_model_arguments(p, "as -m MODEL")
-    p.add_argument("--prompt-tokens", type=_positive, default=128)
-    p.add_argument("--new-tokens", type=_positive, default=128)
-    p.add_argument("--depth", type=_non_negative, default=0)
+    # -p / -n as llama-bench spells them
+    p.add_argument("-p", "--prompt-tokens", type=_positive, default=128, help="random prompt tokens")
+    p.add_argument("-n", "--new-tokens", type=_positive, default=128, help="new tokens per run")
+    p.add_argument("--depth", type=_non_negative, default=0, help="loop depth (0 = the model's default)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs; medians are reported")
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random prompt")
     _add_exit_flag(p, "the runs (reports the mean depth used)")
@@ -678,6 +899,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p, "as -m MODEL")
     _add_runtime_flags(p)
 
+    p = command("modes", cmd_modes, "the runtime modes installed (plugins) and their options, "
+                                    "as [modes.<name>] of a tinyloop.toml takes them")
+
     for name, help_text in (("convert", "convert a GGUF file or a HF safetensors checkpoint"),
                             ("quantize", "re-quantize a .tinyloop model to q8, q4 or q2"),
                             ("pull", "download and convert a known model into the cache")):
@@ -686,30 +910,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("serve", cmd_serve, "an OpenAI-compatible HTTP server (docs/server.md)")
     _add_model_arguments(p, "as -m MODEL")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=_non_negative, default=8080, help="port (8080; 0 = any free)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_non_negative, default=8080, help="port (0 = any free)")
     p.add_argument("--name", "--served-model-name", dest="names", nargs="+", action="extend",
                    metavar="NAME", help="model name(s) clients send; the first is the main one, the "
                                         "others aliases (default: the file's stem)")
     p.add_argument("--parallel", type=_positive, default=1,
-                   help="generations at once; others wait (1)")
+                   help="generations at once; others wait")
     p.add_argument("--max-waiting", type=_non_negative, default=64, metavar="N",
-                   help="requests waiting for a slot at most; more get a 429 with Retry-After (64)")
+                   help="requests waiting for a slot at most; more get a 429 with Retry-After")
     p.add_argument("--max-tokens-cap", type=_positive, default=None, metavar="N",
-                   help="max_tokens above N is refused; a request without max_tokens gets at most N")
+                   help="max_tokens above N is refused; a request without max_tokens gets at most N; "
+                        "default: no cap")
     p.add_argument("--request-timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds a generation request may take, waiting included (default: no limit)")
     p.add_argument("--max-connections", type=_positive, default=1024, metavar="N",
-                   help="open connections at most; more get a 503 (1024)")
+                   help="open connections at most; more get a 503")
     p.add_argument("--drain-timeout", type=_non_negative_float, default=30.0, metavar="S",
-                   help="on SIGTERM, seconds running requests get to finish (30)")
+                   help="on SIGTERM, seconds running requests get to finish")
     p.add_argument("--api-key", help="the key clients must send (Authorization: Bearer KEY); "
-                                     "prefer --api-key-file or $TINYLOOP_API_KEY")
-    p.add_argument("--api-key-file", metavar="PATH", help="a file whose first line is the API key")
+                                     "prefer --api-key-file or $TINYLOOP_API_KEY; default: none")
+    p.add_argument("--api-key-file", metavar="PATH", help="a file whose first line is the API key; default: none")
     p.add_argument("--public-metrics", action="store_true",
                    help="GET /metrics answers without the API key")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
-                   help="an origin browser pages may call from (repeatable; * = any)")
+                   help="an origin browser pages may call from (repeatable; * = any); default: none")
     p.add_argument("--allowed-host", action="append", metavar="HOST",
                    help="a Host header accepted (repeatable; * = any; default: the loopback names "
                         "for a loopback --host, else any)")
@@ -730,11 +955,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve N replicas of the model on Ray Serve, behind Ray's HTTP proxy at "
                           "--host:--port")
     ray.add_argument("--replicas", type=_positive, default=None, metavar="N",
-                     help="replicas (1); with --max-replicas, the number to start with")
+                     help="replicas; with --max-replicas, the number to start with; default: 1")
     ray.add_argument("--min-replicas", type=_non_negative, default=None, metavar="N",
-                     help="autoscaling: replicas at least (1)")
+                     help="autoscaling: replicas at least; default: 1")
     ray.add_argument("--max-replicas", type=_positive, default=None, metavar="N",
-                     help="autoscaling on: replicas at most")
+                     help="autoscaling on: replicas at most; default: no autoscaling")
     ray.add_argument("--target-ongoing-requests", type=_positive_number, default=None, metavar="X",
                      help="autoscaling: requests per replica it aims at (default: --parallel)")
     ray.add_argument("--prefix-routing", action="store_true",
@@ -758,6 +983,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in _DELEGATED:
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
+    _merge_prompt_arguments(args)
     _merge_model_arguments(args)
     try:
         payload = args.handler(args)

@@ -8,6 +8,7 @@
     depth = 0                               # loop depth; 0 = the model's default
     verify_checksums = false                # check every tensor's CRC-32 when loading
     kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
+    prefill_chunk = 0                       # prompt tokens per forward pass; 0 = the library's
 
     [sampling]
     temperature = 0.8
@@ -17,6 +18,7 @@
     repetition_penalty = 1.0
     seed = 0
     max_tokens = 128
+    stop = ["###"]                          # the text ends before the first of these
 
     [exit]                                  # adaptive depth (docs/python.md, "Adaptive depth")
     rule = "kl"                             # fixed, kl, entropy_delta, latent_delta,
@@ -36,13 +38,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .exit_rule import EXIT_KINDS, ExitRule, ExitRuleError
-from .plugins import ActiveMode, Option, PluginRegistry, apply_load_hooks, default_registry
+from .plugins import ActiveMode, Option, PluginRegistry, apply_load_hooks, default_registry, plain_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,16 +65,33 @@ MODEL_OPTIONS = (
     Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
     Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
            choices=("default", "f32", "f16")),
+    Option("prefill_chunk", int, 0, "prompt tokens per forward pass; 0 = the library's choice",
+           minimum=0, maximum=_INT32_MAX),
 )
+
+
+class _StopOption(Option):
+    """sampling.stop: a list of non-empty strings (OpenAI's stop), checked into a tuple."""
+
+    def check(self, value, key, error=plain_error):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise error(key, f"expected a list of strings, got {type(value).__name__} {value!r}")
+        for i, text in enumerate(value):
+            if not text:
+                raise error(key, f"stop string {i} is empty")
+        return tuple(value)
+
 
 SAMPLING_OPTIONS = (
     Option("temperature", float, 0.8, "0 = greedy", minimum=0.0),
     Option("top_k", int, 40, "0 = off", minimum=0, maximum=_INT32_MAX),
     Option("top_p", float, 0.95, "1 = off", minimum=0.0, maximum=1.0, exclusive_minimum=True),
-    Option("min_p", float, 0.05, "0 = off", minimum=0.0, maximum=1.0),
+    Option("min_p", float, 0.05, "0 = off; below 1", minimum=0.0, maximum=1.0,
+           exclusive_maximum=True),
     Option("repetition_penalty", float, 1.0, "1 = off", minimum=0.0, exclusive_minimum=True),
     Option("seed", int, 0, "sampling seed", minimum=0, maximum=2**64 - 1),
     Option("max_tokens", int, 128, "new tokens at most", minimum=1, maximum=_INT32_MAX),
+    _StopOption("stop", list, (), "strings the text ends before (the first found)"),
 )
 
 # the exit rule's own checks (ExitRule.parse) follow the types: which keys a rule takes,
@@ -99,6 +118,7 @@ class ModelConfig:
     depth: int = 0
     verify_checksums: bool = False
     kv_dtype: str = "default"
+    prefill_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int = 0
     max_tokens: int = 128
+    stop: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +141,12 @@ class Config:
     source: str | None = None
     #: [exit]: the default exit rule of generations and scoring; None without the table
     exit: ExitRule | None = None
+    #: (key, problem) -> a ConfigError naming this config's file and the key's line
+    locate: Any = field(default=None, compare=False, repr=False)
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        """A ConfigError over `key`, with the file and line when the config has them."""
+        return (self.locate or _error_factory(self.source, None))(key, problem)
 
     def model_path(self) -> str | None:
         """[model] path, relative paths taken from the config file's folder when the
@@ -139,11 +166,17 @@ class Config:
             options["verify_checksums"] = True
         if self.model.kv_dtype != "default":   # else the backend's (Model's default)
             options["kv_dtype"] = self.model.kv_dtype
+        if self.model.prefill_chunk:   # else the library's (Model's default)
+            options["prefill_chunk"] = self.model.prefill_chunk
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict[str, Any]:
         """Keyword arguments of Model.generate / Model.stream ([exit] as `exit`, when set)."""
         options = asdict(self.sampling)
+        if options["stop"]:
+            options["stop"] = list(options["stop"])
+        else:   # no stop strings: the options as without the key
+            del options["stop"]
         if self.exit is not None:
             options["exit"] = self.exit
         return options
@@ -228,8 +261,16 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None, text
                              f"got {type(modes_table).__name__}")
     modes: tuple[ActiveMode, ...] = ()
     if modes_table:
-        modes = (registry or default_registry()).resolve(modes_table, error)
-    return Config(model=model, sampling=sampling, modes=modes, source=source, exit=exit_rule)
+        modes = tuple(replace(mode, locate=_near(error, f"modes.{mode.name}"))
+                      for mode in (registry or default_registry()).resolve(modes_table, error))
+    return Config(model=model, sampling=sampling, modes=modes, source=source, exit=exit_rule,
+                  locate=error)
+
+
+def _near(error, table: str):
+    """The error factory of a mode's hooks: a key not written in the file (an option left
+    at its default) is pointed at by the mode's table."""
+    return lambda key, problem: error(key, problem, near=table)
 
 
 def _exit_rule(table: Any, error: Callable[..., ConfigError]) -> ExitRule:

@@ -91,6 +91,22 @@ class ModelInfo:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+#: load options a tinyloop.toml sets -> their [model] key, for the library's errors
+_CONFIG_KEYS = {"default_depth": "model.depth", "max_seq_len": "model.max_seq_len",
+                "prefill_chunk": "model.prefill_chunk", "threads": "model.threads"}
+
+
+def _config_load_error(config: Any, error: InvalidArgumentError, from_file: dict[str, Any],
+                       overrides: dict[str, Any]) -> Exception:
+    """The library's refusal of a load option as the config's error over the key that set
+    it (its file and line), when the option came from the file; else the error itself."""
+    message = str(error)
+    for option, key in _CONFIG_KEYS.items():
+        if message.startswith(f"{option} ") and option in from_file and option not in overrides:
+            return config.error(key, message[len(option) + 1:])
+    return error
+
+
 def _metadata_int(native: Any, handle: Any, key: Any) -> int:
     value = native.ffi.new("int64_t *")
     native.check(native.lib.tl_model_get_metadata_int(handle, key, value))
@@ -227,7 +243,8 @@ class _GenerateOptions:
         opts.temperature = _args.real("temperature", temperature, minimum=0.0)
         opts.top_k = _args.integer("top_k", top_k, minimum=0, maximum=2**31 - 1)
         opts.top_p = _args.real("top_p", top_p, minimum=0.0, maximum=1.0, exclusive_minimum=True)
-        opts.min_p = _args.real("min_p", min_p, minimum=0.0, maximum=1.0)
+        # the library's range [0, 1): min_p = 1 would keep only tokens as likely as the top one
+        opts.min_p = _args.real("min_p", min_p, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         opts.repetition_penalty = _args.real("repetition_penalty", repetition_penalty,
                                              minimum=0.0, exclusive_minimum=True)
         opts.repetition_window = _args.integer("repetition_window", repetition_window,
@@ -830,9 +847,13 @@ class Model(_Scoring, NativeHandle):
         if not isinstance(config, Config):
             config = load_config(config)
         kwargs = config.load_options()
+        from_file = dict(kwargs)
         kwargs.update(overrides)
         path = kwargs.pop("path") or _default_model_path()
-        model = cls(path, **kwargs)
+        try:
+            model = cls(path, **kwargs)
+        except InvalidArgumentError as e:
+            raise _config_load_error(config, e, from_file, overrides) from e
         model.modes = tuple(config.modes)
         model._strategy = strategy_mode(model.modes)
         return model

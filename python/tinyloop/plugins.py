@@ -23,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-from .errors import ConfigError, PluginError
+from .errors import ConfigError, PluginError, TinyLoopError
 
 ENTRY_POINT_GROUP = "tinyloop.plugins"
 #: the distribution whose entry points are the built-in plugins
@@ -61,6 +61,7 @@ class Option:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
 
     def check(self, value: Any, key: str, error: ErrorFactory = plain_error) -> Any:
         """The value converted to the option's type, or a ConfigError naming `key`."""
@@ -73,8 +74,11 @@ class Option:
                 raise error(key, f"must be > {self.minimum}, got {value!r}")
             if value < self.minimum:
                 raise error(key, f"must be >= {self.minimum}, got {value!r}")
-        if self.maximum is not None and value > self.maximum:
-            raise error(key, f"must be <= {self.maximum}, got {value!r}")
+        if self.maximum is not None:
+            if value > self.maximum:
+                raise error(key, f"must be <= {self.maximum}, got {value!r}")
+            if self.exclusive_maximum and value == self.maximum:
+                raise error(key, f"must be < {self.maximum}, got {value!r}")
         return value
 
     def _typed(self, value: Any, key: str, error: ErrorFactory) -> Any:
@@ -127,6 +131,9 @@ class ActiveMode:
 
     plugin: Plugin
     config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: where the mode was switched on: (key, problem) -> a ConfigError naming the config
+    #: file and line (a config's modes have it); the errors of its hooks are raised so
+    locate: ErrorFactory | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -314,11 +321,25 @@ def _source_tree_entry_points(pyproject: Path) -> list[Any]:
             for name, value in table.items()]
 
 
+def _run_hook(mode: ActiveMode, hook: Any, options: dict[str, Any]) -> None:
+    """hook(mode.config, options); an error it raises over the values it was given comes
+    out as a ConfigError naming the mode's config file and line, when the mode has them."""
+    try:
+        hook(mode.config, options)
+    except (TinyLoopError, ValueError, TypeError) as e:
+        if mode.locate is None or getattr(e, "line", None) is not None:
+            raise
+        key = getattr(e, "key", None) or f"modes.{mode.name}"
+        message = str(e)
+        problem = message[len(key) + 2:] if message.startswith(f"{key}: ") else message
+        raise mode.locate(key, problem) from e
+
+
 def apply_load_hooks(modes: Iterable[ActiveMode], load_options: dict[str, Any]) -> dict[str, Any]:
     """Let every active mode adjust the Model keyword arguments; returns them."""
     for mode in modes:
         if mode.plugin.configure_load is not None:
-            mode.plugin.configure_load(mode.config, load_options)
+            _run_hook(mode, mode.plugin.configure_load, load_options)
     return load_options
 
 
@@ -326,7 +347,7 @@ def apply_generate_hooks(modes: Iterable[ActiveMode], generate_options: dict[str
     """Let every active mode adjust one generation's keyword arguments; returns them."""
     for mode in modes:
         if mode.plugin.configure_generate is not None:
-            mode.plugin.configure_generate(mode.config, generate_options)
+            _run_hook(mode, mode.plugin.configure_generate, generate_options)
     return generate_options
 
 

@@ -525,8 +525,10 @@ TL_API tl_status tl_stream_logprobs(const tl_stream *stream, float *token_logpro
 TL_API tl_status tl_stream_token_depth(const tl_stream *stream, int32_t *depth);
 TL_API tl_status tl_stream_free(tl_stream *stream);
 
-/* One result per prompt (array stride = results[0].struct_size). Prompts run one after
- * another today, each as a fresh sequence; batched compute comes later. */
+/* One result per prompt (array stride = results[0].struct_size). Each prompt is a fresh
+ * sequence; after their prefills, the decode steps of the sequences still going run
+ * together as one batched forward pass (tl_context_append_batch), each sequence sampling
+ * and stopping on its own (docs/api.md, "Batched decoding"). */
 TL_API tl_status tl_generate_batch(tl_model *model, const int32_t *const *prompts,
                                    const size_t *prompt_lengths, size_t n_prompts,
                                    const tl_generate_options *opts, int32_t *const *out_tokens,

@@ -27,7 +27,7 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed",
                   "user",
                   # TinyLoop extensions (docs/server.md)
                   "top_k", "min_p", "repetition_penalty", "depth", "draft_depth", "n_draft",
-                  "draft_p_min", "response_format", "grammar", "exit"}
+                  "draft_p_min", "tree", "tree_budget", "response_format", "grammar", "exit"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                 "tools", "tool_choice", "parallel_tool_calls"}
@@ -41,6 +41,8 @@ _MAX_STOPS = 4
 _MAX_TOP_LOGPROBS = 20   # the library's limit (TL_MAX_TOP_LOGPROBS), OpenAI's for chat
 MAX_CHOICES = 16         # n
 MAX_PROMPTS = 32         # prompts in one completions request
+# tree speculation's limits (tl_generate_options: tree_widths, tree_budget)
+_MAX_TREE_LEVELS, _MAX_TREE_WIDTH, _MAX_TREE_BUDGET = 8, 8, 63
 
 
 @dataclass
@@ -90,7 +92,8 @@ class GenerationRequest:
 
 
 # -- field checks ----------------------------------------------------------------------
-def _number(body, name, default, *, lo=None, hi=None, integer=False):
+def _number(body, name, default, *, lo=None, hi=None, integer=False, below=None):
+    """A numeric field in [lo, hi], or with `below` in [lo, below)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -102,6 +105,8 @@ def _number(body, name, default, *, lo=None, hi=None, integer=False):
         raise RequestError(f"{name} must be a finite number, got {value}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    if below is not None and value >= below:
+        raise RequestError(f"{name} must be in [{lo}, {below}), got {value}", name)
     return int(value) if integer else float(value)
 
 
@@ -184,7 +189,7 @@ def _common(body, model, served, allowed: set, max_tokens_name="max_tokens",
         temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
         top_k=_number(body, "top_k", 0, lo=0, hi=info.vocab_size, integer=True),
-        min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        min_p=_number(body, "min_p", 0.0, lo=0.0, below=1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.01, hi=100.0),
         seed=(secrets.randbits(63) if seed is None
               else _number(body, "seed", 0, lo=0, hi=2**63 - 1, integer=True)),
@@ -192,18 +197,35 @@ def _common(body, model, served, allowed: set, max_tokens_name="max_tokens",
         draft_depth=_number(body, "draft_depth", 0, lo=-1, hi=max(info.max_depth, 0), integer=True),
         n_draft=_number(body, "n_draft", 0, lo=0, hi=32, integer=True),
         draft_p_min=_number(body, "draft_p_min", 0.0, lo=0.0, hi=1.0),
+        tree=_tree(body),
+        tree_budget=_number(body, "tree_budget", 0, lo=0, hi=_MAX_TREE_BUDGET, integer=True),
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(body, info.vocab_size),
         grammar=_grammar(body, model),
         exit=_exit_rule(body, info, default_exit),
     )
+    if options["tree"] and not options["draft_depth"]:
+        raise RequestError("tree needs draft_depth (tree speculation drafts at that depth)", "tree")
     if options["top_p"] == 0.0:
         raise RequestError("top_p must be > 0", "top_p")
     if options["exit"] is not None and options["exit"].active and options["draft_depth"]:
         given = "" if "exit" in body else " (the server's default exit rule; send \"exit\": \"fixed\" to draft)"
         raise RequestError(f"exit {options['exit']}{given} does not combine with draft_depth", "exit")
     return options, n, seed is not None, name, ignored
+
+
+def _tree(body) -> tuple:
+    """TinyLoop's `tree` (tree speculation): the drafts' branching per level, a list of
+    1..8 integers each 1..8 such as [3, 1, 1]; () without it."""
+    value = body.get("tree")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not 1 <= len(value) <= _MAX_TREE_LEVELS:
+        raise RequestError(f"tree must be a list of 1..{_MAX_TREE_LEVELS} integers (the branching "
+                           "per level)", "tree")
+    return tuple(_number({"tree": width}, "tree", 1, lo=1, hi=_MAX_TREE_WIDTH, integer=True)
+                 for width in value)
 
 
 def _exit_rule(body, info, default):

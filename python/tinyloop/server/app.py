@@ -30,14 +30,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import api, embeddings, tokens
+from . import api, embeddings, scoring, tokens
 from .api import RequestError
 from .engine import ClientGone, Engine, Job
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # the routes responses are counted under; others count as "other" (bounded labels)
 ROUTES = ("/v1/models", "/v1/models/{model}", "/health", "/metrics", "/v1/completions",
-          "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+          "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/tinyloop/score")
 _LOOPBACK_NAMES = ("localhost", "localhost.")
 
 
@@ -327,12 +327,28 @@ async def embed(request: Request) -> Response:
     engine = state.engine
     parsed = await run_in_threadpool(embeddings.embedding_request, body, engine.model, engine.names,
                                      state.options.strict)
-    request.scope["tinyloop"].depth = parsed.depth or engine.model.info.default_depth
+    return await _in_slot(request, parsed.depth or engine.model.info.default_depth,
+                          lambda: embeddings.embed(engine, parsed, engine.stopping.is_set))
+
+
+async def score(request: Request) -> Response:
+    body = await read_json(request)
+    state = _state(request)
+    engine = state.engine
+    parsed = await run_in_threadpool(scoring.score_request, body, engine.model, engine.names,
+                                     state.options.strict)
+    return await _in_slot(request, parsed.depth, lambda: scoring.score(engine, parsed))
+
+
+async def _in_slot(request: Request, depth: int, work) -> Response:
+    """A request that computes without generating (embeddings, scoring): it waits for a
+    generation slot like a generation, then `work()` runs in the slot's worker thread."""
+    state = _state(request)
+    request.scope["tinyloop"].depth = depth
     deadline = None if state.options.request_timeout is None else time.monotonic() + state.options.request_timeout
     await _admit(request, state, deadline, asyncio.Event())
     try:
-        answer = await asyncio.get_running_loop().run_in_executor(
-            state.executor, _in_worker, state, lambda: embeddings.embed(engine, parsed, engine.stopping.is_set))
+        answer = await asyncio.get_running_loop().run_in_executor(state.executor, _in_worker, state, work)
     finally:
         state.slots.release()
     request.scope["tinyloop"].usage = answer["usage"]
@@ -625,7 +641,8 @@ def build_app(state: State):
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/embeddings", embed, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]),
-              Route("/detokenize", detokenize, methods=["POST"])]
+              Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/tinyloop/score", score, methods=["POST"])]
     middleware = []
     if state.cors:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.cors),

@@ -61,6 +61,9 @@ class ReplicaSpec:
     config: str | None = None
     threads: int | None = None
     device: str | None = None
+    #: load options of the command line (-c, --prefill-chunk) over the config's
+    max_seq_len: int | None = None
+    prefill_chunk: int | None = None
     verify_checksums: bool = False
     names: list | None = None
     parallel: int = 1
@@ -84,7 +87,9 @@ def _open(spec: ReplicaSpec):
     config = load_config(spec.config) if spec.config else Config()
     if spec.verify_checksums:
         config = replace(config, model=replace(config.model, verify_checksums=True))
-    overrides = {k: v for k, v in (("threads", spec.threads), ("device", spec.device)) if v is not None}
+    overrides = {k: v for k, v in (("threads", spec.threads), ("device", spec.device),
+                                   ("max_seq_len", spec.max_seq_len), ("prefill_chunk", spec.prefill_chunk))
+                 if v is not None}
     path = spec.model or config.load_options().get("path")
     if path:   # else Model.from_config loads the default model
         overrides["path"] = resolve_model(path)
