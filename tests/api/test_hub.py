@@ -255,9 +255,30 @@ def test_offline_errors_say_what_is_missing(tmp_path, env):
 
 class _Hub(http.server.BaseHTTPRequestHandler):
     """The few Hub routes the tests need: a private repository answers 401 to everyone
-    (no token here), a gated one lists its files but refuses their download."""
+    (no token here), a gated one lists its files but refuses their download, and the
+    repositories in `served` ({repo: {path: bytes}}, one commit each) are listed and
+    downloaded; `requested` records the files downloaded."""
 
     commit = "0123456789abcdef0123456789abcdef01234567"
+    served: dict = {}
+    requested: list = []
+
+    def _serve(self) -> bool:
+        for repo, files in self.served.items():
+            if self.path in (f"/api/models/{repo}", f"/api/models/{repo}/revision/main"):
+                info = {"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]}
+                self._send(200, json.dumps(info).encode(), [("Content-Type", "application/json")])
+                return True
+            for rev in ("main", self.commit):
+                name = self.path.removeprefix(f"/{repo}/resolve/{rev}/")
+                if name != self.path and name in files:
+                    data = files[name]
+                    if self.command == "GET":
+                        self.requested.append(name)
+                    self._send(200, data, [("X-Repo-Commit", self.commit),
+                                           ("ETag", '"%s"' % hashlib.sha256(data).hexdigest())])
+                    return True
+        return False
 
     def _send(self, status, body=b"", headers=()):
         self.send_response(status)
@@ -269,6 +290,8 @@ class _Hub(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def do_GET(self):
+        if self._serve():
+            return
         if self.path.startswith("/api/models/test-org/private"):
             return self._send(401, b'{"error": "Repository not found"}',
                               [("X-Error-Code", "RepoNotFound"), ("Content-Type", "application/json")])
@@ -303,3 +326,30 @@ def test_private_and_gated_repositories_say_how_to_log_in(endpoint):
     assert "private" in error and "hf auth login" in error and "HF_TOKEN" in error
     error = last_json(tl(endpoint, "pull", "hf:test-org/gated", "--json", check=False))["error"]
     assert "gated" in error and "hf auth login" in error and "huggingface.co/test-org/gated" in error
+
+
+def test_pull_downloads_through_huggingface_hub(tmp_path, endpoint, monkeypatch):
+    """From an endpoint (HF_ENDPOINT): only the files the import reads are downloaded, into
+    huggingface_hub's cache, which later serves offline pulls; with the Hub gone, the
+    converted copy is used."""
+    ckpt = write_hf_checkpoint(tmp_path / "ckpt", random_llama(np.random.default_rng(9)))
+    files = {name: path.read_bytes() for name, path in checkpoint_files(ckpt).items()}
+    monkeypatch.setattr(_Hub, "served", {"test-org/served": {
+        **files, "README.md": b"# served", "original/consolidated.safetensors": b"not read"}})
+    monkeypatch.setattr(_Hub, "requested", [])
+    pulled = last_json(tl(endpoint, "pull", "hf:test-org/served", "--json"))
+    assert pulled["commit"] == _Hub.commit
+    assert sorted(_Hub.requested) == sorted(files)
+    snapshot = tmp_path / "hub" / "models--test-org--served" / "snapshots" / _Hub.commit
+    assert all((snapshot / name).read_bytes() == data for name, data in files.items())
+    from tinyloop.convert.from_safetensors import convert_safetensors
+    convert_safetensors(ckpt, tmp_path / "direct.tinyloop", show_progress=False)
+    assert tensors_of(pulled["path"]) == tensors_of(tmp_path / "direct.tinyloop")
+
+    offline = dict(endpoint, HF_HUB_OFFLINE="1")
+    (Path(pulled["path"])).unlink()                      # converted again from the Hub cache
+    assert last_json(tl(offline, "pull", "hf:test-org/served", "--json"))["commit"] == _Hub.commit
+    gone = dict(endpoint, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "empty-hub"))
+    proc = tl(gone, "pull", "hf:test-org/served", "--json")
+    assert "unreachable" in proc.stderr and "using the converted copy" in proc.stderr
+    assert last_json(proc)["path"] == pulled["path"]

@@ -184,13 +184,35 @@ def _offline_reason() -> str:
 
 # ---------------------------------------------------------------- which files
 
-def _cached_listing(model: HubModel) -> tuple[str, list] | None:
-    """(commit, files) of the revision in huggingface_hub's cache, or None: its documented
-    layout, `models--ORG--NAME/refs/REV` -> `snapshots/COMMIT/...`."""
+def _hub_storage(model: HubModel) -> Path:
+    """The repository's folder in huggingface_hub's cache (its documented layout:
+    `models--ORG--NAME/refs/REVISION` holds a commit, `snapshots/COMMIT/...` the files)."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=model.repo, repo_type="model")
 
-    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=model.repo, repo_type="model")
+
+def _record_ref(model: HubModel, commit: str) -> None:
+    """Point the revision at `commit` in huggingface_hub's cache, as its own snapshot
+    download does: files fetched by commit do not, and offline pulls look the name up."""
+    revision = model.revision or "main"
+    if _COMMIT.fullmatch(revision):
+        return
+    ref = _hub_storage(model) / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text().strip() == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        partial = ref.with_name(ref.name + ".partial")
+        partial.write_text(commit)
+        os.replace(partial, ref)
+    except OSError as e:  # a read-only shared cache: offline pulls then need the commit
+        note(f"{model.name}: could not record {revision!r} -> {commit[:12]} in {ref}: {e}")
+
+
+def _cached_listing(model: HubModel) -> tuple[str, list] | None:
+    """(commit, files) of the revision in huggingface_hub's cache, or None."""
+    storage = _hub_storage(model)
     revision = model.revision or "main"
     commit = revision
     if not _COMMIT.fullmatch(revision):
@@ -292,13 +314,13 @@ def _download(model: HubModel, commit: str, files: list) -> dict:
     return local
 
 
-def _convert(kind: str, local: dict, dst: Path, staging: Path, show_progress: bool) -> dict:
+def _convert(kind: str, local: dict, dst: Path, checkpoint: Path, show_progress: bool) -> dict:
     if kind == "gguf":
         from .from_gguf import convert_gguf
         (path,) = local.values()
         return convert_gguf(path, dst, show_progress=show_progress)
-    # a folder of links to exactly the chosen files: a snapshot may hold other weights
-    checkpoint = staging / "checkpoint"
+    # a folder of links to exactly the chosen files (a snapshot may hold other weights),
+    # named as the repository: the importers name the model after their folder
     checkpoint.mkdir()
     for name, path in local.items():
         os.symlink(path.resolve(), checkpoint / name)
@@ -331,9 +353,10 @@ def pull_hub(name: str, *, revision: str | None = None, file: str | None = None,
     note(f"{model.name}: commit {commit[:12]}, {kind}: {_some(chosen)}")
     with _progress_bars(show_progress):
         local = _download(model, commit, chosen)
+    _record_ref(model, commit)
     with entry.staging() as tmp:
         built = tmp / entry.path.name
-        _convert(kind, local, built, tmp, show_progress)
+        _convert(kind, local, built, tmp / model.repo.split("/")[1], show_progress)
         entry.install(built, source)
     note(f"{model.name}: ready at {entry.path}")
     return entry.path
