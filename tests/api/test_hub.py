@@ -262,11 +262,14 @@ class _Hub(http.server.BaseHTTPRequestHandler):
     commit = "0123456789abcdef0123456789abcdef01234567"
     served: dict = {}
     requested: list = []
+    # fields the Hub always sends, which older huggingface_hub releases require
+    info_fields = {"private": False, "downloads": 0, "likes": 0, "tags": []}
 
     def _serve(self) -> bool:
         for repo, files in self.served.items():
             if self.path in (f"/api/models/{repo}", f"/api/models/{repo}/revision/main"):
-                info = {"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]}
+                info = {**self.info_fields, "id": repo, "sha": self.commit,
+                        "siblings": [{"rfilename": f} for f in files]}
                 self._send(200, json.dumps(info).encode(), [("Content-Type", "application/json")])
                 return True
             for rev in ("main", self.commit):
@@ -296,7 +299,7 @@ class _Hub(http.server.BaseHTTPRequestHandler):
             return self._send(401, b'{"error": "Repository not found"}',
                               [("X-Error-Code", "RepoNotFound"), ("Content-Type", "application/json")])
         if self.path.startswith("/api/models/test-org/gated"):
-            info = {"id": "test-org/gated", "sha": self.commit, "gated": "manual",
+            info = {**self.info_fields, "id": "test-org/gated", "sha": self.commit, "gated": "manual",
                     "siblings": [{"rfilename": "model.gguf"}]}
             return self._send(200, json.dumps(info).encode(), [("Content-Type", "application/json")])
         if "/test-org/gated/resolve/" in self.path:
