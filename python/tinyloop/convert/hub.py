@@ -1,8 +1,8 @@
 """`pull("hf:ORG/NAME")`: a Hugging Face Hub repository converted into the model cache.
 
 Downloads go through huggingface_hub (`hf_hub_download`), so its cache ($HF_HUB_CACHE),
-resumed downloads, progress bars, tokens ($HF_TOKEN, `hf auth login`), mirrors
-($HF_ENDPOINT) and offline mode ($HF_HUB_OFFLINE) apply as they do for other libraries.
+progress bars, tokens ($HF_TOKEN, `hf auth login`), mirrors ($HF_ENDPOINT) and offline
+mode ($HF_HUB_OFFLINE) apply as they do for other libraries.
 A repository with `config.json` and safetensors weights goes through the Hugging Face
 checkpoint importers (Llama / Mistral / Qwen2, the looped families); a GGUF repository
 through the GGUF importer, one file of it (`--file`, or the only one it has).
@@ -156,7 +156,7 @@ def _hub_errors(model: HubModel):
         raise HubError(f"{model.name}: {e}") from None
     except _network_errors() as e:
         raise HubUnreachable(f"{model.name}: {_offline_reason()} ({type(e).__name__}: {e}); "
-                             "an interrupted download resumes when you pull again") from None
+                             "pull again: files already downloaded are kept") from None
     except hf.HfHubHTTPError as e:
         # the Hub says RepoNotFound itself; a mirror may answer a bare 401
         if getattr(getattr(e, "response", None), "status_code", None) == 401:
