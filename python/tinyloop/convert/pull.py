@@ -57,7 +57,8 @@ class PullError(TinyLoopError):
 
 
 class OfflineError(PullError):
-    """The package index could not be reached (no network)."""
+    """The package index or the Hugging Face Hub could not be reached (no network, or
+    HF_HUB_OFFLINE) and nothing cached could stand in."""
 
 
 __all__ = ["KNOWN_MODELS", "OfflineError", "PullError", "cache_dir", "cached_model_path", "pull",
