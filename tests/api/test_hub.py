@@ -219,7 +219,7 @@ def test_gguf_file_is_converted_once_and_again_when_it_changes(tmp_path, env):
     assert tensors_of(converted) != before
 
     listed = last_json(tl(env, "list", "--json"))["models"]
-    assert [(m["name"], m["source"]) for m in listed] == [(str(gguf.resolve()), "gguf")]
+    assert [(m["name"], m["source"]) for m in listed] == [(os.path.abspath(gguf), "gguf")]
     tl(env, "rm", "model.gguf", cwd=tmp_path)           # the converted copy, by the GGUF's path
     assert not converted.exists() and gguf.exists()
 

@@ -148,7 +148,9 @@ def converted_gguf(path, *, show_progress: bool | None = None) -> Path:
     made again when the file's size or modification time changes."""
     from .from_gguf import convert_gguf
 
-    src = Path(path).resolve()
+    # named by its absolute path as written, not through links: a GGUF in huggingface_hub's
+    # cache is a link to a blob named by its hash
+    src = Path(os.path.abspath(path))
     st = src.stat()
     source = {"source": "gguf", "name": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     entry = CacheEntry(_gguf_key(src))

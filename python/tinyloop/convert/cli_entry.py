@@ -234,7 +234,7 @@ def main_rm(argv=None) -> int:
 
         entry_of = {}
         for name in args.names:
-            entry = find_entry(name) or find_entry(str(Path(name).resolve()))
+            entry = find_entry(name) or find_entry(os.path.abspath(name))
             if entry is None:
                 known = ", ".join(e["name"] for e in entries()) or "none"
                 raise ValueError(f"{name!r} is not in the cache (cached: {known})")
