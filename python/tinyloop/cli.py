@@ -481,10 +481,10 @@ def _delegated(name: str):
     """The entry point of a tool command; it parses its own arguments (see --help)."""
     from .convert import cli_entry
     return {"convert": cli_entry.main_convert, "quantize": cli_entry.main_quantize,
-            "pull": cli_entry.main_pull}[name]
+            "pull": cli_entry.main_pull, "list": cli_entry.main_list, "rm": cli_entry.main_rm}[name]
 
 
-_DELEGATED = ("convert", "quantize", "pull")
+_DELEGATED = ("convert", "quantize", "pull", "list", "rm")
 
 
 def _api_key(args) -> str | None:
@@ -904,7 +904,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_text in (("convert", "convert a GGUF file or a HF safetensors checkpoint"),
                             ("quantize", "re-quantize a .tinyloop model to q8, q4 or q2"),
-                            ("pull", "download and convert a known model into the cache")):
+                            ("pull", "download a model (hf:ORG/NAME) and convert it into the cache"),
+                            ("list", "the models in the cache"),
+                            ("rm", "remove a model from the cache")):
         # listed for --help only: main() hands these argument lists over unparsed
         sub.add_parser(name, help=help_text, add_help=False)
 

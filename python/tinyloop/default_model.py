@@ -63,15 +63,21 @@ def card_path_for(model_path: Path) -> Path | None:
     return card if card.is_file() else None
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A model file path, the package's model by its name, or the cached file of a name
-    `tinyloop pull` fetched."""
-    if Path(name_or_path).exists():
-        return name_or_path
-    if name_or_path == DEFAULT_MODEL_NAME:
+def resolve_model(name_or_path, *, strict: bool = True) -> str:
+    """What a MODEL argument names: a model file path (a GGUF file: its cached conversion,
+    made on first use), the package's model by its name, or the cached file of a name
+    `tinyloop pull` fetched (a known name, hf:ORG/NAME[/FILE][@REVISION]).
+
+    strict=False (Model()): anything else is returned as given, for the loader to report."""
+    from .convert.hub import is_hub_name
+    from .convert.pull import KNOWN_MODELS, resolve_model_name
+    name = os.fspath(name_or_path)
+    exists = Path(name).exists()
+    if name == DEFAULT_MODEL_NAME and not exists:
         return str(packaged_model_path())
-    from .convert.pull import resolve_model_name
-    return str(resolve_model_name(name_or_path))
+    if not strict and not exists and name not in KNOWN_MODELS and not is_hub_name(name):
+        return name
+    return str(resolve_model_name(name))
 
 
 def _from_override(value: str) -> Path:

