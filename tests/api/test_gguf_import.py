@@ -262,3 +262,68 @@ def test_k_quant_model_conversion_reports_what_it_did(tmp_path, capsys):
             for part, ours in (("o", "attn.o"), ("up", "mlp.up"), ("v", "attn.v"), ("k", "attn.k")):
                 np.testing.assert_array_equal(f.tensor(f"pre.{i}.{ours}.weight"), expected[gguf_name((i, part))])
     assert_runtime_matches_reference(tmp_path / "k.tinyloop", TOKENS[:8], quantized=True)
+
+
+# ------------------------------------------------------------------ SentencePiece vocabularies
+
+SPM_PIECES = {   # piece -> score (higher merges first)
+    "\u2581": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0, "d": -2.0,
+    "é": -2.0, "\u2581h": -5.0, "he": -3.0, "ll": -4.0, "llo": -6.0, "hello": -7.0, "\u2581hello": -8.0,
+    "\u2581w": -9.0, "or": -3.5, "\u2581wor": -10.0, "ld": -4.5, "\u2581world": -11.0, "\u2581\u2581": -12.0,
+    "lo": -4.0,   # ties with "ll": the leftmost pair is joined first
+}
+
+
+def spm_metadata(add_space_prefix=None) -> dict:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(SPM_PIECES)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * 259 + list(SPM_PIECES.values()),
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.unknown_token_id": 0}
+    if add_space_prefix is not None:
+        meta["tokenizer.ggml.add_space_prefix"] = add_space_prefix
+    return meta
+
+
+def naive_spm(text: str, tokens: list, add_space_prefix: bool = True) -> list:
+    """SentencePiece BPE by its definition (llama.cpp's tokenizer): spaces become ▁ (one in
+    front of non-empty text), then the adjacent pair whose joined text is the best-scoring
+    piece is joined, leftmost first, until none is a piece; a character that is no piece
+    becomes its UTF-8 byte tokens."""
+    if not text:
+        return []
+    text = ("\u2581" if add_space_prefix else "") + text.replace(" ", "\u2581")
+    syms = list(text)
+    while True:
+        pairs = [(-SPM_PIECES[a + b], i) for i, (a, b) in enumerate(zip(syms, syms[1:])) if a + b in SPM_PIECES]
+        if not pairs:
+            break
+        _, i = min(pairs)
+        syms[i:i + 2] = [syms[i] + syms[i + 1]]
+    ids = []
+    for s in syms:
+        ids += [tokens.index(s)] if s in SPM_PIECES else [3 + b for b in s.encode("utf-8")]
+    return ids
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, False])
+def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(add_space_prefix):
+    from tokenizers import Tokenizer
+
+    from tinyloop.convert.gguf_tokenizer import tokenizer_json_from_gguf
+
+    meta = spm_metadata(add_space_prefix)
+    tok = Tokenizer.from_str(tokenizer_json_from_gguf(meta))
+    prefix = add_space_prefix is not False
+    for text in ["hello world", "  hello", "hellow", "héllo wörld 🙂", "llo", "lllo", "", "a\nb", "hello  world "]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == naive_spm(text, meta["tokenizer.ggml.tokens"], prefix), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_sentencepiece_needs_scores():
+    meta = spm_metadata()
+    del meta["tokenizer.ggml.scores"]
+    from tinyloop.convert.gguf_tokenizer import tokenizer_json_from_gguf
+    with pytest.raises(FormatError, match="scores are required"):
+        tokenizer_json_from_gguf(meta)
