@@ -170,13 +170,11 @@ def _fp16_rounding(values: np.ndarray):
     return half, float(np.max(np.abs(half.astype(np.float64) - values), initial=0.0))
 
 
-def _q4_k_plan(raw):
-    """(the q4 import is exact, max |weight change| of rounding scale and min to fp16)."""
-    q, scale, minimum = _q4_k_groups(raw)
-    _, ds = _fp16_rounding(scale)
-    _, dm = _fp16_rounding(minimum)
-    worst = 15.0 * ds + dm   # q <= 15
-    return worst == 0.0, worst
+def _q4_k_change(raw) -> float:
+    """The largest |weight change| of rounding Q4_K's group scales and mins to fp16 (0.0:
+    the q4 import is exact; inf: some does not fit fp16)."""
+    _, scale, minimum = _q4_k_groups(raw)
+    return 15.0 * _fp16_rounding(scale)[1] + _fp16_rounding(minimum)[1]   # q <= 15
 
 
 def _repack_q4_k(raw, shape) -> ImportedTensor:
@@ -287,8 +285,8 @@ def keep_quantized(raw: np.ndarray, type_code: int, shape: tuple) -> tuple[str, 
     if type_code in (Q8_0, Q4_0, Q4_1):
         return LOSSLESS_TYPES[type_code], 0.0
     if type_code == Q4_K:
-        _, worst = _q4_k_plan(raw)
-        return None if not np.isfinite(worst) else ("q4", worst)
+        change = _q4_k_change(raw)
+        return ("q4", change) if np.isfinite(change) else None
     if type_code == Q6_K and _q6_k_as_q8(raw) is not None:
         return "q8", 0.0
     return None
