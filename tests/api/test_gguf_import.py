@@ -146,8 +146,12 @@ def test_qwen2_biases_half_rope_and_head(tmp_path, tied):
 
 # ------------------------------------------------------------------ K-quants
 
-gguf_quants = pytest.importorskip("gguf.quants", reason="the `gguf` package (test extra) decodes the K-quant "
-                                  "reference values; install it to run the K-quant tests")
+try:
+    import gguf.quants as gguf_quants
+except ImportError:   # a test extra; only the K-quant tests need it
+    gguf_quants = None
+needs_gguf = pytest.mark.skipif(gguf_quants is None, reason="the `gguf` package (test extra) decodes the "
+                                "K-quant reference values: pip install gguf to run the K-quant tests")
 
 
 def _f16_bytes(values) -> np.ndarray:
@@ -180,6 +184,7 @@ def gguf_package_values(raw: np.ndarray, ggml_type: int, shape) -> np.ndarray:
     return gguf_quants.dequantize(raw.reshape(rows, -1), ggml_type).astype(np.float64).reshape(shape)
 
 
+@needs_gguf
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
 def test_k_quant_decoding_matches_the_gguf_package(ggml_type):
     rng = np.random.default_rng(ggml_type)
@@ -198,6 +203,7 @@ def _imported_values(raw, ggml_type, shape) -> tuple:
     return dtype, change, dequantize_raw(dtype, shape, 32, imported.data.tobytes()).astype(np.float64)
 
 
+@needs_gguf
 @pytest.mark.parametrize("exact", [True, False])
 def test_q4_k_is_kept_as_q4(exact):
     rng = np.random.default_rng(31)
@@ -214,6 +220,7 @@ def test_q4_k_is_kept_as_q4(exact):
         assert np.abs(values - expected).max() <= change * (1 + 1e-6)
 
 
+@needs_gguf
 def test_q6_k_is_q8_where_exact_and_decoded_otherwise():
     rng = np.random.default_rng(32)
     shape = (4, 512)
@@ -225,6 +232,7 @@ def test_q6_k_is_q8_where_exact_and_decoded_otherwise():
     assert ggml_blocks.keep_quantized(raw, Q6_K, shape) is None
 
 
+@needs_gguf
 def test_k_quant_model_conversion_reports_what_it_did(tmp_path, capsys):
     rng = np.random.default_rng(33)
     cfg = dict(CFG, d=256, ffn=256, heads=4, kv_heads=2)
@@ -327,3 +335,20 @@ def test_sentencepiece_needs_scores():
     from tinyloop.convert.gguf_tokenizer import tokenizer_json_from_gguf
     with pytest.raises(FormatError, match="scores are required"):
         tokenizer_json_from_gguf(meta)
+
+
+def test_sentencepiece_files_add_bos_unless_they_say_otherwise():
+    from tinyloop.convert.from_gguf import tokenizer_metadata
+
+    class Meta:   # what tokenizer_metadata reads of a GGUFFile
+        path = "spm.gguf"
+
+        def __init__(self, metadata):
+            self.metadata = metadata
+
+        def get(self, key, default=None):
+            return self.metadata.get(key, default)
+
+    assert tokenizer_metadata(Meta(spm_metadata()))["tokenizer.add_bos"] == 1
+    no_bos = dict(spm_metadata(), **{"tokenizer.ggml.add_bos_token": False})
+    assert tokenizer_metadata(Meta(no_bos))["tokenizer.add_bos"] == 0

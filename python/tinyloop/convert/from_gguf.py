@@ -154,7 +154,9 @@ def tokenizer_metadata(g: GGUFFile, verify: bool = True) -> dict:
         "tokenizer.json": tok_json,
         "tokenizer.bos_id": int(g.get("tokenizer.ggml.bos_token_id", -1)),
         "tokenizer.eos_id": int(g.get("tokenizer.ggml.eos_token_id", -1)),
-        "tokenizer.add_bos": int(bool(g.get("tokenizer.ggml.add_bos_token", False))),
+        # without the key llama.cpp adds BOS for SentencePiece vocabularies only
+        "tokenizer.add_bos": int(bool(g.get("tokenizer.ggml.add_bos_token",
+                                            g.get("tokenizer.ggml.model") == "llama"))),
     }
     template = g.get("tokenizer.chat_template")
     if isinstance(template, str):
