@@ -112,6 +112,14 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
     return [[left, right] for *_, left, right in ranked]
 
 
+def _merges_field(merges: list[list[str]]) -> list:
+    """tokenizers' "left right" strings, which every version reads, unless a piece holds a
+    space; then [left, right] pairs (tokenizers >= 0.20)."""
+    if any(" " in part for pair in merges for part in pair):
+        return merges
+    return [f"{left} {right}" for left, right in merges]
+
+
 def _sentencepiece_json(metadata: dict, source: str) -> str:
     tokens = metadata.get("tokenizer.ggml.tokens")
     scores = metadata.get("tokenizer.ggml.scores")
@@ -145,7 +153,7 @@ def _sentencepiece_json(metadata: dict, source: str) -> str:
             "unk_token": tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None,
             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
             "byte_fallback": byte_fallback, "ignore_merges": False, "vocab": _vocab(tokens),
-            "merges": sentencepiece_merges(tokens, list(scores), types),
+            "merges": _merges_field(sentencepiece_merges(tokens, list(scores), types)),
         },
     }
     return json.dumps(doc, ensure_ascii=False)
