@@ -12,14 +12,18 @@
 
 constexpr int ROPE_MAX_PAIRS = 128;   // rope_dims <= 256, as head_dim for attention
 
-// theta^(-2p / rope_dims) for every pair, computed on the host with the CPU's formula.
+// theta^(-2p / rope_dims) (divided by the model's factor of pair p, if any) for every
+// pair, computed on the host with the CPU's formula.
 struct rope_freqs {
     double f[ROPE_MAX_PAIRS];
 };
 
 static inline rope_freqs rope_frequencies(const tl_rope_params &p) {
     rope_freqs freqs;
-    for (int q = 0; q < p.rope_dims / 2; q++) freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
+    for (int q = 0; q < p.rope_dims / 2; q++) {
+        freqs.f[q] = pow((double)p.theta, -2.0 * q / p.rope_dims);
+        if (p.factors) freqs.f[q] /= (double)p.factors[q];
+    }
     return freqs;
 }
 

@@ -151,16 +151,22 @@ def permute_for_interleaved(w, n_heads):
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def hf_llama_logits(w: dict, tokens, head=None, cfg=CFG) -> np.ndarray:
+def hf_llama_logits(w: dict, tokens, head=None, cfg=CFG, inv_freq=None, bias=None) -> np.ndarray:
     """Llama as HF computes it (rotate_half RoPE), float64, causal, GQA; tied head unless
-    `head` is given."""
+    `head` is given; `inv_freq` replaces RoPE's default frequencies (HF's rope scaling),
+    `bias` = {(i, "q"|"k"|"v"): vector} adds Qwen2's projection biases."""
     g = {k: v.astype(np.float64) for k, v in w.items()}
     n, hd, h, kvh = len(tokens), HEAD_DIM, cfg["heads"], cfg["kv_heads"]
+    bias = {k: v.astype(np.float64) for k, v in (bias or {}).items()}
 
     def rms(x, weight):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg["eps"]) * weight
 
-    inv_freq = cfg["theta"] ** (-np.arange(0, hd, 2) / hd)
+    def proj(x, i, part):
+        return x @ g[(i, part)].T + bias.get((i, part), 0.0)
+
+    if inv_freq is None:
+        inv_freq = cfg["theta"] ** (-np.arange(0, hd, 2) / hd)
     angles = np.arange(n)[:, None] * inv_freq[None, :]
     cos = np.cos(np.concatenate([angles, angles], -1))[:, None, :]
     sin = np.sin(np.concatenate([angles, angles], -1))[:, None, :]
@@ -173,9 +179,9 @@ def hf_llama_logits(w: dict, tokens, head=None, cfg=CFG) -> np.ndarray:
     mask = np.triu(np.full((n, n), -np.inf), 1)
     for i in range(cfg["layers"]):
         a = rms(x, g[(i, "attn_norm")])
-        q = rope((a @ g[(i, "q")].T).reshape(n, h, hd))
-        k = rope((a @ g[(i, "k")].T).reshape(n, kvh, hd))
-        v = (a @ g[(i, "v")].T).reshape(n, kvh, hd)
+        q = rope(proj(a, i, "q").reshape(n, h, hd))
+        k = rope(proj(a, i, "k").reshape(n, kvh, hd))
+        v = proj(a, i, "v").reshape(n, kvh, hd)
         k, v = np.repeat(k, h // kvh, axis=1), np.repeat(v, h // kvh, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -243,20 +249,20 @@ def tokenizer_metadata(pre: str = "gpt-2") -> list:
     ]
 
 
-def llama_metadata(cfg=CFG) -> list:
+def llama_metadata(cfg=CFG, arch="llama") -> list:
     return [
-        ("general.architecture", GGUF_STRING, "llama"),
+        ("general.architecture", GGUF_STRING, arch),
         ("general.name", GGUF_STRING, "tiny test llama"),
         ("general.license", GGUF_STRING, "public-domain"),
-        ("llama.block_count", GGUF_U32, cfg["layers"]),
-        ("llama.context_length", GGUF_U32, 128),
-        ("llama.embedding_length", GGUF_U32, cfg["d"]),
-        ("llama.feed_forward_length", GGUF_U32, cfg["ffn"]),
-        ("llama.attention.head_count", GGUF_U32, cfg["heads"]),
-        ("llama.attention.head_count_kv", GGUF_U32, cfg["kv_heads"]),
-        ("llama.rope.freq_base", GGUF_F32, cfg["theta"]),
-        ("llama.attention.layer_norm_rms_epsilon", GGUF_F32, cfg["eps"]),
-        ("llama.rope.dimension_count", GGUF_U32, HEAD_DIM),
+        (f"{arch}.block_count", GGUF_U32, cfg["layers"]),
+        (f"{arch}.context_length", GGUF_U32, 128),
+        (f"{arch}.embedding_length", GGUF_U32, cfg["d"]),
+        (f"{arch}.feed_forward_length", GGUF_U32, cfg["ffn"]),
+        (f"{arch}.attention.head_count", GGUF_U32, cfg["heads"]),
+        (f"{arch}.attention.head_count_kv", GGUF_U32, cfg["kv_heads"]),
+        (f"{arch}.rope.freq_base", GGUF_F32, cfg["theta"]),
+        (f"{arch}.attention.layer_norm_rms_epsilon", GGUF_F32, cfg["eps"]),
+        (f"{arch}.rope.dimension_count", GGUF_U32, HEAD_DIM),
     ] + tokenizer_metadata()
 
 

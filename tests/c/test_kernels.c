@@ -400,7 +400,7 @@ static void test_rope(const char *path) {
     for (int style = 0; style < 2; style++)
         for (int rd = 8; rd <= hd; rd += hd - 8) { /* partial and full rotary dims */
             memcpy(got, x, sizeof x);
-            tl_cpu_rope_table(n, rd, 10000.0f, positions, table);
+            tl_cpu_rope_table(n, rd, 10000.0f, NULL, positions, table);
             tl_cpu_rope_apply(got, n, heads, hd, rd, style, table);
             for (int i = 0; i < n; i++)
                 for (int h = 0; h < heads; h++) {

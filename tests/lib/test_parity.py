@@ -49,6 +49,8 @@ ARCH_CASES = {
     "rope_partial-half": dict(rope_dims=8),
     "rope_partial-interleaved": dict(rope_style="interleaved", rope_dims=6),
     "rope_theta": dict(rope_theta=500000.0),
+    "rope_freq_factors": dict(rope_freq_factors=1, rope_theta=500000.0),
+    "rope_freq_factors-interleaved-partial": dict(rope_freq_factors=1, rope_style="interleaved", rope_dims=6),
     "qkv_bias": dict(qkv_bias=1),
     "gelu_tanh": dict(activation="gelu_tanh"),
     "sliding_window": dict(sliding_window=4),

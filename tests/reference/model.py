@@ -272,8 +272,9 @@ class ReferenceModel:
         q = self._projection(prefix + "attn.q", n).reshape(rows, cfg.n_head, cfg.head_dim)
         k = self._projection(prefix + "attn.k", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
         v = self._projection(prefix + "attn.v", n).reshape(rows, cfg.n_kv_head, cfg.head_dim)
-        q = ops.rope(q, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
-        k = ops.rope(k, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style)
+        factors = self.weights.get("rope.freq_factors")
+        q = ops.rope(q, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style, factors)
+        k = ops.rope(k, positions, cfg.rope_dims, cfg.rope_theta, cfg.rope_style, factors)
         for r, (kind, iteration) in (fill or {}).items():
             # a position past its depth: its K/V of its last iteration, same block
             k[r], v[r] = kv.read((kind, iteration, layer[2]), int(positions[r]))

@@ -19,13 +19,16 @@ def layernorm(x, weight, bias, eps):
     return centred / np.sqrt(var + eps) * weight + bias
 
 
-def rope(x, positions, rot_dims, theta, style):
+def rope(x, positions, rot_dims, theta, style, factors=None):
     """Rotate the first rot_dims dims of each head of x [n, heads, hd] by position.
 
-    Pair i (i < rot_dims/2) turns by positions * theta^(-2i/rot_dims); `half` pairs
+    Pair i (i < rot_dims/2) turns by positions * theta^(-2i/rot_dims) / factors[i]
+    (factors: the model's rope.freq_factors, or None for all ones); `half` pairs
     (x_i, x_{i+r/2}), `interleaved` pairs (x_{2i}, x_{2i+1})."""
     half = rot_dims // 2
     freq = theta ** (-2.0 * np.arange(half) / rot_dims)
+    if factors is not None:
+        freq = freq / np.asarray(factors, dtype=np.float64)
     angle = np.asarray(positions, dtype=np.float64)[:, None] * freq[None, :]   # [n, r/2]
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]           # broadcast over heads
     if style == "half":

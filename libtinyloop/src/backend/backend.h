@@ -53,6 +53,9 @@ typedef struct tl_attn_geom {
 typedef struct tl_rope_params {
     int rope_dims, style;
     float theta;
+    /* [rope_dims/2] or NULL: pair p's frequency is theta^(-2p/rope_dims) / factors[p]
+     * (host memory, fixed for the model's life) */
+    const float *factors;
 } tl_rope_params;
 
 typedef struct tl_norm_params {

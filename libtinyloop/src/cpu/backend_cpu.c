@@ -46,6 +46,7 @@ struct tl_exec {
     size_t rope_table_bytes;
     int rope_pos0, rope_rows, rope_dims;
     float rope_theta;
+    const float *rope_factors;
 };
 
 typedef struct cpu_impl {
@@ -326,13 +327,14 @@ static void cpu_norm(tl_exec *ex, const tl_norm_weights *w, const tl_norm_params
 static void cpu_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, int pos0,
                      const tl_rope_params *p) {
     if (ex->rope_rows != n || ex->rope_pos0 != pos0 || ex->rope_dims != p->rope_dims ||
-        ex->rope_theta != p->theta) {
+        ex->rope_theta != p->theta || ex->rope_factors != p->factors) {
         for (int i = 0; i < n; i++) ex->positions[i] = pos0 + i;
-        tl_cpu_rope_table(n, p->rope_dims, p->theta, ex->positions, ex->rope_table);
+        tl_cpu_rope_table(n, p->rope_dims, p->theta, p->factors, ex->positions, ex->rope_table);
         ex->rope_rows = n;
         ex->rope_pos0 = pos0;
         ex->rope_dims = p->rope_dims;
         ex->rope_theta = p->theta;
+        ex->rope_factors = p->factors;
     }
     tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
 }
@@ -340,7 +342,7 @@ static void cpu_rope(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, in
 /* RoPE at a tree's positions; the next cpu_rope rebuilds its table. */
 static void cpu_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_dim, const tl_tree *tree,
                           int first, const tl_rope_params *p) {
-    tl_cpu_rope_table(n, p->rope_dims, p->theta, tree->pos + first, ex->rope_table);
+    tl_cpu_rope_table(n, p->rope_dims, p->theta, p->factors, tree->pos + first, ex->rope_table);
     ex->rope_rows = -1;
     tl_cpu_rope_apply(P(x), n, n_heads, head_dim, p->rope_dims, p->style, ex->rope_table);
 }

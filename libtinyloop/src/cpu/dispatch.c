@@ -245,14 +245,16 @@ void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
     }
 }
 
-void tl_cpu_rope_table(int n, int rope_dims, float theta, const int32_t *positions,
-                       float *table) {
+void tl_cpu_rope_table(int n, int rope_dims, float theta, const float *factors,
+                       const int32_t *positions, float *table) {
     int pairs = rope_dims / 2;
     for (int i = 0; i < n; i++) {
         float *c = table + (size_t)i * rope_dims, *s = c + pairs;
         for (int p = 0; p < pairs; p++) {
             /* angles in double: positions reach thousands of radians */
-            double angle = (double)positions[i] * pow((double)theta, -2.0 * p / rope_dims);
+            double freq = pow((double)theta, -2.0 * p / rope_dims);
+            if (factors) freq /= (double)factors[p];
+            double angle = (double)positions[i] * freq;
             c[p] = (float)cos(angle);
             s[p] = (float)sin(angle);
         }

@@ -62,12 +62,13 @@ void tl_cpu_layernorm(const float *x, int n, int d, const tl_tensor *weight,
 
 /* RoPE in two steps, so that the cos/sin of a chunk's positions are computed once for
  * all layers: tl_cpu_rope_table fills, per row i at position positions[i], rope_dims
- * floats (cos then sin of the rope_dims/2 angles, freq_p = theta^(-2p/rope_dims));
+ * floats (cos then sin of the rope_dims/2 angles, freq_p = theta^(-2p/rope_dims), divided
+ * by factors[p] when factors is not NULL);
  * tl_cpu_rope_apply rotates the first rope_dims dims of each head of x (n rows of
  * n_heads*head_dim) in place with such a table. style 0 = half (pairs p,
  * p+rope_dims/2), 1 = interleaved (pairs 2p, 2p+1). */
-void tl_cpu_rope_table(int n, int rope_dims, float theta, const int32_t *positions,
-                       float *table);
+void tl_cpu_rope_table(int n, int rope_dims, float theta, const float *factors,
+                       const int32_t *positions, float *table);
 void tl_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, int rope_dims, int style,
                        const float *table);
 

@@ -307,6 +307,26 @@ static tl_status claim_blocks(builder *b, const char *kind, int32_t count, tl_bl
     return TL_OK;
 }
 
+/* rope.freq_factors: one divisor per RoPE pair (Llama 3.x frequency scaling), f32 so the
+ * backends read it in place, each finite and > 0. */
+static tl_status claim_rope_factors(builder *b)
+{
+    tl_model *m = b->model;
+    tl_tensor t;
+    tl_status st;
+    TRY(claim(b, "rope.freq_factors", m->hp.rope_dims / 2, -1, &t));
+    if (t.dtype != TL_DTYPE_F32)
+        return tl_fail(TL_ERR_FORMAT, "%s: tensor rope.freq_factors: expected dtype f32, got %s", b->path,
+                       tl_dtype_name(t.dtype));
+    const float *f = t.data;
+    for (int32_t i = 0; i < m->hp.rope_dims / 2; i++)
+        if (!(isfinite(f[i]) && f[i] > 0.0f))
+            return tl_fail(TL_ERR_FORMAT, "%s: tensor rope.freq_factors: factor %d is %g; expected a finite "
+                           "value > 0", b->path, (int)i, (double)f[i]);
+    m->rope_factors = f;
+    return TL_OK;
+}
+
 static tl_status claim_tensors(builder *b)
 {
     tl_model *m = b->model;
@@ -344,6 +364,8 @@ static tl_status claim_tensors(builder *b)
         TRY(claim(b, "vocab.frequency", hp->vocab, -1, &m->token_frequency));
         TRY(tl_draft_vocab_check_frequency(&m->token_frequency, b->path));
     }
+    if (tl_file_tensor(b->file, "rope.freq_factors"))
+        TRY(claim_rope_factors(b));
     TRY(claim_blocks(b, "pre", hp->n_pre, &m->pre));
     TRY(claim_blocks(b, "core", hp->n_core, &m->core));
     TRY(claim_blocks(b, "post", hp->n_post, &m->post));

@@ -83,6 +83,8 @@ struct tl_model {
     tl_tensor inject_w, inject_b;      /* concat injection */
     tl_block_weights *pre, *core, *post;
     tl_tensor token_frequency;         /* [V] vocab.frequency; .data == NULL when absent */
+    const float *rope_factors;         /* [rope_dims/2] rope.freq_factors (f32, in the
+                                          mapping), or NULL: frequencies as computed */
     tl_draft_vocab draft;              /* the drafts' tokens and head (load option) */
     void *body_copy;                   /* the body's matrices as body_dtype asks, or NULL
                                           (runtime/body_dtype.h); core views point into

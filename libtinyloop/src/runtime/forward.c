@@ -648,7 +648,7 @@ static fwd fwd_for(struct tl_context *ctx) {
         .d = hp->d, .qd = hp->n_head * hp->head_dim, .kvd = hp->n_kv_head * hp->head_dim,
         .f = hp->ffn,
         .norm = { hp->norm_type, hp->norm_unit_offset, hp->norm_eps },
-        .rope = { hp->rope_dims, hp->rope_style == TL_ROPE_INTERLEAVED ? 1 : 0, hp->rope_theta },
+        .rope = { hp->rope_dims, hp->rope_style == TL_ROPE_INTERLEAVED ? 1 : 0, hp->rope_theta, m->rope_factors },
         .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale, hp->sliding_window },
     };
     return F;

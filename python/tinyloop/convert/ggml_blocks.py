@@ -5,7 +5,14 @@
 - Q8_0, Q4_0, Q4_1: repacked losslessly into our q8 / q4 with group 32 (the block's fp16
   scales become our scales; ggml's nibble order inside a 32-block is already ours: byte j holds
   element j low and element j+16 high);
-- other types: decoded to float32 (the caller warns that the import is not bit-exact).
+- Q4_K: re-blocked into q4 with group 32 (one of its 32-value sub-blocks per group): the
+  4-bit values are kept, the group's scale `d * sc` and min `-dmin * m` (an fp16 times a
+  6-bit integer: up to 17 significant bits) are rounded to our fp16 scale and min; exact
+  when every product fits fp16, otherwise `keep_quantized` says how much the weights move;
+- Q6_K: into q8 with group 32 only where that is exact (the two 16-value sub-blocks of a
+  group have scales whose ratio lets one fp16 scale hold both: see `_q6_k_as_q8`);
+- other types (Q5_0, Q5_1, Q5_K, most Q6_K): decoded to float32 (the caller warns that
+  the import is not bit-exact in the original bits and says what it stores).
 """
 
 from __future__ import annotations
@@ -136,13 +143,87 @@ def _k4_quants(ql: np.ndarray) -> np.ndarray:
     return np.stack([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
 
 
-def _decode_q4_k(raw):
+def _q4_k_groups(raw):
+    """Q4_K as 32-value groups: (q (n*8, 32) uint8, scale (n*8,) float64, min (n*8,)
+    float64) with w = scale * q + min exactly (the products are exact in float64)."""
     b = _blocks(raw, Q4_K)  # [d][dmin][scales x 12][qs x 128]
-    d, dmin = _f16(b[:, 0:2]).astype(np.float32), _f16(b[:, 2:4]).astype(np.float32)
+    d, dmin = _f16(b[:, 0:2]).astype(np.float64), _f16(b[:, 2:4]).astype(np.float64)
     scales, mins = _k_scales_mins(b[:, 4:16])
-    q = _k4_quants(b[:, 16:])
-    w = (d[:, None] * scales)[:, :, None] * q - (dmin[:, None] * mins)[:, :, None]
+    q = _k4_quants(b[:, 16:]).astype(np.uint8).reshape(-1, 32)
+    return q, (d[:, None] * scales).reshape(-1), (-dmin[:, None] * mins).reshape(-1)
+
+
+def _decode_q4_k(raw):
+    q, scale, minimum = _q4_k_groups(raw)
+    # ggml's own order: (d sc) q - (dmin m), in float32
+    w = scale.astype(np.float32)[:, None] * q.astype(np.float32) + minimum.astype(np.float32)[:, None]
     return w.reshape(-1, 256)
+
+
+def _fp16_rounding(values: np.ndarray):
+    """values (float64) -> (their fp16, the largest |change| the rounding makes, or inf when
+    a value does not fit fp16)."""
+    with np.errstate(over="ignore"):
+        half = values.astype(np.float16)
+    if not np.all(np.isfinite(half)):
+        return half, np.inf
+    return half, float(np.max(np.abs(half.astype(np.float64) - values), initial=0.0))
+
+
+def _q4_k_change(raw) -> float:
+    """The largest |weight change| of rounding Q4_K's group scales and mins to fp16 (0.0:
+    the q4 import is exact; inf: some does not fit fp16)."""
+    _, scale, minimum = _q4_k_groups(raw)
+    return 15.0 * _fp16_rounding(scale)[1] + _fp16_rounding(minimum)[1]   # q <= 15
+
+
+def _repack_q4_k(raw, shape) -> ImportedTensor:
+    q, scale, minimum = _q4_k_groups(raw)
+    packed = q[:, :16] | (q[:, 16:] << 4)   # our chunk order: element j low, j+16 high
+    return ImportedTensor("q4", shape, 32, np.concatenate([
+        packed.reshape(-1), _fp16_rounding(scale)[0].view(np.uint8), _fp16_rounding(minimum)[0].view(np.uint8)]))
+
+
+def _q6_k_fields(raw):
+    """Q6_K as (q - 32 (n, 16, 16) int, sub-block scales (n, 16) int, d (n,) float64): 16
+    sub-blocks of 16 values, w = d * sc * (q - 32)."""
+    b = _blocks(raw, Q6_K)  # [ql x 128][qh x 64][scales int8 x 16][d]
+    ql = b[:, :128].reshape(-1, 2, 64)
+    qh = b[:, 128:192].reshape(-1, 2, 32)
+    q = np.stack([
+        (ql[:, :, :32] & 0x0F) | (((qh >> 0) & 3) << 4),
+        (ql[:, :, 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
+        (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4),
+        (ql[:, :, 32:] >> 4) | (((qh >> 6) & 3) << 4),
+    ], axis=2).astype(np.int32) - 32  # (n, half, run, 32): 128 values per half in order
+    # sub-block index: half * 8 + run * 2 + (position >= 16)
+    q = q.reshape(-1, 16, 16)
+    sc = b[:, 192:208].view(np.int8).astype(np.int32)
+    return q, sc, _f16(b[:, 208:210]).astype(np.float64)
+
+
+def _q6_k_as_q8(raw):
+    """Q6_K -> our q8 group 32 (qs int8 (n*8, 32), scales fp16 (n*8,)) when exact, else
+    None. A group holds sub-blocks with scales a, b: with c = gcd(a, b) the group's scale
+    d c is exact if it fits fp16, and each value d a (q - 32) = (d c) (a/c) (q - 32) fits
+    int8 if |a/c (q - 32)| <= 127."""
+    q, sc, d = _q6_k_fields(raw)
+    pairs = sc.reshape(-1, 8, 2)
+    c = np.gcd(np.abs(pairs[:, :, 0]), np.abs(pairs[:, :, 1]))
+    c = np.where(c == 0, 1, c)                               # both scales 0: any scale
+    ratio = (sc.reshape(-1, 8, 2) // c[:, :, None])            # exact division
+    values = q.reshape(-1, 8, 2, 16) * ratio[:, :, :, None]
+    if np.max(np.abs(values), initial=0) > 127:
+        return None
+    scale, change = _fp16_rounding(d[:, None] * c)
+    if change != 0.0:
+        return None
+    return values.reshape(-1, 32).astype(np.int8), scale.reshape(-1)
+
+
+def _repack_q6_k(raw, shape) -> ImportedTensor:
+    qs, scales = _q6_k_as_q8(raw)
+    return ImportedTensor("q8", shape, 32, np.concatenate([qs.view(np.uint8).reshape(-1), scales.view(np.uint8)]))
 
 
 def _decode_q5_k(raw):
@@ -157,22 +238,10 @@ def _decode_q5_k(raw):
 
 
 def _decode_q6_k(raw):
-    b = _blocks(raw, Q6_K)  # [ql x 128][qh x 64][scales int8 x 16][d]
-    ql = b[:, :128].reshape(-1, 2, 64)
-    qh = b[:, 128:192].reshape(-1, 2, 32)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 8)
-    d = _f16(b[:, 208:210]).astype(np.float32)
-    # each half of 128 values: four runs of 32 built from low/high nibbles and 2-bit fields
-    q = np.stack([
-        (ql[:, :, :32] & 0x0F) | (((qh >> 0) & 3) << 4),
-        (ql[:, :, 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
-        (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4),
-        (ql[:, :, 32:] >> 4) | (((qh >> 6) & 3) << 4),
-    ], axis=2).astype(np.float32) - 32  # (n, half, run, 32)
-    # scale index within a half: run * 2 + (position >= 16)
-    s = sc.reshape(-1, 2, 4, 2)
-    s = np.repeat(s, 16, axis=3)  # (n, half, run, 32)
-    return (d[:, None, None, None] * s * q).reshape(-1, 256)
+    q, sc, d = _q6_k_fields(raw)
+    # ggml's order in float32: (d sc) (q - 32)
+    ds = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    return (ds[:, :, None] * q.astype(np.float32)).reshape(-1, 256)
 
 
 _DECODERS = {
@@ -198,22 +267,37 @@ def decode_to_f32(raw: np.ndarray, type_code: int, shape: tuple) -> np.ndarray:
 
 def lossless_dtype(raw: np.ndarray, type_code: int, shape: tuple) -> str | None:
     """The .tinyloop dtype that holds this tensor exactly, or None (it must be decoded)."""
+    kept = keep_quantized(raw, type_code, shape)
+    return kept[0] if kept is not None and kept[1] == 0.0 else None
+
+
+def keep_quantized(raw: np.ndarray, type_code: int, shape: tuple) -> tuple[str, float] | None:
+    """(the .tinyloop dtype `import_tensor` gives this tensor, the largest |change| of any
+    weight on the way: 0.0 = exact), or None: it has no such dtype and must be decoded."""
     if type_code in (F32, F16, BF16):
-        return LOSSLESS_TYPES[type_code]
-    if type_code not in (Q8_0, Q4_0, Q4_1) or len(shape) != 2:
+        return LOSSLESS_TYPES[type_code], 0.0
+    if len(shape) != 2:
         return None  # our quantized dtypes are 2-D only
     if type_code == Q4_0:
         d = _f16(_blocks(raw, Q4_0)[:, 0:2])
         if not np.array_equal(np.isfinite(_q4_0_mins(d)), np.isfinite(d)):
             return None
-    return LOSSLESS_TYPES[type_code]
+    if type_code in (Q8_0, Q4_0, Q4_1):
+        return LOSSLESS_TYPES[type_code], 0.0
+    if type_code == Q4_K:
+        change = _q4_k_change(raw)
+        return ("q4", change) if np.isfinite(change) else None
+    if type_code == Q6_K and _q6_k_as_q8(raw) is not None:
+        return "q8", 0.0
+    return None
 
 
 def import_tensor(raw: np.ndarray, type_code: int, shape: tuple) -> ImportedTensor:
-    """Lossless import into a .tinyloop layout; only for tensors `lossless_dtype` accepts."""
-    if lossless_dtype(raw, type_code, shape) is None:
-        raise FormatError(f"ggml type {GGML_TYPES[type_code].name} of shape {shape} has no exact TinyLoop dtype")
+    """Import into a .tinyloop layout; only for tensors `keep_quantized` accepts."""
+    if keep_quantized(raw, type_code, shape) is None:
+        raise FormatError(f"ggml type {GGML_TYPES[type_code].name} of shape {shape} has no TinyLoop dtype to keep")
     if type_code in (F32, F16, BF16):
         return ImportedTensor(LOSSLESS_TYPES[type_code], shape, 0, raw)
-    repack = {Q8_0: _repack_q8_0, Q4_1: _repack_q4_1, Q4_0: _repack_q4_0}[type_code]
+    repack = {Q8_0: _repack_q8_0, Q4_1: _repack_q4_1, Q4_0: _repack_q4_0, Q4_K: _repack_q4_k,
+              Q6_K: _repack_q6_k}[type_code]
     return repack(raw, shape)

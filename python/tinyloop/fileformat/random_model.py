@@ -49,11 +49,15 @@ ARCH_OPTIONS = {
     "exit_gate": "loop.exit_gate",
 }
 
+# Options that add a tensor rather than a metadata key: rope_freq_factors = 1 writes
+# `rope.freq_factors` (Llama 3.x-like RoPE frequency divisors, from 1 up to 8).
+TENSOR_OPTIONS = ("rope_freq_factors",)
+
 # The file-format defaults of the options that decide which tensors exist.
 _LAYOUT_DEFAULTS = {"norm_type": "rmsnorm", "norm_unit_offset": 0, "qkv_bias": 0,
                     "tied_embeddings": 1, "injection": "add", "injection_bias": 0,
                     "loop_norm": 0, "norm_placement": "pre", "final_norm": 1, "post_norm": 0,
-                    "exit_gate": 0}
+                    "exit_gate": 0, "rope_freq_factors": 0}
 
 PRESETS = {
     # The GPU benchmark model of the CUDA backend: a Llama-shaped prelude of two blocks and
@@ -169,6 +173,10 @@ def _model_tensors(maker: _TensorMaker, dims: dict, options: dict, embed_dtype: 
     if _option(options, "exit_gate"):
         yield "exit_gate.weight", maker.matrix("exit_gate.weight", 1, d, d ** -0.5, "f32")
         yield "exit_gate.bias", maker.vector("exit_gate.bias", 1, 0.0, 1.0)
+    if _option(options, "rope_freq_factors"):
+        pairs = options.get("rope_dims", dims["head_dim"]) // 2
+        factors = np.exp(np.log(8.0) * maker._rng("rope.freq_factors").uniform(0.0, 1.0, pairs))
+        yield "rope.freq_factors", (factors.astype(np.float32), "f32")
     if _option(options, "final_norm"):
         yield from _norm_tensors(maker, "final_norm", d, options)
     if not _option(options, "tied_embeddings"):
@@ -181,11 +189,13 @@ def make_random_model(path, *, seed: int, vocab_size: int, d_model: int, n_head:
                       dtype: str = "f32", group_size: int = 32, embed_dtype: str | None = None,
                       quant_method: str = "rtn",
                       progress: Callable[[str], None] | None = None, **arch_options) -> None:
-    """Write a random model to `path`. `arch_options` are the short names of ARCH_OPTIONS;
+    """Write a random model to `path`. `arch_options` are the short names of ARCH_OPTIONS
+    (or TENSOR_OPTIONS);
     options not given are left out of the file, so the reader's defaults apply."""
-    unknown = sorted(set(arch_options) - set(ARCH_OPTIONS))
+    unknown = sorted(set(arch_options) - set(ARCH_OPTIONS) - set(TENSOR_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown architecture options {unknown}; expected some of {sorted(ARCH_OPTIONS)}")
+        raise ValueError(f"unknown architecture options {unknown}; expected some of "
+                         f"{sorted(ARCH_OPTIONS) + list(TENSOR_OPTIONS)}")
     for name, dt in (("dtype", dtype), ("embed_dtype", embed_dtype or dtype)):
         if dt not in FLOAT_DTYPES + QUANT_DTYPES:
             raise ValueError(f"{name} {dt!r} is not one of {FLOAT_DTYPES + QUANT_DTYPES}")
@@ -195,7 +205,8 @@ def make_random_model(path, *, seed: int, vocab_size: int, d_model: int, n_head:
     say = progress or (lambda message: None)
     writer = TinyLoopWriter(dims)
     for name, value in arch_options.items():
-        writer.add_metadata(ARCH_OPTIONS[name], int(value) if isinstance(value, bool) else value)
+        if name in ARCH_OPTIONS:
+            writer.add_metadata(ARCH_OPTIONS[name], int(value) if isinstance(value, bool) else value)
     writer.add_metadata("general.name", f"random-seed{seed}")
     writer.add_metadata("general.source", f"tinyloop.random_model seed {seed}")
     writer.add_metadata("general.converter", "tinyloop.random_model")
