@@ -8,6 +8,8 @@
     depth = 0                               # loop depth; 0 = the model's default
     verify_checksums = false                # check every tensor's CRC-32 when loading
     kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
+    cache_window = 0                        # keep only the last N positions' K/V; 0 = off
+    cache_window_approx = false             # allow a window narrower than the model's attention
 
     [sampling]
     temperature = 0.8
@@ -63,6 +65,10 @@ MODEL_OPTIONS = (
     Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
     Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
            choices=("default", "f32", "f16")),
+    Option("cache_window", int, 0, "keep only the last N positions' K/V per layer, in a ring (sequences go on "
+           "past max_seq_len); 0 = off", minimum=0, maximum=_INT32_MAX),
+    Option("cache_window_approx", bool, False, "allow cache_window on a model whose attention sees more "
+           "positions (approximate)"),
 )
 
 SAMPLING_OPTIONS = (
@@ -99,6 +105,8 @@ class ModelConfig:
     depth: int = 0
     verify_checksums: bool = False
     kv_dtype: str = "default"
+    cache_window: int = 0
+    cache_window_approx: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,10 @@ class Config:
             options["verify_checksums"] = True
         if self.model.kv_dtype != "default":   # else the backend's (Model's default)
             options["kv_dtype"] = self.model.kv_dtype
+        if self.model.cache_window:   # only when asked, as above
+            options["cache_window"] = self.model.cache_window
+        if self.model.cache_window_approx:
+            options["cache_window_approx"] = True
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:

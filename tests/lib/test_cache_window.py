@@ -211,3 +211,29 @@ def test_refused_combinations_name_the_window(files):
             model.generate(prompt, max_tokens=4, temperature=0, draft_depth=1, tree=(2, 1))
     with pytest.raises(UnsupportedError, match="warm state init"):
         tinyloop.Model(files.path("warm-window-q8"), device=DEVICE, cache_window=5)
+
+
+def test_toml_key_and_cli_flag(files, tmp_path):
+    from cli_run import last_json, run
+    from tinyloop.config import parse_config
+    from tinyloop.errors import ConfigError
+    path = files.path("sliding_window")
+    config = parse_config(f'[model]\npath = "{path}"\ncache_window = 6\n')
+    assert config.load_options()["cache_window"] == 6 and "cache_window_approx" not in config.load_options()
+    with tinyloop.Model.from_config(config, device=DEVICE) as model:
+        assert model.info.cache_window == 6
+    approx = parse_config(f'[model]\npath = "{path}"\ncache_window = 2\ncache_window_approx = true\n')
+    assert approx.load_options()["cache_window_approx"] is True
+    with pytest.raises(ConfigError, match="cache_window"):
+        parse_config("[model]\ncache_window = -3\n")
+    with pytest.raises(ConfigError, match="cache_window_approx"):
+        parse_config("[model]\ncache_window_approx = 1\n")
+    # tinyloop info shows the window and what a context's KV costs with and without it
+    report = last_json(run("info", path, "--cache-window", 6, "--json"))
+    window = report["cache_window"]
+    assert window["positions"] == 6 and window["approximate"] is False
+    assert 0 < window["context_kv_bytes"] < window["full_kv_bytes"]
+    proc = run("info", files.path("base"), "--cache-window", 6, check=False)
+    assert proc.returncode != 0 and "cache_window_approx" in proc.stderr
+    assert last_json(run("info", files.path("base"), "--cache-window", 6, "--cache-window-approx",
+                         "--json"))["cache_window"]["approximate"] is True
