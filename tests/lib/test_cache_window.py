@@ -196,7 +196,7 @@ def test_bad_values_name_the_option(files):
     with pytest.raises(InvalidArgumentError, match="cache_window_approx is 1 without a cache_window"):
         tinyloop.Model(path, device=DEVICE, cache_window_approx=True)
     with tinyloop.Model(path, device=DEVICE) as model:
-        with pytest.raises(InvalidArgumentError, match="keep_loop_states with cache_window"):
+        with pytest.raises(UnsupportedError, match="keep_loop_states with cache_window"):
             model.context(cache_window=6, keep_loop_states=True)
         with pytest.raises(InvalidArgumentError, match="tl_context_options.cache_window 60 exceeds"):
             model.context(cache_window=60)
@@ -237,3 +237,29 @@ def test_toml_key_and_cli_flag(files, tmp_path):
     assert proc.returncode != 0 and "cache_window_approx" in proc.stderr
     assert last_json(run("info", files.path("base"), "--cache-window", 6, "--cache-window-approx",
                          "--json"))["cache_window"]["approximate"] is True
+
+
+def test_the_servers_prompt_cache_with_a_window(files):
+    """Kept sequences under a window: a next turn continues one; a prompt that parts from it
+    long before its end (the ring no longer holds that start) runs from scratch; both
+    generate what a fresh context does."""
+    from tinyloop.prompt_cache import PromptCache
+    tokens = long_tokens(40).tolist()
+    greedy = dict(max_tokens=5, temperature=0, eos=False)
+    with tinyloop.Model(files.path("sliding_window"), device=DEVICE, cache_window=SLIDING) as model:
+        cache = PromptCache(model, 1)
+
+        def run(prompt):
+            lease = cache.acquire(prompt, 3)
+            with lease.context.stream(lease.rest, depth=3, **greedy) as stream:
+                out = list(stream)
+            cache.release(lease, list(prompt) + out)
+            return out, lease.cached
+
+        first, _ = run(tokens[:30])
+        turn = tokens[:30] + first + [7, 8]
+        again, cached = run(turn)
+        assert cached == 34 and again == model.generate(turn, depth=3, **greedy).tokens
+        parted = tokens[:10] + [1, 2, 3]
+        out, cached = run(parted)
+        assert cached == 0 and out == model.generate(parted, depth=3, **greedy).tokens

@@ -45,7 +45,7 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
         if (st != TL_OK) return st;
     }
     if (window.size && o.keep_loop_states)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_context_options.keep_loop_states with cache_window %d: "
+        return tl_fail(TL_ERR_UNSUPPORTED, "tl_context_options.keep_loop_states with cache_window %d: "
                        "deepening reruns every position, and the ring keeps only the last %d", window.size,
                        window.size);
     tl_context *ctx = NULL;
