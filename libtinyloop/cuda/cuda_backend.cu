@@ -564,6 +564,7 @@ bool upload_rows_of(tl_exec *ex, int n, const int32_t *pos, const tl_act *k_cach
         s.pg.shift = pg.shift;
         s.pg.k_off = pg.k_off;
         s.pg.v_off = pg.v_off;
+        s.pg.ring = pg.ring;
         *half = kv_half(k_caches[r]);
     }
     *d_pos = static_cast<const int32_t *>(row_upload(ex, pos, (size_t)n * sizeof(int32_t)));
