@@ -263,3 +263,50 @@ def test_the_servers_prompt_cache_with_a_window(files):
         parted = tokens[:10] + [1, 2, 3]
         out, cached = run(parted)
         assert cached == 0 and out == model.generate(parted, depth=3, **greedy).tokens
+
+
+def test_c_level_checks_and_structs_from_before_the_fields(files):
+    """The library's own checks (the Python layer bypassed), and callers built before the
+    window fields: their structs end before them, which then read as 0 (no window)."""
+    import tinyloop._native as _native
+    native = _native.get()
+    ffi, lib = native.ffi, native.lib
+    path = str(files.path("sliding_window")).encode()
+
+    def load(**fields):
+        opts = ffi.new("tl_load_options *")
+        lib.tl_load_options_default(opts)
+        for key, value in fields.items():
+            setattr(opts, key, value)
+        out = ffi.new("tl_model **")
+        status = lib.tl_load_model(path, opts, out)
+        if status == 0:
+            lib.tl_free_model(out[0])
+        return ffi.string(lib.tl_status_name(status)).decode(), native.last_error()
+
+    assert load(cache_window=-2) == ("TL_ERR_INVALID_ARGUMENT",
+                                     "tl_load_options.cache_window is -2: a window keeps W >= 1 positions "
+                                     "(0 = off)")
+    assert "tl_load_options.cache_window_approx is 2, not 0 or 1" in load(cache_window=4, cache_window_approx=2)[1]
+    assert load(cache_window=4)[0] == "TL_OK"
+    before = ffi.offsetof("tl_load_options", "cache_window")
+    assert load(struct_size=before, cache_window=-2)[0] == "TL_OK"   # past its end: not read
+    with tinyloop.Model(files.path("sliding_window"), device=DEVICE, cache_window=SLIDING) as model:
+        def create(**fields):
+            opts = ffi.new("tl_context_options *")
+            lib.tl_context_options_default(opts)
+            for key, value in fields.items():
+                setattr(opts, key, value)
+            out = ffi.new("tl_context **")
+            status = lib.tl_context_create(model._require_open(), opts, out)
+            if status == 0:
+                lib.tl_context_free(out[0])
+            return ffi.string(lib.tl_status_name(status)).decode(), native.last_error()
+
+        assert "tl_context_options.cache_window is -2" in create(cache_window=-2)[1]
+        assert "cache_window_approx is 1 with cache_window 0" in create(cache_window_approx=1)[1]
+        assert create(cache_window=-1, keep_loop_states=1)[0] == "TL_OK"   # no window: deepening works
+        assert create(keep_loop_states=1)[0] == "TL_ERR_UNSUPPORTED"      # the model's window
+        # a struct from before the fields takes the model's window
+        assert create(struct_size=ffi.offsetof("tl_context_options", "cache_window"), cache_window=-1,
+                      keep_loop_states=1)[0] == "TL_ERR_UNSUPPORTED"
