@@ -248,6 +248,7 @@ tl_status buf_alloc_of(tl_backend *be, size_t n, int elem, tl_buf **out) {
                          bytes / 1048576.0, cudaGetErrorString(err));
     }
     b->n = n;
+    b->ring = 0;
     b->owner = impl;
     b->table = nullptr;
     b->elem = elem;
@@ -563,6 +564,7 @@ bool upload_rows_of(tl_exec *ex, int n, const int32_t *pos, const tl_act *k_cach
         s.pg.shift = pg.shift;
         s.pg.k_off = pg.k_off;
         s.pg.v_off = pg.v_off;
+        s.pg.ring = pg.ring;
         *half = kv_half(k_caches[r]);
     }
     *d_pos = static_cast<const int32_t *>(row_upload(ex, pos, (size_t)n * sizeof(int32_t)));
@@ -636,11 +638,13 @@ struct cuda_page_table {
     const float **d_table;
     int n_entries, shift;
     size_t plane;   // floats of a page's keys: n_slots * page_size * width
+    int ring;       // rows of each slot's ring (kv_ring); 0 = row = position
 };
 
 kv_pages kv_pages_of(tl_act k_cache, tl_act v_cache) {
     kv_pages pg = {};
     const cuda_page_table *t = k_cache.buf->table;
+    pg.ring = t ? t->ring : k_cache.buf->ring;
     if (!t) return pg;
     pg.table = t->d_table;
     pg.shift = t->shift;
@@ -671,12 +675,18 @@ tl_status cuda_page_table_create(tl_backend *be, int n_entries, int page_size, i
     while ((1 << t->shift) < page_size) t->shift++;
     t->plane = (size_t)n_slots * (size_t)page_size * (size_t)width;
     const int elem = f16 ? (int)sizeof(__half) : (int)sizeof(float);
-    t->k_view = tl_buf{ nullptr, 0, impl, t, elem };
-    t->v_view = tl_buf{ nullptr, 0, impl, t, elem };
+    t->k_view = tl_buf{ nullptr, 0, impl, t, elem, 0 };
+    t->v_view = tl_buf{ nullptr, 0, impl, t, elem, 0 };
     impl->device_bytes += bytes;
     *k_view = &t->k_view;
     *v_view = &t->v_view;
     return TL_OK;
+}
+
+// A cache window's ring (backend.h): kernels map positions to rows in kv_row.
+void cuda_kv_ring(tl_buf *cache, int rows) {
+    if (cache->table) cache->table->ring = rows;
+    else cache->ring = rows;
 }
 
 void cuda_page_table_set(tl_exec *ex, tl_buf *k_view, int index, tl_buf *page) {
@@ -839,6 +849,7 @@ const tl_backend_ops cuda_ops = {
     .attention_rows = cuda_attention_rows,
     .batch_step_begin = cuda_batch_step_begin,
     .argmax_rows = cuda_argmax_rows,
+    .kv_ring = cuda_kv_ring,
 };
 
 int write_msg(char *msg, size_t msg_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -215,6 +215,8 @@ struct tl_buf {
     cuda_backend *owner;
     cuda_page_table *table;   // a page table's view (data nullptr), else nullptr
     int elem;                 // bytes of an element: 4, or 2 for fp16 KV (buf_alloc_f16)
+    int ring;                 // a KV plane held as rings of this many rows per slot
+                              // (backend.h, kv_ring); 0 = row = position
 };
 
 // A slot of a paged KV cache as kernels read and write it (kv_cache.h): row r of its
@@ -226,6 +228,7 @@ struct kv_pages {
     const float *const *table;
     int shift;
     size_t k_off, v_off;
+    int ring;   // > 0: a cache window's ring of this many rows, position p at row p mod ring
 };
 
 // Row `row` of a slot's keys (plane 0) or values (plane 1): `flat` + row * width when
@@ -234,8 +237,11 @@ struct kv_pages {
 // writes cache rows (attention, the KV stores, the fused RoPE + store epilogues) finds
 // them here, so one kernel serves both layouts; T = float for the writers.
 // T is the cache's element type (float, or __half for fp16 KV; offsets are in elements).
+// `row` is a position: a ring (cache window) maps it to its row first, on the device, so
+// recorded steps replay with the position of each step.
 template <typename T>
 __device__ __forceinline__ T *kv_row(T *flat, const kv_pages &pg, int plane, int row, size_t width) {
+    if (pg.ring) row %= pg.ring;
     if (!pg.table) return flat + (size_t)row * width;
     T *page = (T *)pg.table[row >> pg.shift];
     return page + (plane ? pg.v_off : pg.k_off) + (size_t)(row & ((1 << pg.shift) - 1)) * width;

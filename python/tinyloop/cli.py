@@ -80,7 +80,8 @@ def _open_model(args, config=None):
         from .default_model import resolve_default_model
         args.default_model = resolve_default_model()
         path = str(args.default_model.path)
-    overrides = {flag: getattr(args, flag) for flag in ("threads", "device", "prefill_chunk")
+    overrides = {flag: getattr(args, flag)
+                 for flag in ("threads", "device", "prefill_chunk", "cache_window", "cache_window_approx")
                  if getattr(args, flag, None) is not None}
     if getattr(args, "ctx_size", None) is not None:
         overrides["max_seq_len"] = args.ctx_size
@@ -392,12 +393,28 @@ def _memory_line(memory: dict) -> str:
     return ", ".join(parts)
 
 
+def _cache_window_cost(model) -> dict | None:
+    """With a cache window: the KV bytes of one context (measured on the memory report)
+    against a context without it."""
+    info = model.info
+    if not info.cache_window:
+        return None
+
+    def context_bytes(**options):
+        before = model.memory_report()["kv_cache_bytes"]
+        with model.context(**options):
+            return model.memory_report()["kv_cache_bytes"] - before
+    return {"positions": info.cache_window, "approximate": bool(info.cache_window_approx),
+            "context_kv_bytes": context_bytes(), "full_kv_bytes": context_bytes(cache_window=0)}
+
+
 def cmd_info(args) -> dict:
     from .kv_cost import kv_cost_rows
     with _open_model(args) as model:
         info = model.info
         dtypes, parameters = _tensor_summary(model.path)
         memory = model.memory_report()
+        window = _cache_window_cost(model)
         has_tokenizer = model.metadata_string("tokenizer.json") is not None
     architecture = {k: v for k, v in info.metadata.items() if k.startswith(("arch.", "loop."))}
     other = {k: v for k, v in info.metadata.items() if k not in architecture}
@@ -407,7 +424,8 @@ def cmd_info(args) -> dict:
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
-               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info)}
+               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info),
+               "cache_window": window}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -436,6 +454,11 @@ def cmd_info(args) -> dict:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
                   f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
+        if window:
+            print(f"cache window: {window['positions']} positions "
+                  f"({'approximate' if window['approximate'] else 'exact'}): a context's KV "
+                  f"{window['context_kv_bytes'] / mib:.2f} MiB, without the window "
+                  f"{window['full_kv_bytes'] / mib:.2f} MiB (max_seq_len {info.max_seq_len})")
         print("memory:       " + _memory_line(memory))
         if default is not None:
             _print_card(payload)
@@ -770,6 +793,13 @@ def _add_runtime_flags(p: argparse.ArgumentParser, ctx_size: bool = True) -> Non
                    help="prompt tokens per forward pass (0 = the library's choice); default: the "
                         "config's model.prefill_chunk, else 0")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto; default: the config's, else cpu")
+    p.add_argument("--cache-window", type=_non_negative, metavar="N",
+                   help="keep only the last N positions' K/V, in a ring: KV memory stops growing and "
+                        "generation goes on past max_seq_len (0 = off); default: the config's "
+                        "model.cache_window, else 0")
+    p.add_argument("--cache-window-approx", action="store_true", default=None,
+                   help="allow --cache-window on a model whose attention sees more than N positions "
+                        "(approximate); default: the config's model.cache_window_approx, else off")
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes; default: none")
 
 

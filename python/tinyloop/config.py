@@ -9,6 +9,8 @@
     verify_checksums = false                # check every tensor's CRC-32 when loading
     kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
     prefill_chunk = 0                       # prompt tokens per forward pass; 0 = the library's
+    cache_window = 0                        # keep only the last N positions' K/V; 0 = off
+    cache_window_approx = false             # allow a window narrower than the model's attention
 
     [sampling]
     temperature = 0.8
@@ -67,6 +69,10 @@ MODEL_OPTIONS = (
            choices=("default", "f32", "f16")),
     Option("prefill_chunk", int, 0, "prompt tokens per forward pass; 0 = the library's choice",
            minimum=0, maximum=_INT32_MAX),
+    Option("cache_window", int, 0, "keep only the last N positions' K/V per layer, in a ring (sequences go on "
+           "past max_seq_len); 0 = off", minimum=0, maximum=_INT32_MAX),
+    Option("cache_window_approx", bool, False, "allow cache_window on a model whose attention sees more "
+           "positions (approximate)"),
 )
 
 
@@ -119,6 +125,8 @@ class ModelConfig:
     verify_checksums: bool = False
     kv_dtype: str = "default"
     prefill_chunk: int = 0
+    cache_window: int = 0
+    cache_window_approx: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,10 @@ class Config:
             options["kv_dtype"] = self.model.kv_dtype
         if self.model.prefill_chunk:   # else the library's (Model's default)
             options["prefill_chunk"] = self.model.prefill_chunk
+        if self.model.cache_window:   # only when asked, as above
+            options["cache_window"] = self.model.cache_window
+        if self.model.cache_window_approx:
+            options["cache_window_approx"] = True
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict[str, Any]:

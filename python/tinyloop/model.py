@@ -84,6 +84,10 @@ class ModelInfo:
     body_dtype: str
     #: the KV cache's element type as loaded: "f32" or "f16" (Model kv_dtype)
     kv_dtype: str
+    #: the contexts' cache window in positions (Model cache_window); 0 = a full cache
+    cache_window: int = 0
+    #: 1 when that window is approximate for this model (attention sees fewer positions)
+    cache_window_approx: int = 0
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
     metadata: dict[str, int | float | str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -799,7 +803,14 @@ class Model(_Scoring, NativeHandle):
 
     kv_dtype: the KV cache's element type, "f32", "f16" (half the memory and the bytes
     decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
-    f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype")."""
+    f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype").
+
+    cache_window: keep only the last W positions' K/V per virtual layer, in a ring, so KV
+    memory no longer grows with max_seq_len and a sequence goes on past it (positions keep
+    counting); 0 = off (default). Exact for a model whose arch.sliding_window <= W; any
+    other model needs cache_window_approx=True, and then attention sees only the last W
+    positions, an approximate mode that info.cache_window_approx reports (docs/api.md,
+    "Cache window")."""
 
     _chat_template: "ChatTemplate | None" = None
     _chat_template_loaded = False
@@ -808,7 +819,8 @@ class Model(_Scoring, NativeHandle):
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
-                 body_dtype: str = "as_stored", kv_dtype: str = "default"):
+                 body_dtype: str = "as_stored", kv_dtype: str = "default", cache_window: int = 0,
+                 cache_window_approx: bool = False):
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         from .default_model import resolve_model
@@ -830,6 +842,8 @@ class Model(_Scoring, NativeHandle):
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
         opts.body_dtype = _choice_value("body_dtype", body_dtype, BODY_DTYPES)
         opts.kv_dtype = _choice_value("kv_dtype", kv_dtype, KV_DTYPES)
+        opts.cache_window = _args.max_int32("cache_window", cache_window)
+        opts.cache_window_approx = int(_args.boolean("cache_window_approx", cache_window_approx))
         out = ffi.new("tl_model **")
         self._lock = threading.Lock()
         self._children: weakref.WeakSet[ModelChild] = weakref.WeakSet()
@@ -1223,14 +1237,17 @@ class Model(_Scoring, NativeHandle):
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
                 keep_loop_states: bool = False, kv_policy: str | None = None,
-                kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None) -> "Context":
+                kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None,
+                cache_window: int | None = None, cache_window_approx: bool = False) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use.
         keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth;
         kv_policy (None = the model's) and kv_ring_slots as for Model; prefix (a
-        PrefixCache) starts the sequence from it."""
+        PrefixCache) starts the sequence from it; cache_window (None = the model's, 0 =
+        none, W) and cache_window_approx as for Model."""
         ctx = Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
                       keep_loop_states=keep_loop_states, kv_policy=kv_policy,
-                      kv_ring_slots=kv_ring_slots)
+                      kv_ring_slots=kv_ring_slots, cache_window=cache_window,
+                      cache_window_approx=cache_window_approx)
         if prefix is not None:
             try:
                 ctx.load_prefix(prefix)
@@ -1303,9 +1320,11 @@ class Context(_Scoring, ModelChild):
 
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
-                 kv_ring_slots: int = 0, body_dtype: str = "as_stored"):
+                 kv_ring_slots: int = 0, body_dtype: str = "as_stored", cache_window: int | None = None,
+                 cache_window_approx: bool = False):
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)
+        _args.boolean("cache_window_approx", cache_window_approx)
         native, ffi = model._native, model._native.ffi
         opts = ffi.new("tl_context_options *")
         native.lib.tl_context_options_default(opts)
@@ -1313,6 +1332,12 @@ class Context(_Scoring, ModelChild):
         opts.max_depth = _args.max_int32("max_depth", max_depth)
         opts.keep_loop_states = int(keep_loop_states)
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
+        if cache_window is not None:   # C: 0 = the model's, -1 = none
+            window = _args.max_int32("cache_window", cache_window)
+            opts.cache_window = window if window else -1
+            opts.cache_window_approx = int(cache_window_approx)
+        elif cache_window_approx:
+            raise ValueError("cache_window_approx=True needs a cache_window")
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
         self._adopt(out[0])

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .errors import UnsupportedError
+from .errors import InvalidArgumentError, UnsupportedError
 from .exit_rule import exit_rule
 
 
@@ -148,11 +148,15 @@ class PromptCache:
                     self._live -= 1
                 raise
         try:
+            if keep:
+                try:
+                    best.context.truncate(keep)
+                except InvalidArgumentError:   # a cache window's ring no longer holds what the cut needs
+                    keep = 0
             if keep == 0:
                 best.context.reset()
                 best.tokens = []
             else:
-                best.context.truncate(keep)
                 best.tokens = best.tokens[:keep]
                 if best.depth != depth:
                     best.context.deepen(depth)

@@ -27,6 +27,10 @@ class _KeyValueStore:
         self._slots = {}
         self.kv_ring = kv_ring
 
+    def positions(self, n_rows):
+        """The position each of a slot's first n_rows rows holds (row p = position p)."""
+        return np.arange(n_rows)
+
     def _slot(self, layer):
         if layer[0] == "core" and self.kv_ring is not None:
             _, iteration, block = layer
@@ -48,6 +52,46 @@ class _KeyValueStore:
         new_k[positions], new_v[positions] = k, v
         self._slots[slot] = (new_k, new_v)
         return new_k[:rows], new_v[:rows]
+
+
+class _RingKeyValueStore(_KeyValueStore):
+    """A cache window (docs/model.md, "Cache window"): each slot is a ring of `rows` rows,
+    position p at row p mod rows, so a row is overwritten `rows` positions later. Every row
+    remembers the position it holds; attention reads the whole ring and masks by those
+    positions (never-written rows hold none and are never seen). A call must not overwrite
+    a position that one of its rows still sees within `window`."""
+
+    EMPTY = np.iinfo(np.int64).max   # a position after every query: masked as causal
+
+    def __init__(self, rows, window, kv_ring=None):
+        super().__init__(kv_ring)
+        self.rows, self.window = int(rows), int(window)
+        self._held = {}
+
+    def read(self, layer, position):
+        slot = self._slot(layer)
+        assert self._held[slot][position % self.rows] == position, "position overwritten"
+        k, v = self._slots[slot]
+        return k[position % self.rows], v[position % self.rows]
+
+    def write(self, layer, positions, k, v):
+        slot = self._slot(layer)
+        if slot not in self._slots:
+            self._slots[slot] = (np.zeros((self.rows,) + k.shape[1:]), np.zeros((self.rows,) + v.shape[1:]))
+            self._held[slot] = np.full(self.rows, self.EMPTY, dtype=np.int64)
+        if int(positions[-1]) - int(positions[0]) + self.window > self.rows:
+            raise ValueError(f"a call of {len(positions)} rows overwrites positions its rows see: the ring "
+                             f"of {self.rows} rows holds a window of {self.window} and up to "
+                             f"{self.rows - self.window + 1} new rows")
+        new_k, new_v = self._slots[slot]
+        rows = np.asarray(positions) % self.rows
+        new_k[rows], new_v[rows] = k, v
+        self._held[slot][rows] = positions
+        self._last = slot
+        return new_k, new_v
+
+    def positions(self, n_rows):
+        return self._held[self._last]
 
 
 def _call_spans(n, calls):
@@ -84,7 +128,7 @@ class ReferenceModel:
     # ------------------------------------------------------------------ public API
 
     def logits(self, tokens, depth: int = 0, kv_ring: int | None = None, calls=None,
-               depths=None) -> np.ndarray:
+               depths=None, cache_window: int | None = None, ring_rows: int | None = None) -> np.ndarray:
         """Logits [n, V] of every position of `tokens` at loop depth `depth` (0 = default).
 
         kv_ring = N: the approximate KV policy with N loop slots per core block (1 =
@@ -92,8 +136,14 @@ class ReferenceModel:
         went through (None = one call), on which such a policy's result depends.
         depths: each position's own depth, 1..depth (adaptive depth, docs/model.md
         "Adaptive depth"): position p leaves the loop after iteration depths[p], and its
-        K/V of that iteration serves the iterations it skipped."""
-        return self._forward(tokens, depth, kv_ring, calls, depths=depths)[0]
+        K/V of that iteration serves the iterations it skipped.
+        cache_window = W: the K/V of the last positions kept in a ring of ring_rows rows
+        per slot (default W + the longest call - 1), attention seeing the last W positions
+        (the model's sliding window when narrower): exact for a model whose sliding
+        window is at most W, the approximate window otherwise; the sequence may then be
+        longer than max_seq_len."""
+        return self._forward(tokens, depth, kv_ring, calls, depths=depths, cache_window=cache_window,
+                             ring_rows=ring_rows)[0]
 
     def iteration_states(self, tokens, depth: int = 0, depths=None) -> np.ndarray:
         """Loop states [depth + 1, n, d]: the initial state, then s after each iteration
@@ -121,24 +171,31 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ forward pass
 
-    def _forward(self, tokens, depth, kv_ring=None, calls=None, gates=None, depths=None, trace=None):
+    def _forward(self, tokens, depth, kv_ring=None, calls=None, gates=None, depths=None, trace=None,
+                 cache_window=None, ring_rows=None):
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0 or tokens.size > cfg.max_seq_len:
+        if tokens.size == 0 or (tokens.size > cfg.max_seq_len and not cache_window):
             raise ValueError(f"need 1..{cfg.max_seq_len} tokens, got {tokens.size}")
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
         depth = cfg.resolve_depth(depth)
         if kv_ring is not None and (isinstance(kv_ring, bool) or int(kv_ring) < 1):
             raise ValueError(f"kv_ring must be >= 1 (or None: exact), got {kv_ring!r}")
-        kv = _KeyValueStore(kv_ring)
         positions = np.arange(tokens.size)
+        spans = _call_spans(tokens.size, calls)
+        self._window = cfg.sliding_window
+        if cache_window:
+            self._window = min(cfg.sliding_window, cache_window) if cfg.sliding_window else cache_window
+            longest = 1 if cfg.state_init == "warm" else max(stop - start for start, stop in spans)
+            kv = _RingKeyValueStore(ring_rows or cache_window + longest - 1, self._window, kv_ring)
+        else:
+            kv = _KeyValueStore(kv_ring)
         if depths is None:
             depths = np.full(tokens.size, depth, dtype=np.int64)
         depths = np.asarray(depths, dtype=np.int64).reshape(-1)
         if cfg.n_core and (depths.size != tokens.size or depths.min() < 1 or depths.max() > depth):
             raise ValueError(f"depths must give each of {tokens.size} positions a depth in 1..{depth}")
-        spans = _call_spans(tokens.size, calls)
         if cfg.state_init == "warm":
             # position p starts its loop from position p-1's final state: one at a time,
             # so under any KV policy each position is a call of its own
@@ -279,8 +336,8 @@ class ReferenceModel:
             # a position past its depth: its K/V of its last iteration, same block
             k[r], v[r] = kv.read((kind, iteration, layer[2]), int(positions[r]))
         k_all, v_all = kv.write(layer, positions, k, v)
-        o = ops.attention(q, k_all, v_all, positions, np.arange(k_all.shape[0]),
-                          cfg.attn_scale, cfg.sliding_window)
+        o = ops.attention(q, k_all, v_all, positions, kv.positions(k_all.shape[0]),
+                          cfg.attn_scale, self._window)
         return self._linear(prefix + "attn.o.weight", o)
 
     def _mlp(self, prefix, n):

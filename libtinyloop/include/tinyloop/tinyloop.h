@@ -158,6 +158,19 @@ typedef struct tl_load_options {
                                   leaves the sequence as it was; 0 = no cap           */
     int32_t kv_dtype;          /* the KV cache's element type, a tl_kv_dtype (above);
                                   0 = the backend's default                          */
+    int32_t cache_window;      /* sliding-window KV (docs/api.md, "Cache window"): each
+                                  context keeps the K/V of the last W positions of its
+                                  sequence per virtual layer, in a ring, so its KV memory
+                                  no longer grows with max_seq_len and a sequence goes on
+                                  past max_seq_len (positions keep counting). Exact for
+                                  a model with arch.sliding_window <= W; for any other
+                                  model it needs cache_window_approx; 1..max_seq_len,
+                                  0 = off (default)                                  */
+    int32_t cache_window_approx; /* 1: allow cache_window on a model whose attention
+                                  sees more than W positions (full attention, or a wider
+                                  sliding window): attention then sees only the last W
+                                  positions, an approximate mode (tl_model_info reports
+                                  it); 0 = refuse that (default)                      */
 } tl_load_options;
 
 #define TL_KV_PAGE_MIN 1
@@ -192,6 +205,9 @@ typedef struct tl_model_info {
     int32_t body_dtype;        /* the load option body_dtype (a tl_body_dtype)     */
     int32_t kv_dtype;          /* the KV cache's element type as loaded (a
                                   tl_kv_dtype: 1 = f32, 2 = f16)                   */
+    int32_t cache_window;      /* the load option cache_window (0 = off)          */
+    int32_t cache_window_approx; /* 1 when that window is approximate for this model
+                                  (attention sees fewer positions than its own)    */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);
@@ -261,6 +277,10 @@ typedef struct tl_context_options {
                                   with an approximate kv_policy */
     int32_t kv_policy;         /* a tl_kv_policy; 0 = the model's load option       */
     int32_t kv_ring_slots;     /* TL_KV_RING: slots per core block, >= 1; else 0     */
+    int32_t cache_window;      /* as the load option, for this context: W > 0, 0 = the
+                                  model's load option, -1 = none (a full cache)       */
+    int32_t cache_window_approx; /* with cache_window > 0: as the load option (0 =
+                                  refuse an approximate window)                     */
 } tl_context_options;
 
 TL_API void tl_context_options_default(tl_context_options *opts);

@@ -31,8 +31,25 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
     tl_kv_choice model_kv = tl_model_kv_policy(model), kv;
     st = tl_kv_choice_resolve(o.kv_policy, o.kv_ring_slots, &model_kv, "tl_context_options", &kv);
     if (st != TL_OK) return st;
+    tl_cache_window window = model->cache_window;
+    if (o.cache_window < -1)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_context_options.cache_window is %d: W >= 1 positions, "
+                       "0 = the model's load option, -1 = none", o.cache_window);
+    if (o.cache_window == 0 && o.cache_window_approx != 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_context_options.cache_window_approx is %d with "
+                       "cache_window 0 (the model's): set cache_window too", o.cache_window_approx);
+    if (o.cache_window != 0) {
+        int seq = o.max_seq_len ? o.max_seq_len : tl_model_max_seq(model);
+        st = tl_cache_window_resolve(o.cache_window < 0 ? 0 : o.cache_window, o.cache_window_approx,
+                                     model->hp.sliding_window, seq, "tl_context_options", &window);
+        if (st != TL_OK) return st;
+    }
+    if (window.size && o.keep_loop_states)
+        return tl_fail(TL_ERR_UNSUPPORTED, "tl_context_options.keep_loop_states with cache_window %d: "
+                       "deepening reruns every position, and the ring keeps only the last %d", window.size,
+                       window.size);
     tl_context *ctx = NULL;
-    st = tl_context_open_with(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &kv, &ctx);
+    st = tl_context_open_with(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &kv, &window, &ctx);
     if (st == TL_OK && o.keep_loop_states) st = tl_context_keep_loop_states(ctx, NULL);
     if (st != TL_OK) {
         tl_context_close(ctx);
@@ -114,6 +131,12 @@ tl_status tl_context_truncate(tl_context *ctx, size_t n_keep) {
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
                        "cannot truncate to %zu tokens: the sequence holds %zu", n_keep,
                        ctx->n_tokens);
+    if (!tl_kv_cache_keeps(&ctx->kv, ctx->window.attn, n_keep))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "cannot truncate to %zu tokens: with cache_window %d the ring of %d rows holds "
+                       "positions from %d on, and the next token would see positions from %lld (reset "
+                       "instead)", n_keep, ctx->window.size, ctx->kv.max_seq,
+                       ctx->kv.written - ctx->kv.max_seq, (long long)n_keep - ctx->window.attn + 1);
     tl_context_set_length(ctx, n_keep);
     tl_context_trim(ctx);
     return TL_OK;

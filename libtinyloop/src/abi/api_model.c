@@ -9,6 +9,7 @@
 #include "abi/api_structs.h"
 #include "backend/backend.h"
 #include "base/error.h"
+#include "base/log.h"
 #include "cpu/backend_cpu.h"
 #include "cpu/threadpool.h"
 #include "model/format.h"
@@ -102,6 +103,27 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     return TL_OK;
 }
 
+/* The contexts' cache window (kv_policy.h) from the resolved options, reported when
+ * approximate: never a silent change of the model's attention. */
+static tl_status resolve_cache_window(tl_model *model) {
+    const tl_load_options *o = &model->load_opts;
+    tl_status st = tl_cache_window_resolve(o->cache_window, o->cache_window_approx, model->hp.sliding_window,
+                                           o->max_seq_len, "tl_load_options", &model->cache_window);
+    if (st != TL_OK) return st;
+    const tl_cache_window *w = &model->cache_window;
+    if (w->size && !model->backend->ops->kv_ring)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the %s backend has no ring KV cache", w->size,
+                       model->backend->name);
+    if (w->size && model->hp.state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the model's warm state init keeps every "
+                       "position's final state by position, which a window does not bound", w->size);
+    if (w->approx)
+        tl_log(TL_LOG_WARN, "cache_window %d is approximate for this model (%s): attention sees only the "
+               "last %d positions", w->size,
+               model->hp.sliding_window ? "its sliding window is wider" : "it has full attention", w->size);
+    return TL_OK;
+}
+
 /* kv_dtype against the backend: its default for 0; f16 only where it stores fp16. */
 static tl_status resolve_kv_dtype(const tl_backend *be, tl_load_options *o) {
     if (o->kv_dtype == TL_KV_DTYPE_DEFAULT)
@@ -151,6 +173,7 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
         snprintf(model->device_name, sizeof model->device_name, "%s", be->name);
         st = be->ops->prepare_model(be, model);
     }
+    if (st == TL_OK) st = resolve_cache_window(model);
     if (st == TL_OK && o.kv_page_size > 0) {
         if (!be->ops->page_table_create)
             st = tl_fail(TL_ERR_UNSUPPORTED, "kv_page_size %d: the %s backend has no paged KV cache",
@@ -211,6 +234,8 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     full.draft_vocab = model->draft.n;
     full.body_dtype = model->load_opts.body_dtype;
     full.kv_dtype = model->load_opts.kv_dtype;
+    full.cache_window = model->cache_window.size;
+    full.cache_window_approx = model->cache_window.approx;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;

@@ -23,7 +23,7 @@
  * and of those a backend reads (model.h, tensor.h, sample_math.h). Bump this with every
  * change to any of them: each side checks the other's version and struct sizes at load
  * and refuses a mismatch (tl_backend_check_ops, tl_backend_interface_mismatch). */
-#define TL_BACKEND_INTERFACE_VERSION 3
+#define TL_BACKEND_INTERFACE_VERSION 4
 
 typedef struct tl_buf tl_buf;     /* backend-owned float storage (host or device) */
 typedef struct tl_exec tl_exec;   /* per-context execution state: threads, scratch */
@@ -292,6 +292,15 @@ typedef struct tl_backend_ops {
      * floats, ld floats apart (as argmax gives it); out holds them when the op returns or,
      * inside a recorded batched step, when step_end() returns. */
     void (*argmax_rows)(tl_exec *ex, tl_act x, int n, int count, size_t ld, int32_t *out);
+
+    /* Optional (NULL = no cache window: cache_window is refused at load). The KV buffer
+     * `cache` (a contiguous cache's key or value plane, or a page table's key view, for
+     * both of its views) holds each slot as a ring of `rows` rows: every op that takes a
+     * cache slot (kv_store, kv_copy, attention, tree_attention, the fused and batched
+     * stores, attention_rows) then finds position p at row p mod rows, so positions go on
+     * past the rows (attention is given a window no wider than rows). rows 0: row = p.
+     * copy_rows between buffers is not affected. */
+    void (*kv_ring)(tl_buf *cache, int rows);
 } tl_backend_ops;
 
 struct tl_backend {

@@ -22,6 +22,8 @@ struct tl_buf {
     size_t n;
     struct cpu_page_table *table;   /* a page table's view (data NULL), else NULL */
     int plane;                      /* the view's: 0 keys, 1 values */
+    int ring;                       /* a KV plane held as rings of this many rows per
+                                       slot (backend.h, kv_ring); 0 = row = position */
 };
 
 /* A paged KV cache's table (backend.h, page_table_create) and its two views. */
@@ -30,6 +32,7 @@ typedef struct cpu_page_table {
     float **pages;      /* entry i: page i's first float, or NULL */
     int n_entries, shift, width;
     size_t plane;       /* floats of one plane of a page: n_slots * page_size * width */
+    int ring;           /* rows of each slot's ring (kv_ring); 0 = row = position */
 } cpu_page_table;
 
 struct tl_exec {
@@ -206,6 +209,7 @@ static tl_status cpu_buf_alloc(tl_backend *be, size_t n_floats, tl_buf **out) {
     b->n = n_floats;
     b->table = NULL;
     b->plane = 0;
+    b->ring = 0;
     *out = b;
     return TL_OK;
 }
@@ -351,8 +355,17 @@ static void cpu_rope_tree(tl_exec *ex, tl_act x, int n, int n_heads, int head_di
  * at the slot's offset inside a page's plane. */
 static tl_cpu_kv_pages pages_of(tl_act k_cache, tl_act v_cache) {
     const cpu_page_table *t = k_cache.buf->table;
-    tl_cpu_kv_pages pg = { (const float *const *)t->pages, t->shift, k_cache.off, t->plane + v_cache.off };
+    tl_cpu_kv_pages pg = { (const float *const *)t->pages, t->shift, k_cache.off, t->plane + v_cache.off,
+                           t->ring };
     return pg;
+}
+
+/* Rows per slot of a cache buffer's ring (0: none). */
+static int ring_of(const tl_buf *cache) { return cache->table ? cache->table->ring : cache->ring; }
+
+static void cpu_kv_ring(tl_buf *cache, int rows) {
+    if (cache->table) cache->table->ring = rows;
+    else cache->ring = rows;
 }
 
 static void cpu_tree_attention(tl_exec *ex, tl_act q, int n, const tl_tree *tree, int first, tl_act k_cache,
@@ -380,8 +393,8 @@ static void cpu_attention(tl_exec *ex, tl_act q, int n, int pos0, tl_act k_cache
                                P(out), ex->attn_scratch, ex->pool);
         return;
     }
-    tl_cpu_attention(P(q), n, pos0, P(k_cache), P(v_cache), g->n_head, g->n_kv_head,
-                     g->head_dim, g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
+    tl_cpu_attention_ring(P(q), n, pos0, P(k_cache), P(v_cache), k_cache.buf->ring, g->n_head, g->n_kv_head,
+                          g->head_dim, g->scale, g->window, P(out), ex->attn_scratch, ex->pool);
 }
 
 static void cpu_logprobs(tl_exec *ex, tl_act logits, int n, int vocab, const int32_t *targets,
@@ -405,13 +418,15 @@ static int32_t cpu_sample(tl_exec *ex, tl_act logits, int vocab, const tl_sample
     return tl_sample_row(P(logits), vocab, step);
 }
 
-/* Rows pos0..pos0+n of a paged slot, page run by page run. */
+/* Rows pos0..pos0+n of a paged slot, page run by page run (a ring's rows: positions
+ * mod its rows, so a run also ends where the ring wraps). */
 static void store_paged(tl_act k_cache, tl_act v_cache, tl_act k, tl_act v, int n, int pos0, int width) {
     const cpu_page_table *t = k_cache.buf->table;
     int size = 1 << t->shift;
     for (int i = 0, run = 0; i < n; i += run) {
-        int pos = pos0 + i, in_page = pos & (size - 1);
+        int pos = t->ring ? (pos0 + i) % t->ring : pos0 + i, in_page = pos & (size - 1);
         run = n - i < size - in_page ? n - i : size - in_page;
+        if (t->ring && run > t->ring - pos) run = t->ring - pos;
         float *page = t->pages[pos >> t->shift];
         size_t row = (size_t)in_page * (size_t)width, count = (size_t)run * (size_t)width;
         memcpy(page + k_cache.off + row, P(k) + (size_t)i * width, count * sizeof(float));
@@ -425,15 +440,21 @@ static void cpu_kv_store(tl_exec *ex, tl_act k_cache, tl_act v_cache, tl_act k, 
         store_paged(k_cache, v_cache, k, v, n, pos0, width);
         return;
     }
-    size_t row0 = (size_t)pos0 * (size_t)width;
-    cpu_copy_rows(ex, tl_act_add(k_cache, row0), (size_t)width, k, (size_t)width, n, width);
-    cpu_copy_rows(ex, tl_act_add(v_cache, row0), (size_t)width, v, (size_t)width, n, width);
+    int ring = k_cache.buf->ring;
+    for (int i = 0, run = 0; i < n; i += run) {   /* one run, or two where a ring wraps */
+        int row = ring ? (pos0 + i) % ring : pos0 + i;
+        run = ring && n - i > ring - row ? ring - row : n - i;
+        size_t at = (size_t)row * (size_t)width, src = (size_t)i * (size_t)width;
+        cpu_copy_rows(ex, tl_act_add(k_cache, at), (size_t)width, tl_act_add(k, src), (size_t)width, run, width);
+        cpu_copy_rows(ex, tl_act_add(v_cache, at), (size_t)width, tl_act_add(v, src), (size_t)width, run, width);
+    }
 }
 
 /* Row `pos` of the slot whose row 0 is `cache` (in a contiguous cache's plane, or a page
  * table's key or value view at the slot's offset), `width` floats. */
 static float *cache_row(tl_act cache, int pos, int width) {
     const cpu_page_table *t = cache.buf->table;
+    if (ring_of(cache.buf)) pos %= ring_of(cache.buf);
     if (!t) return P(tl_act_add(cache, (size_t)pos * (size_t)width));
     float *page = t->pages[pos >> t->shift];
     size_t in_page = (size_t)(pos & ((1 << t->shift) - 1));
@@ -460,8 +481,8 @@ static tl_status cpu_page_table_create(tl_backend *be, int n_entries, int page_s
     t->width = width;
     while ((1 << t->shift) < page_size) t->shift++;
     t->plane = (size_t)n_slots * (size_t)page_size * (size_t)width;
-    t->k_view = (tl_buf){ NULL, 0, t, 0 };
-    t->v_view = (tl_buf){ NULL, 0, t, 1 };
+    t->k_view = (tl_buf){ NULL, 0, t, 0, 0 };
+    t->v_view = (tl_buf){ NULL, 0, t, 1, 0 };
     *k_view = &t->k_view;
     *v_view = &t->v_view;
     return TL_OK;
@@ -514,6 +535,7 @@ static const tl_backend_ops cpu_ops = {
     .page_table_create = cpu_page_table_create,
     .page_table_set = cpu_page_table_set,
     .page_table_free = cpu_page_table_free,
+    .kv_ring = cpu_kv_ring,
 };
 
 tl_status tl_backend_cpu_create(tl_backend **out) {

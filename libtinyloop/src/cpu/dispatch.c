@@ -327,12 +327,18 @@ typedef struct attention_job {
     int first, len;
     float *sums;
     const tl_cpu_kv_pages *pages;   /* NULL: k_cache / v_cache are contiguous rows */
+    int ring;                       /* > 0: position p at row p mod ring */
 } attention_job;
 
 /* Rows row.. of the keys (plane 0) or values (plane 1) as far as they lie in one run at
- * kv_stride: all len of them when contiguous, up to the end of the page when paged. */
+ * kv_stride: all len of them when contiguous, up to the end of the page when paged, up
+ * to the end of a ring (row is a position there). */
 static const float *kv_run(const attention_job *job, int plane, int row, int len, int *run) {
     const tl_cpu_kv_pages *pg = job->pages;
+    if (job->ring) {
+        row %= job->ring;
+        if (len > job->ring - row) len = job->ring - row;
+    }
     if (!pg) {
         *run = len;
         return (plane ? job->v_cache : job->k_cache) + (size_t)row * job->kv_stride;
@@ -456,15 +462,17 @@ static void attention_one_row(attention_job *job, tl_threadpool *pool) {
 }
 
 static void attention_rows(const float *q, int n, int pos0, const float *k_cache, const float *v_cache,
-                           const tl_cpu_kv_pages *pages, int n_head, int n_kv_head, int head_dim, float scale,
-                           int window, float *out, void *scratch, tl_threadpool *pool) {
-    attention_job job = { .pages = pages,
+                           const tl_cpu_kv_pages *pages, int ring, int n_head, int n_kv_head, int head_dim,
+                           float scale, int window, float *out, void *scratch, tl_threadpool *pool) {
+    /* the longest row is pos0 + n keys, or the window's, within the max_seq (a ring's
+       rows) the scratch was sized for */
+    int keys = ring && window < pos0 + n ? window : pos0 + n;
+    attention_job job = { .pages = pages, .ring = ring,
         .ops = ops(), .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
         .scratch = scratch, .n_head = n_head, .head_dim = head_dim,
         .group = n_head / n_kv_head, .pos0 = pos0, .window = window,
         .kv_stride = (size_t)n_kv_head * head_dim,
-        /* the longest row is pos0 + n keys, within the max_seq the scratch was sized for */
-        .stride = score_stride(pos0 + n), .scale = scale};
+        .stride = score_stride(keys), .scale = scale};
     if (n == 1)
         attention_one_row(&job, pool);
     else
@@ -475,15 +483,22 @@ void tl_cpu_attention(const float *q, int n, int pos0, const float *k_cache,
                       const float *v_cache, int n_head, int n_kv_head, int head_dim,
                       float scale, int window, float *out, void *scratch,
                       tl_threadpool *pool) {
-    attention_rows(q, n, pos0, k_cache, v_cache, NULL, n_head, n_kv_head, head_dim, scale, window, out,
+    attention_rows(q, n, pos0, k_cache, v_cache, NULL, 0, n_head, n_kv_head, head_dim, scale, window, out,
+                   scratch, pool);
+}
+
+void tl_cpu_attention_ring(const float *q, int n, int pos0, const float *k_cache, const float *v_cache, int ring,
+                           int n_head, int n_kv_head, int head_dim, float scale, int window, float *out,
+                           void *scratch, tl_threadpool *pool) {
+    attention_rows(q, n, pos0, k_cache, v_cache, NULL, ring, n_head, n_kv_head, head_dim, scale, window, out,
                    scratch, pool);
 }
 
 void tl_cpu_attention_paged(const float *q, int n, int pos0, const tl_cpu_kv_pages *pages, int n_head,
                             int n_kv_head, int head_dim, float scale, int window, float *out, void *scratch,
                             tl_threadpool *pool) {
-    attention_rows(q, n, pos0, NULL, NULL, pages, n_head, n_kv_head, head_dim, scale, window, out, scratch,
-                   pool);
+    attention_rows(q, n, pos0, NULL, NULL, pages, pages->ring, n_head, n_kv_head, head_dim, scale, window, out,
+                   scratch, pool);
 }
 
 /* ---- tree attention (tree speculation) ------------------------------------------ */

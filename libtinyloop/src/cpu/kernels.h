@@ -99,7 +99,14 @@ typedef struct tl_cpu_kv_pages {
     const float *const *table;
     int shift;
     size_t k_off, v_off;
+    int ring;   /* > 0: the slot is a ring of this many rows, position p at row p mod ring */
 } tl_cpu_kv_pages;
+/* tl_cpu_attention over a slot held as a ring of `ring` rows (a cache window: position p
+ * at row p mod ring; window <= ring): the same floats as over the positions' rows laid
+ * out in order. */
+void tl_cpu_attention_ring(const float *q, int n, int pos0, const float *k_cache, const float *v_cache, int ring,
+                           int n_head, int n_kv_head, int head_dim, float scale, int window, float *out,
+                           void *scratch, tl_threadpool *pool);
 /* tl_cpu_attention reading keys and values through pages (the same floats as over the
  * same rows laid out contiguously). */
 void tl_cpu_attention_paged(const float *q, int n, int pos0, const tl_cpu_kv_pages *pages, int n_head,

@@ -136,6 +136,8 @@ static size_t drafts_this_round(const struct tl_stream *g, size_t n) {
     size_t still = g->max_tokens - g->n_generated;   /* >= 1: else the stream has stopped */
     if (k > still - 1) k = still - 1;
     if (k > (size_t)g->ctx->max_seq - n - 1) k = (size_t)g->ctx->max_seq - n - 1;
+    /* a cache window's ring must still hold what the drafts' rows overwrite */
+    if (g->ctx->window.size && k > (size_t)g->ctx->chunk_rows - 1) k = (size_t)g->ctx->chunk_rows - 1;
     return k;
 }
 

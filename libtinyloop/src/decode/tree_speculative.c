@@ -102,6 +102,8 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
         return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with a warm state init each position "
                        "starts from the previous one's final state, which differs per branch; use "
                        "linear drafts");
+    tl_status wst = tl_context_check_no_window(ctx, "tree speculation");
+    if (wst != TL_OK) return wst;
     const tl_backend_ops *ops = ctx->be->ops;
     if (!ops->rope_tree || !ops->tree_attention)
         return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: the %s backend has no tree attention",

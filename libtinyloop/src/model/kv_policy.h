@@ -27,4 +27,26 @@ static inline int tl_kv_is_exact(const tl_kv_choice *policy) { return policy->ki
 /* "exact", "share_last" or "ring". */
 const char *tl_kv_policy_name(int32_t kind);
 
+/* A cache window (docs/model.md, "Cache window"): the K/V of the last `size` positions
+ * of a sequence kept per virtual layer in a ring; `attn` the window attention masks
+ * with (the model's sliding window when size covers it, else size), `approx` 1 when
+ * that is narrower than the model's own attention. All 0: no window (a full cache). */
+typedef struct tl_cache_window {
+    int32_t size, attn, approx;
+} tl_cache_window;
+
+/* The window that size / approx_ok (as a caller set them in `what`, e.g.
+ * "tl_load_options") ask for on a model whose attention has sliding_window (0 = full)
+ * and whose contexts hold max_seq positions without a window. TL_ERR_INVALID_ARGUMENT
+ * naming the field for a size out of [0, max_seq], an approx_ok not 0 or 1, or an
+ * approximate window that approx_ok does not allow. */
+tl_status tl_cache_window_resolve(int32_t size, int32_t approx_ok, int32_t sliding_window, int32_t max_seq,
+                                  const char *what, tl_cache_window *out);
+/* Positions a context with a cache window may hold: its ring bounds memory, not
+ * positions (RoPE positions stay ints, with room for a pass's rows). */
+#define TL_CACHE_WINDOW_MAX_POS (1 << 30)
+/* Rows per slot of a window's ring for passes of up to `rows` rows (at most size): a
+ * pass's new rows must not overwrite a position one of its rows still sees. */
+static inline int tl_cache_window_rows(const tl_cache_window *w, int rows) { return w->size + rows - 1; }
+
 #endif

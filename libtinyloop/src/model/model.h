@@ -91,6 +91,7 @@ struct tl_model {
                                           it; freed with the model */
 
     tl_load_options load_opts;         /* as resolved at load (device string not kept) */
+    tl_cache_window cache_window;      /* contexts' window from load_opts (kv_policy.h) */
     char device_name[64];
     struct tl_backend *backend;
     struct tl_kv_pool *kv_pool;        /* paged KV's pages (kv_cache.h); NULL = contiguous */

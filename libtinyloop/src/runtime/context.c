@@ -77,12 +77,46 @@ int tl_model_max_seq(const struct tl_model *m) {
 
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
                           struct tl_context **out) {
-    return tl_context_open_with(model, max_seq, max_depth, prefill_chunk, NULL, out);
+    return tl_context_open_with(model, max_seq, max_depth, prefill_chunk, NULL, NULL, out);
+}
+
+tl_status tl_context_check_no_window(const struct tl_context *ctx, const char *what) {
+    if (!ctx->window.size) return TL_OK;
+    return tl_fail(TL_ERR_UNSUPPORTED, "%s: the context has cache_window %d, whose ring keeps only the last "
+                   "positions' K/V; use a context without one (cache_window = -1)", what, ctx->window.size);
+}
+
+/* Room for n tokens in the history (a window's grows with the sequence). */
+static tl_status tokens_room(struct tl_context *ctx, size_t n) {
+    if (n <= ctx->token_cap) return TL_OK;
+    size_t cap = ctx->token_cap * 2 > n ? ctx->token_cap * 2 : n;
+    int32_t *t = realloc(ctx->tokens, cap * sizeof *t);
+    if (!t) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot grow the token history to %zu tokens", cap);
+    tl_context_count_buffer(ctx, (int64_t)((cap - ctx->token_cap) * sizeof *t));
+    ctx->tokens = t;
+    ctx->token_cap = cap;
+    return TL_OK;
+}
+
+/* What a cache window needs of the model and backend. */
+static tl_status check_window(const struct tl_model *model, const tl_cache_window *w) {
+    if (!w->size) return TL_OK;
+    if (model->hp.state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the model's warm state init keeps every "
+                       "position's final state by position, which a window does not bound", w->size);
+    if (!model->backend->ops->kv_ring)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the %s backend has no ring KV cache", w->size,
+                       model->backend->name);
+    return TL_OK;
 }
 
 tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
-                               const tl_kv_choice *kv_policy, struct tl_context **out) {
+                               const tl_kv_choice *kv_policy, const tl_cache_window *window,
+                               struct tl_context **out) {
     const tl_hparams *hp = &model->hp;
+    const tl_cache_window *w = window ? window : &model->cache_window;
+    tl_status wst = check_window(model, w);
+    if (wst != TL_OK) return wst;
     int model_seq = tl_model_max_seq(model);
     if (max_seq < 0 || max_seq > model_seq)
         return tl_fail(TL_ERR_INVALID_ARGUMENT,
@@ -100,28 +134,32 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
     ctx->model = model;
     ctx->be = model->backend;
     ctx->max_seq = max_seq ? max_seq : model_seq;
+    ctx->token_cap = (size_t)ctx->max_seq;
+    ctx->window = *w;
+    if (w->size) ctx->max_seq = TL_CACHE_WINDOW_MAX_POS;
     ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
     ctx->kv_policy = kv_policy ? *kv_policy : tl_model_kv_policy(model);
     ctx->loop_slots = tl_kv_loop_slots(&ctx->kv_policy, ctx->max_depth);
     if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk;
     if (!prefill_chunk) prefill_chunk = model->backend->prefill_rows > 0 ? model->backend->prefill_rows : 256;
-    ctx->chunk_rows = imin(prefill_chunk, ctx->max_seq);
+    ctx->chunk_rows = imin(prefill_chunk, w->size ? w->size : ctx->max_seq);
     ctx->logit_rows = imin(TL_LOGIT_ROWS, ctx->chunk_rows);
+    /* KV rows per slot: a window's ring (no pass overwrites a position its rows see) */
+    int kv_rows = w->size ? tl_cache_window_rows(w, ctx->chunk_rows) : ctx->max_seq;
 
     int n_threads = model->load_opts.n_threads > 0 ? model->load_opts.n_threads : 1;
-    tl_status st = ctx->be->ops->exec_create(ctx->be, n_threads, ctx->chunk_rows, ctx->max_seq,
-                                             &ctx->ex);
+    tl_status st = ctx->be->ops->exec_create(ctx->be, n_threads, ctx->chunk_rows, kv_rows, &ctx->ex);
     if (st == TL_OK) {
         ctx->buffer_bytes += ctx->be->ops->exec_bytes(ctx->ex);
-        ctx->tokens = malloc((size_t)ctx->max_seq * sizeof *ctx->tokens);
+        ctx->tokens = malloc(ctx->token_cap * sizeof *ctx->tokens);
         if (!ctx->tokens) st = tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a token history");
-        ctx->buffer_bytes += (size_t)ctx->max_seq * sizeof *ctx->tokens;
+        ctx->buffer_bytes += ctx->token_cap * sizeof *ctx->tokens;
     }
     if (st == TL_OK) st = alloc_buffers(ctx);
     if (st == TL_OK)
         st = tl_kv_cache_init(&ctx->kv, ctx->be, model->kv_pool, tl_kv_slot_count(hp, ctx->loop_slots),
-                              ctx->max_seq, hp->n_kv_head * hp->head_dim,
-                              model->load_opts.kv_dtype == TL_KV_DTYPE_F16);
+                              kv_rows, hp->n_kv_head * hp->head_dim,
+                              model->load_opts.kv_dtype == TL_KV_DTYPE_F16, w->size > 0);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
         tl_context_close(ctx);
@@ -234,6 +272,8 @@ static tl_status eval_chunks(struct tl_context *ctx, const int32_t *tokens, size
         return tl_fail(TL_ERR_CONTEXT_FULL,
                        "appending %zu tokens to a sequence of %zu would exceed max_seq_len %d",
                        n, start, ctx->max_seq);
+    st = tokens_room(ctx, start + n);
+    if (st != TL_OK) return st;
 
     for (size_t c0 = 0; c0 < n; c0 += (size_t)ctx->chunk_rows) {
         int rows = (int)(n - c0 < (size_t)ctx->chunk_rows ? n - c0 : (size_t)ctx->chunk_rows);
@@ -355,6 +395,11 @@ tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *t
         if (st == TL_OK) st = tl_context_check_tokens(ctx, tokens + i, 1);
         if (st == TL_OK && ctx->n_tokens >= (size_t)ctx->max_seq)
             st = tl_fail(TL_ERR_CONTEXT_FULL, "batch: context %zu is full (max_seq_len %d)", i, ctx->max_seq);
+        /* one pass masks every row with the lead's window */
+        if (st == TL_OK && (ctx->window.size != lead->window.size || ctx->window.attn != lead->window.attn))
+            st = tl_fail(TL_ERR_INVALID_ARGUMENT, "batch: context %zu has cache_window %d and context 0 %d: "
+                         "a batch's contexts share one", i, ctx->window.size, lead->window.size);
+        if (st == TL_OK) st = tokens_room(ctx, ctx->n_tokens + 1);
         if (ctx->max_seq > lead->max_seq) lead = ctx;   /* its attention scratch covers every row */
     }
     /* One row takes the one-row step's path (fused kernels, recorded steps); a warm start
@@ -390,6 +435,7 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
                            .depth = ctx->depth, .start = TL_START_RESUMED, .from = from,
                            .n_resumed = (int)n - 1, .resume_e = kept_e, .resume_s = kept_s };
     tl_status st = tl_context_check_tokens(ctx, tokens, n);
+    if (st == TL_OK) st = tokens_room(ctx, start + n);
     if (st == TL_OK) st = tl_forward(ctx, &req, out);
     if (st != TL_OK) return st;
     memcpy(ctx->tokens + start, tokens, n * sizeof *tokens);
@@ -413,6 +459,8 @@ tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added) {
                        "keeping loop states: kv_policy %s shares K/V slots between iterations, and "
                        "a deeper pass would rerun iterations whose K/V later ones overwrote; use "
                        "kv_policy exact to deepen", tl_kv_policy_name(ctx->kv_policy.kind));
+    tl_status wst = tl_context_check_no_window(ctx, "keeping loop states");
+    if (wst != TL_OK) return wst;
     size_t count = (size_t)ctx->max_seq * hp->d;
     int64_t before = (int64_t)ctx->buffer_bytes;
     tl_status st = alloc_buf(ctx, count, &ctx->loop_s);
@@ -517,10 +565,15 @@ void tl_context_trim(struct tl_context *ctx) {
 
 tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out) {
     struct tl_context *dst = NULL;
-    tl_status st = tl_context_open_with(src->model, src->max_seq, src->max_depth, src->chunk_rows,
-                                        &src->kv_policy, &dst);
+    tl_status st = tl_context_open_with(src->model, src->window.size ? 0 : src->max_seq, src->max_depth,
+                                        src->chunk_rows, &src->kv_policy, &src->window, &dst);
     if (st != TL_OK) return st;
     size_t n = src->n_tokens;
+    st = tokens_room(dst, n);
+    if (st != TL_OK) {
+        tl_context_close(dst);
+        return st;
+    }
     tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);   /* paged: shares src's pages */
     if (src->warm && n > 0)
         dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->warm, 0), 1, tl_act_at(src->warm, 0), 1,

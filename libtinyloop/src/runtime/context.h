@@ -19,9 +19,15 @@ int tl_model_max_seq(const struct tl_model *m);
 /* Create with resolved options (each 0 = the model's value), with the model's KV policy. */
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth,
                           int prefill_chunk, struct tl_context **out);
-/* tl_context_open with a KV policy of its own (resolved; NULL = the model's). */
+/* tl_context_open with a KV policy and a cache window of its own (resolved; NULL = the
+ * model's). With a window the context holds up to TL_CACHE_WINDOW_MAX_POS positions
+ * whatever max_seq is, and its prefill chunk is at most the window. */
 tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
-                               const tl_kv_choice *kv_policy, struct tl_context **out);
+                               const tl_kv_choice *kv_policy, const tl_cache_window *window,
+                               struct tl_context **out);
+/* TL_OK, or a clear TL_ERR_UNSUPPORTED naming `what` when the context has a cache window
+ * (its ring holds only the last positions). */
+tl_status tl_context_check_no_window(const struct tl_context *ctx, const char *what);
 void tl_context_close(struct tl_context *ctx);
 
 /* The loop depth an append at `depth` (0 = the sequence's, else the model default)

@@ -17,13 +17,17 @@ struct tl_context {
     struct tl_model *model;
     tl_backend *be;
     tl_exec *ex;
-    int max_seq;          /* positions this context can hold */
+    int max_seq;          /* positions this context can hold (a cache window's:
+                             TL_CACHE_WINDOW_MAX_POS) */
     int max_depth;        /* deepest loop depth it caches (0 without a core) */
     int chunk_rows;       /* prefill chunk: rows per forward call */
     int logit_rows;       /* rows of logits computed at once when scoring */
     int depth;            /* the sequence's depth; 0 until its first append */
     size_t n_tokens;      /* length of the sequence */
-    int32_t *tokens;      /* the sequence's tokens (max_seq) */
+    int32_t *tokens;      /* the sequence's tokens (token_cap: max_seq, or with a cache
+                             window as many as the sequence needs, grown as it does) */
+    size_t token_cap;
+    tl_cache_window window;   /* the KV ring's (kv_policy.h); size 0 = a full cache */
     tl_kv_cache kv;
     tl_kv_choice kv_policy;   /* how iterations share the loop's K/V slots */
     int loop_slots;           /* K/V slots per core block (tl_kv_loop_slots) */

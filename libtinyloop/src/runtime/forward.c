@@ -649,7 +649,8 @@ static fwd fwd_for(struct tl_context *ctx) {
         .f = hp->ffn,
         .norm = { hp->norm_type, hp->norm_unit_offset, hp->norm_eps },
         .rope = { hp->rope_dims, hp->rope_style == TL_ROPE_INTERLEAVED ? 1 : 0, hp->rope_theta, m->rope_factors },
-        .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale, hp->sliding_window },
+        .geom = { hp->n_head, hp->n_kv_head, hp->head_dim, hp->attn_scale,
+                  ctx->window.size ? ctx->window.attn : hp->sliding_window },
     };
     return F;
 }

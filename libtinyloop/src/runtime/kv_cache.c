@@ -122,12 +122,15 @@ static void table_set(tl_kv_cache *kv, tl_exec *ex, int i, tl_kv_page *pg) {
 /* ---- the cache ------------------------------------------------------------------ */
 
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, int n_slots, int max_seq,
-                           int kv_dim, int f16) {
+                           int kv_dim, int f16, int ring) {
     memset(kv, 0, sizeof *kv);
     kv->be = be;
     kv->f16 = pool ? pool->f16 : f16;
     kv->n_slots = n_slots;
+    /* a ring's last page would be taken whole anyway: its rows widen the ring */
+    if (ring && pool) max_seq = (max_seq + pool->page_size - 1) / pool->page_size * pool->page_size;
     kv->max_seq = max_seq;
+    kv->ring = ring;
     kv->kv_dim = kv_dim;
     size_t count = (size_t)n_slots * (size_t)max_seq * (size_t)kv_dim;
     if (count == 0) return TL_OK;
@@ -143,11 +146,17 @@ tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, in
             free(kv->pages);
             kv->pages = NULL;
             kv->pool = NULL;
+        } else if (ring) {
+            be->ops->kv_ring(kv->k, max_seq);
         }
         return st;
     }
     tl_status st = tl_kv_buf_alloc(be, kv->f16, count, &kv->k);
     if (st == TL_OK) st = tl_kv_buf_alloc(be, kv->f16, count, &kv->v);
+    if (st == TL_OK && ring) {
+        be->ops->kv_ring(kv->k, max_seq);
+        be->ops->kv_ring(kv->v, max_seq);
+    }
     if (st != TL_OK) {
         tl_kv_cache_free(kv);
         return tl_fail(TL_ERR_OUT_OF_MEMORY,
@@ -191,9 +200,15 @@ tl_act tl_kv_values(const tl_kv_cache *kv, int slot) {
     return tl_act_at(kv->v, slot_offset(kv, slot));
 }
 
-tl_status tl_kv_cache_reserve(tl_kv_cache *kv, tl_exec *ex, int pos0, int n) {
-    if (!kv->pool || n <= 0) return TL_OK;
-    int first = pos0 / kv->page_size, last = (pos0 + n - 1) / kv->page_size;
+int tl_kv_cache_keeps(const tl_kv_cache *kv, int attn, size_t n_keep) {
+    if (!kv->ring || n_keep == 0) return 1;
+    /* the ring holds positions [written - rows, written) */
+    return (long long)n_keep - attn + 1 >= (long long)kv->written - kv->max_seq;
+}
+
+/* The pages of rows [row0, row0 + n) taken, those shared copied. */
+static tl_status reserve_rows(tl_kv_cache *kv, tl_exec *ex, int row0, int n) {
+    int first = row0 / kv->page_size, last = (row0 + n - 1) / kv->page_size;
     int copied = 0;
     for (int i = first; i <= last; i++) {
         tl_kv_page *old = kv->pages[i];
@@ -219,7 +234,29 @@ tl_status tl_kv_cache_reserve(tl_kv_cache *kv, tl_exec *ex, int pos0, int n) {
     return TL_OK;
 }
 
+tl_status tl_kv_cache_reserve(tl_kv_cache *kv, tl_exec *ex, int pos0, int n) {
+    if (n <= 0) return TL_OK;
+    if (!kv->ring) return kv->pool ? reserve_rows(kv, ex, pos0, n) : TL_OK;
+    tl_status st = TL_OK;
+    if (kv->pool) {
+        /* the positions' rows: one run, or two where they wrap */
+        int rows = kv->max_seq, r0 = pos0 % rows;
+        if (n >= rows) st = reserve_rows(kv, ex, 0, rows);
+        else if (r0 + n <= rows) st = reserve_rows(kv, ex, r0, n);
+        else {
+            st = reserve_rows(kv, ex, r0, rows - r0);
+            if (st == TL_OK) st = reserve_rows(kv, ex, 0, r0 + n - rows);
+        }
+    }
+    if (st == TL_OK && pos0 + n > kv->written) kv->written = pos0 + n;
+    return st;
+}
+
 void tl_kv_cache_trim(tl_kv_cache *kv, tl_exec *ex, int n_rows) {
+    if (kv->ring) {
+        if (n_rows > 0) return;   /* every row may hold a position still seen */
+        kv->written = 0;
+    }
     if (!kv->pool) return;
     for (int i = (n_rows + kv->page_size - 1) / kv->page_size; i < kv->n_pages; i++) {
         if (!kv->pages[i]) continue;
@@ -231,6 +268,10 @@ void tl_kv_cache_trim(tl_kv_cache *kv, tl_exec *ex, int n_rows) {
 
 void tl_kv_cache_copy(tl_kv_cache *dst, const tl_kv_cache *src, tl_exec *ex, int n_rows) {
     if (n_rows <= 0 || !src->k) return;
+    if (src->ring) {   /* the positions lie all over the ring */
+        n_rows = src->max_seq;
+        dst->written = src->written;
+    }
     if (src->pool) {
         tl_kv_page_list list = { src->n_slots, 0, (n_rows + src->page_size - 1) / src->page_size, src->pages };
         tl_kv_cache_adopt(dst, ex, &list, n_rows);

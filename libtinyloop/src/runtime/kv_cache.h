@@ -41,7 +41,11 @@ typedef struct tl_kv_cache {
     tl_backend *be;
     tl_buf *k, *v;          /* contiguous: [n_slots][max_seq][kv_dim] each; paged: the
                                page table's views of every slot's keys and values */
-    int n_slots, max_seq, kv_dim;
+    int n_slots, max_seq, kv_dim;   /* max_seq: rows per slot (a ring's when ring) */
+    int ring;                 /* 1: each slot is a ring of max_seq rows (a cache window):
+                                 position p at row p mod max_seq (backend.h, kv_ring) */
+    int written;              /* ring: 1 + the last position a pass reserved, so that
+                                 a truncation knows which positions were overwritten */
     int f16;                  /* fp16 elements (kv_dtype f16), else f32 */
     /* paged only (pool != NULL) */
     tl_kv_pool *pool;
@@ -69,9 +73,14 @@ void tl_kv_pool_destroy(tl_kv_pool *pool);
 void tl_kv_pool_usage(tl_kv_pool *pool, uint64_t *bytes, uint64_t *pages);
 
 /* pool NULL: contiguous (of fp16 elements when f16); else paged (no page is taken yet,
- * the pool's element type). */
+ * the pool's element type). ring: the slots are rings of max_seq rows (paged: rounded
+ * up to whole pages) that positions wrap around. */
 tl_status tl_kv_cache_init(tl_kv_cache *kv, tl_backend *be, tl_kv_pool *pool, int n_slots, int max_seq,
-                           int kv_dim, int f16);
+                           int kv_dim, int f16, int ring);
+/* Ring: whether positions [n_keep - attn + 1, n_keep) are still held (none was
+ * overwritten), so that the sequence may be cut to n_keep; always for a full cache or
+ * n_keep 0. */
+int tl_kv_cache_keeps(const tl_kv_cache *kv, int attn, size_t n_keep);
 void tl_kv_cache_free(tl_kv_cache *kv);
 /* Bytes the context holds on its own: the contiguous buffers; 0 when paged (the pool
  * counts pages). */
@@ -79,14 +88,16 @@ size_t tl_kv_cache_bytes(const tl_kv_cache *kv);
 /* Row 0 of a slot's keys / values. */
 tl_act tl_kv_keys(const tl_kv_cache *kv, int slot);
 tl_act tl_kv_values(const tl_kv_cache *kv, int slot);
-/* Before rows [pos0, pos0 + n) are written (paged; a no-op when contiguous): take the
- * pages they lack and copy those that are shared. TL_ERR_OUT_OF_MEMORY at the pool's
+/* Before rows [pos0, pos0 + n) are written (paged; a no-op when contiguous, but for a
+ * ring's count of positions written): take the pages they lack and copy those that are
+ * shared. TL_ERR_OUT_OF_MEMORY at the pool's
  * cap or a failed allocation, with every row held unchanged. */
 tl_status tl_kv_cache_reserve(tl_kv_cache *kv, tl_exec *ex, int pos0, int n);
-/* Give back the pages past the first n_rows positions (paged; a no-op when contiguous). */
+/* Give back the pages past the first n_rows positions (paged; a no-op when contiguous;
+ * a ring gives back pages only when n_rows is 0). */
 void tl_kv_cache_trim(tl_kv_cache *kv, tl_exec *ex, int n_rows);
-/* Copy the first n_rows positions of every slot of src into dst (same geometry); paged:
- * dst (empty) shares src's pages instead. */
+/* Copy the first n_rows positions of every slot of src into dst (same geometry; a
+ * ring: every row); paged: dst (empty) shares src's pages instead. */
 void tl_kv_cache_copy(tl_kv_cache *dst, const tl_kv_cache *src, tl_exec *ex, int n_rows);
 /* Row `from` of every slot to row `to` (distinct rows, already reserved; tree
  * speculation's accepted path). */
