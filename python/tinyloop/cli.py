@@ -80,7 +80,7 @@ def _open_model(args, config=None):
         from .default_model import resolve_default_model
         args.default_model = resolve_default_model()
         path = str(args.default_model.path)
-    overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
+    overrides = {flag: getattr(args, flag) for flag in ("threads", "device", "state_init")
                  if getattr(args, flag, None) is not None}
     return Model.from_config(config, path=path, **overrides)
 
@@ -595,6 +595,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_non_negative, help="CPU threads (0 = all cores)")
     p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--state-init", choices=("file", "warm"),
+                   help="where each position's loop starts: the file's state init, or warm (the "
+                        "previous position's final loop state); default: the config's, else file")
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes")
 
 

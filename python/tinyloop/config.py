@@ -8,6 +8,7 @@
     depth = 0                               # loop depth; 0 = the model's default
     verify_checksums = false                # check every tensor's CRC-32 when loading
     kv_dtype = "default"                    # KV cache elements: f32 | f16 | default
+    state_init = "file"                     # loop start: file (the file's) | warm
 
     [sampling]
     temperature = 0.8
@@ -63,6 +64,9 @@ MODEL_OPTIONS = (
     Option("verify_checksums", bool, False, "check every tensor's CRC-32 when loading"),
     Option("kv_dtype", str, "default", "KV cache elements: f32, f16, or default (f16 on CUDA, f32 on the CPU)",
            choices=("default", "f32", "f16")),
+    Option("state_init", str, "file", "where each position's loop starts: file (the file's "
+           "loop.state_init) or warm (the previous position's final loop state)",
+           choices=("file", "warm")),
 )
 
 SAMPLING_OPTIONS = (
@@ -99,6 +103,7 @@ class ModelConfig:
     depth: int = 0
     verify_checksums: bool = False
     kv_dtype: str = "default"
+    state_init: str = "file"
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,8 @@ class Config:
             options["verify_checksums"] = True
         if self.model.kv_dtype != "default":   # else the backend's (Model's default)
             options["kv_dtype"] = self.model.kv_dtype
+        if self.model.state_init != "file":
+            options["state_init"] = self.model.state_init
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict:

@@ -34,6 +34,9 @@ STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "gr
 BODY_DTYPES = {"as_stored": 0, "f16": 1, "f32": 2}
 #: Model(kv_dtype=...) -> the tl_kv_dtype value of tinyloop.h ("default": the backend's)
 KV_DTYPES = {"default": 0, "f32": 1, "f16": 2}
+#: Model(state_init=...) / Context(state_init=...) -> the tl_state_init_choice value of
+#: tinyloop.h ("file": the file's loop.state_init; "warm": warm start)
+STATE_INITS = {"file": 1, "warm": 2}
 
 # C's eos_token field: -1 = the model's EOS, -2 = never stop on EOS
 _EOS_MODEL = -1
@@ -710,13 +713,17 @@ class Model(_Scoring, NativeHandle):
 
     kv_dtype: the KV cache's element type, "f32", "f16" (half the memory and the bytes
     decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
-    f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype")."""
+    f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype").
+
+    state_init: where each position's loop starts in the model's contexts: "file" (the
+    file's loop.state_init, default) or "warm" (from the previous position's final loop
+    state, position 0 as the file says; any looped model, docs/model.md, "Warm start")."""
 
     def __init__(self, path, *, device: str = "cpu", threads: int = 0, max_seq_len: int = 0,
                  default_depth: int = 0, verify_checksums: bool = False,
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
-                 body_dtype: str = "as_stored", kv_dtype: str = "default"):
+                 body_dtype: str = "as_stored", kv_dtype: str = "default", state_init: str = "file"):
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         self.path = os.fspath(path)
@@ -737,6 +744,7 @@ class Model(_Scoring, NativeHandle):
         opts.kv_pool_bytes = _args.integer("kv_pool_bytes", kv_pool_bytes, minimum=0, maximum=2**63 - 1)
         opts.body_dtype = _choice_value("body_dtype", body_dtype, BODY_DTYPES)
         opts.kv_dtype = _choice_value("kv_dtype", kv_dtype, KV_DTYPES)
+        opts.state_init = _choice_value("state_init", state_init, STATE_INITS)
         out = ffi.new("tl_model **")
         self._lock = threading.Lock()
         self._children: weakref.WeakSet = weakref.WeakSet()
@@ -1107,14 +1115,16 @@ class Model(_Scoring, NativeHandle):
 
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
                 keep_loop_states: bool = False, kv_policy: str | None = None,
-                kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None) -> "Context":
+                kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None,
+                state_init: str | None = None) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use.
         keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth;
         kv_policy (None = the model's) and kv_ring_slots as for Model; prefix (a
-        PrefixCache) starts the sequence from it."""
+        PrefixCache) starts the sequence from it; state_init (None = the model's, "file" or
+        "warm") as for Model."""
         ctx = Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
                       keep_loop_states=keep_loop_states, kv_policy=kv_policy,
-                      kv_ring_slots=kv_ring_slots)
+                      kv_ring_slots=kv_ring_slots, state_init=state_init)
         if prefix is not None:
             try:
                 ctx.load_prefix(prefix)
@@ -1138,7 +1148,7 @@ class Context(_Scoring, ModelChild):
 
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
-                 kv_ring_slots: int = 0, body_dtype: str = "as_stored"):
+                 kv_ring_slots: int = 0, body_dtype: str = "as_stored", state_init: str | None = None):
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)
         native, ffi = model._native, model._native.ffi
@@ -1148,6 +1158,8 @@ class Context(_Scoring, ModelChild):
         opts.max_depth = _args.max_int32("max_depth", max_depth)
         opts.keep_loop_states = int(keep_loop_states)
         opts.kv_policy, opts.kv_ring_slots = kv_policy_values(kv_policy, kv_ring_slots)
+        if state_init is not None:
+            opts.state_init = _choice_value("state_init", state_init, STATE_INITS)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
         self._adopt(out[0])

@@ -130,6 +130,16 @@ typedef enum tl_kv_dtype {
     TL_KV_DTYPE_F16 = 2      /* fp16, rounded to nearest even, saturated at +-65504  */
 } tl_kv_dtype;
 
+/* Where each position's loop starts (docs/model.md, "Warm start"). The file declares a
+ * state init (loop.state_init: prelude, zeros, noise or warm); warm can also be chosen at
+ * run time for any looped model: position p's loop then starts from position p-1's final
+ * loop state, position 0 from the file's init (prelude when the file declares warm). */
+typedef enum tl_state_init_choice {
+    TL_STATE_INIT_DEFAULT = 0, /* a context: the model's load option; at load: the file's  */
+    TL_STATE_INIT_FILE = 1,    /* the file's loop.state_init                               */
+    TL_STATE_INIT_WARM = 2     /* warm start                                               */
+} tl_state_init_choice;
+
 typedef struct tl_load_options {
     uint32_t struct_size;
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
@@ -158,6 +168,9 @@ typedef struct tl_load_options {
                                   leaves the sequence as it was; 0 = no cap           */
     int32_t kv_dtype;          /* the KV cache's element type, a tl_kv_dtype (above);
                                   0 = the backend's default                          */
+    int32_t state_init;        /* contexts' state init, a tl_state_init_choice (above);
+                                  0 = the file's. Warm on a model without a loop is
+                                  TL_ERR_UNSUPPORTED                                 */
 } tl_load_options;
 
 #define TL_KV_PAGE_MIN 1
@@ -261,6 +274,7 @@ typedef struct tl_context_options {
                                   with an approximate kv_policy */
     int32_t kv_policy;         /* a tl_kv_policy; 0 = the model's load option       */
     int32_t kv_ring_slots;     /* TL_KV_RING: slots per core block, >= 1; else 0     */
+    int32_t state_init;        /* a tl_state_init_choice; 0 = the model's load option */
 } tl_context_options;
 
 TL_API void tl_context_options_default(tl_context_options *opts);

@@ -79,6 +79,9 @@ static tl_status check_load_options(const tl_load_options *o) {
     if (o->kv_dtype < TL_KV_DTYPE_DEFAULT || o->kv_dtype > TL_KV_DTYPE_F16)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_dtype %d is not a tl_kv_dtype (0 = the backend's "
                        "default, 1 = f32, 2 = f16)", o->kv_dtype);
+    if (o->state_init < TL_STATE_INIT_DEFAULT || o->state_init > TL_STATE_INIT_WARM)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "state_init %d is not a tl_state_init_choice (0 = the "
+                       "default, 1 = the file's, 2 = warm)", o->state_init);
     tl_status st = tl_body_dtype_check(o->body_dtype);
     if (st != TL_OK) return st;
     tl_kv_choice kv;
@@ -98,6 +101,10 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     if (!o->default_depth) o->default_depth = hp->default_depth;
     if (!o->n_threads) o->n_threads = tl_num_cores();
     if (!o->kv_policy) o->kv_policy = TL_KV_EXACT;
+    if (o->state_init == TL_STATE_INIT_WARM && hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "state_init warm: the model has no loop (n_core = 0), so "
+                       "there is no loop state to carry from one position to the next");
+    if (!o->state_init) o->state_init = TL_STATE_INIT_FILE;
     o->device = NULL; /* the caller's string is not kept */
     return TL_OK;
 }
