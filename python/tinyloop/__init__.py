@@ -16,7 +16,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
 from .exit_rule import ExitRule, ExitRuleError
 from .grammar import Grammar, SchemaError, json_schema_to_gbnf
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream
-from .prefix import PrefixCache, PrefixPool
+from .prefix import PrefixCache, PrefixPool, ResumeHandle
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
@@ -34,6 +34,6 @@ __all__ = [
     "ExitRule", "ExitRuleError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
-    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
+    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "ResumeHandle", "TinyLoopError",
     "TokenLogprob", "TokenStream", "Tokenizer", "UnsupportedError", "library_version", "load_config",
 ]

@@ -62,7 +62,7 @@ typedef struct tl_model tl_model;         /* immutable weights, shared by thread
 typedef struct tl_context tl_context;     /* buffers + KV cache of one sequence      */
 typedef struct tl_stream tl_stream;       /* pull iterator over generated tokens     */
 typedef struct tl_prefix_cache tl_prefix_cache;   /* read-only snapshot of a prefix  */
-typedef struct tl_resume_handle tl_resume_handle; /* reserved (deeper-depth resume) */
+typedef struct tl_resume_handle tl_resume_handle; /* a sequence to go on with deeper */
 typedef struct tl_prefix_pool tl_prefix_pool;     /* thread-safe set of prefix caches */
 typedef struct tl_grammar tl_grammar;     /* immutable compiled grammar, shared by threads */
 
@@ -638,6 +638,40 @@ TL_API tl_status tl_generate_with_pool(tl_model *model, tl_prefix_pool *pool, co
 TL_API tl_status tl_stream_start_with_pool(tl_model *model, tl_prefix_pool *pool,
                                            const int32_t *prompt, size_t n_prompt,
                                            const tl_generate_options *opts, tl_stream **out);
+
+/* ---- resume handles (docs/api.md, "Resume handles") ----------------------------------
+ * A resume handle is an immutable snapshot of a sequence's first tokens (their K/V and the
+ * loop state each position ended with) taken from a context that keeps its loop states:
+ * after a generation on it (which leaves the prompt and every generated token but the
+ * last), or after appends. tl_resume_generate takes those tokens to a deeper loop depth
+ * without a new prefill, continuing their loop from the kept states (the prelude and the
+ * iterations already run are not repeated), then generates: the result is a fresh
+ * generation at that depth of the handle's tokens followed by `prompt`. The handle does not
+ * depend on its context (free or reuse it); threads may resume one handle at once; free
+ * handles before their model. */
+/* The first n_tokens of ctx's sequence (0 = all of it). ctx must keep its loop states
+ * (tl_context_options.keep_loop_states) and hold at least one token; a model without a
+ * loop is TL_ERR_UNSUPPORTED. */
+TL_API tl_status tl_resume_create(tl_context *ctx, size_t n_tokens, tl_resume_handle **out);
+/* Any pointer may be NULL: its tokens, their depth, the bytes it holds. */
+TL_API tl_status tl_resume_get_info(const tl_resume_handle *handle, size_t *n_tokens, int32_t *depth,
+                                    uint64_t *bytes);
+/* tl_generate at loop depth `depth` (0 = the model's default; at least the handle's depth,
+ * opts->depth is not read) of the handle's tokens then prompt[0..n_prompt) (n_prompt may be
+ * 0: the first new token follows the handle's last one, from the deepened pass). On ctx
+ * (which must keep its loop states; its sequence is replaced, and kept without a copy when it
+ * already starts with the handle's tokens at the handle's depth) or, with ctx NULL, on a
+ * context of its own. result->n_prompt_tokens counts the handle's tokens and the prompt's,
+ * n_cached_tokens the handle's. Not with an exit rule (every position runs one depth). */
+TL_API tl_status tl_resume_generate(tl_resume_handle *handle, tl_context *ctx, int32_t depth,
+                                    const int32_t *prompt, size_t n_prompt,
+                                    const tl_generate_options *opts, int32_t *out_tokens,
+                                    size_t out_capacity, tl_generate_result *result);
+/* tl_resume_generate as a pull iterator (tl_stream_start's rules for ctx and the stream). */
+TL_API tl_status tl_resume_stream_start(tl_resume_handle *handle, tl_context *ctx, int32_t depth,
+                                        const int32_t *prompt, size_t n_prompt,
+                                        const tl_generate_options *opts, tl_stream **out);
+TL_API tl_status tl_resume_free(tl_resume_handle *handle);
 
 /* TL_CDEF_END */
 
