@@ -72,6 +72,8 @@ class ModelInfo:
     body_dtype: str
     #: the KV cache's element type as loaded: "f32" or "f16" (Model kv_dtype)
     kv_dtype: str
+    #: the contexts' state init: "file" (the file's loop.state_init) or "warm" (Model state_init)
+    state_init: str
     #: the file's metadata (architecture options, provenance, ...) without tokenizer.json
     metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -902,6 +904,8 @@ class Model(_Scoring, NativeHandle):
                 value = {v: k for k, v in BODY_DTYPES.items()}[int(value)]
             elif f.name == "kv_dtype":
                 value = {v: k for k, v in KV_DTYPES.items()}[int(value)]
+            elif f.name == "state_init":
+                value = {v: k for k, v in STATE_INITS.items()}[int(value)]
             values[f.name] = value if isinstance(value, str) else int(value)
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 

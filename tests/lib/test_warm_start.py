@@ -143,3 +143,9 @@ def test_the_toml_key_and_the_cli_flag():
         parse_config('[model]\nstate_init = "cold"\n')
     args = build_parser().parse_args(["score", "text.txt", "--state-init", "warm"])
     assert args.state_init == "warm"
+
+
+def test_the_model_info_names_it(files):
+    with tinyloop.Model(files.path("base"), device=DEVICE) as plain, \
+            tinyloop.Model(files.path("base"), device=DEVICE, state_init="warm") as warm:
+        assert (plain.info.state_init, warm.info.state_init) == ("file", "warm")

@@ -205,6 +205,8 @@ typedef struct tl_model_info {
     int32_t body_dtype;        /* the load option body_dtype (a tl_body_dtype)     */
     int32_t kv_dtype;          /* the KV cache's element type as loaded (a
                                   tl_kv_dtype: 1 = f32, 2 = f16)                   */
+    int32_t state_init;        /* the load option state_init as resolved (a
+                                  tl_state_init_choice: 1 = the file's, 2 = warm)   */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);

@@ -218,6 +218,7 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     full.draft_vocab = model->draft.n;
     full.body_dtype = model->load_opts.body_dtype;
     full.kv_dtype = model->load_opts.kv_dtype;
+    full.state_init = model->load_opts.state_init;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;
