@@ -149,3 +149,15 @@ def test_the_model_info_names_it(files):
     with tinyloop.Model(files.path("base"), device=DEVICE) as plain, \
             tinyloop.Model(files.path("base"), device=DEVICE, state_init="warm") as warm:
         assert (plain.info.state_init, warm.info.state_init) == ("file", "warm")
+
+
+def test_the_logit_lens_and_escalation_run_a_pass_per_depth(files):
+    config = case_config("q4-g32")
+    tokens = case_tokens(config)
+    with tinyloop.Model(files.path("q4-g32"), device=DEVICE, state_init="warm") as model:
+        lens = model.score_logit_lens(tokens, max_depth=3)
+        for depth in (1, 2, 3):
+            assert_close(lens[depth - 1], model.score_last_token(tokens, depth=depth).astype(np.float64), SAME,
+                         f"warm logit lens at depth {depth}")
+        logprobs, _, used = model.score_with_consistency_escalation(tokens, min_depth=1, max_depth=4)
+        assert_close(logprobs, model.score(tokens, depth=used).astype(np.float64), SAME, "warm escalation")
