@@ -17,7 +17,7 @@ from .errors import (AbortedError, BackendError, ConfigError, ContextFullError, 
 from .exit_rule import ExitRule, ExitRuleError
 from .grammar import Grammar, SchemaError, json_schema_to_gbnf
 from .model import Context, GenerateResult, Model, ModelInfo, TokenLogprob, TokenStream, TopLogprob
-from .prefix import PrefixCache, PrefixPool
+from .prefix import PrefixCache, PrefixPool, ResumeHandle
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "ExitRule", "ExitRuleError",
     "FileFormatError", "FormatError", "GenerateResult", "IncrementalDecoder", "InternalError",
     "InvalidArgumentError", "LibraryNotFoundError", "Model", "ModelIOError", "ModelInfo",
-    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "TinyLoopError",
+    "NotImplementedYetError", "OutOfMemoryError", "PluginError", "PrefixCache", "PrefixPool", "ResumeHandle",
+    "TinyLoopError",
     "TokenLogprob", "TokenStream", "Tokenizer", "TopLogprob", "UnsupportedError", "library_version", "load_config",
 ]

@@ -81,7 +81,8 @@ def _open_model(args, config=None):
         args.default_model = resolve_default_model()
         path = str(args.default_model.path)
     overrides = {flag: getattr(args, flag)
-                 for flag in ("threads", "device", "prefill_chunk", "cache_window", "cache_window_approx")
+                 for flag in ("threads", "device", "prefill_chunk", "cache_window", "cache_window_approx",
+                              "state_init")
                  if getattr(args, flag, None) is not None}
     if getattr(args, "ctx_size", None) is not None:
         overrides["max_seq_len"] = args.ctx_size
@@ -578,6 +579,8 @@ def _serve_on_ray(args, options) -> dict:
         # a loopback server's own local cluster: Ray's processes on the loopback address
         # too (read when Ray is imported; Ray's single-machine mode, docs/scale-out.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if args.state_init is not None:   # the replicas load the model from --config
+        raise CommandError("--state-init with --ray: set model.state_init in the --config file")
     try:
         from .server import ray_serve
     except ImportError as e:
@@ -800,6 +803,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser, ctx_size: bool = True) -> Non
     p.add_argument("--cache-window-approx", action="store_true", default=None,
                    help="allow --cache-window on a model whose attention sees more than N positions "
                         "(approximate); default: the config's model.cache_window_approx, else off")
+    p.add_argument("--state-init", choices=("file", "warm"),
+                   help="where each position's loop starts: the file's state init, or warm (the "
+                        "previous position's final loop state); default: the config's, else file")
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes; default: none")
 
 

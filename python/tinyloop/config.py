@@ -11,6 +11,7 @@
     prefill_chunk = 0                       # prompt tokens per forward pass; 0 = the library's
     cache_window = 0                        # keep only the last N positions' K/V; 0 = off
     cache_window_approx = false             # allow a window narrower than the model's attention
+    state_init = "file"                     # loop start: file (the file's) | warm
 
     [sampling]
     temperature = 0.8
@@ -73,6 +74,9 @@ MODEL_OPTIONS = (
            "past max_seq_len); 0 = off", minimum=0, maximum=_INT32_MAX),
     Option("cache_window_approx", bool, False, "allow cache_window on a model whose attention sees more "
            "positions (approximate)"),
+    Option("state_init", str, "file", "where each position's loop starts: file (the file's "
+           "loop.state_init) or warm (the previous position's final loop state)",
+           choices=("file", "warm")),
 )
 
 
@@ -127,6 +131,7 @@ class ModelConfig:
     prefill_chunk: int = 0
     cache_window: int = 0
     cache_window_approx: bool = False
+    state_init: str = "file"
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,8 @@ class Config:
             options["cache_window"] = self.model.cache_window
         if self.model.cache_window_approx:
             options["cache_window_approx"] = True
+        if self.model.state_init != "file":
+            options["state_init"] = self.model.state_init
         return apply_load_hooks(self.modes, options)
 
     def generate_options(self) -> dict[str, Any]:

@@ -49,6 +49,9 @@ STOP_REASONS = {0: "none", 1: "max_tokens", 2: "eos", 3: "stop_sequence", 4: "gr
 BODY_DTYPES = {"as_stored": 0, "f16": 1, "f32": 2}
 #: Model(kv_dtype=...) -> the tl_kv_dtype value of tinyloop.h ("default": the backend's)
 KV_DTYPES = {"default": 0, "f32": 1, "f16": 2}
+#: Model(state_init=...) / Context(state_init=...) -> the tl_state_init_choice value of
+#: tinyloop.h ("file": the file's loop.state_init; "warm": warm start)
+STATE_INITS = {"file": 1, "warm": 2}
 
 # C's eos_token field: -1 = the model's EOS, -2 = never stop on EOS
 _EOS_MODEL = -1
@@ -84,6 +87,8 @@ class ModelInfo:
     body_dtype: str
     #: the KV cache's element type as loaded: "f32" or "f16" (Model kv_dtype)
     kv_dtype: str
+    #: the contexts' state init: "file" (the file's loop.state_init) or "warm" (Model state_init)
+    state_init: str
     #: the contexts' cache window in positions (Model cache_window); 0 = a full cache
     cache_window: int = 0
     #: 1 when that window is approximate for this model (attention sees fewer positions)
@@ -188,6 +193,22 @@ class GenerateResult:
     depths: list[int] | None = None
     #: the mean loop depth of the passes that chose the tokens (0 without tokens)
     mean_depth: float = 0.0
+    #: where resume() continues from (a _ResumePoint), or why it cannot (a str)
+    _resume: object = field(default=None, repr=False, compare=False)
+
+    def resume(self, depth: int, *, keep_text: bool = False, **options) -> "GenerateResult":
+        """The same request at a deeper loop depth without a new prefill: the prompt's loop
+        continues from the states the generation left (docs/python.md, "Resume"), and the
+        result is what a fresh generation at `depth` gives (the same greedy tokens).
+        keep_text=True continues after the prompt and the tokens generated so far instead.
+        The generation's options apply, overridden by `options`. Needs the result of
+        Context.generate on a context made with keep_loop_states=True, still open and unused
+        since; the new result can be resumed in turn."""
+        point = self._resume
+        if not isinstance(point, _ResumePoint):
+            raise (UnsupportedError if point and point.startswith("the model has no loop") else InvalidArgumentError)(
+                f"resume: {point or 'this result does not come from a generation'}")
+        return point.resume(self, depth, _args.boolean("keep_text", keep_text), options)
 
     @property
     def acceptance_rate(self) -> float:
@@ -204,6 +225,47 @@ class GenerateResult:
         so n tokens take n-1 steps of the model on one token each."""
         steps = len(self.tokens) - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _ResumePoint:
+    """What GenerateResult.resume needs of a generation on a context that keeps its loop
+    states: the context, its length before the prompt and after the generation, the
+    prompt's length and ids (None when unknown: no text then), the options, and the
+    context's use count when the generation ended."""
+
+    context: "weakref.ref[Context]"
+    start: int
+    n_prompt: int
+    prompt: tuple[int, ...] | None
+    length: int
+    options: dict[str, Any]
+    uses: int
+
+    def resume(self, result: "GenerateResult", depth: int, keep_text: bool,
+               overrides: dict[str, Any]) -> "GenerateResult":
+        ctx = self.context()
+        if ctx is None or ctx.closed:
+            raise InvalidArgumentError("resume: the context this result was generated on has been closed "
+                                       "(freed); keep it open to resume")
+        if ctx._uses != self.uses:
+            raise InvalidArgumentError("resume: the context was used after this generation, so it may no "
+                                       "longer hold its sequence; resume right after generating, or keep "
+                                       "a Context.resume_handle() taken then")
+        ran = self.options.get("depth") or ctx._model.info.default_depth
+        if isinstance(depth, int) and 0 < depth < ran:   # refused here, before the context is touched
+            raise InvalidArgumentError(f"resume: depth {depth} is shallower than the handle's depth {ran}: a "
+                                       "resume continues the loop deeper (or at the same depth)")
+        held = self.length - self.start - self.n_prompt   # generated tokens the context holds
+        n_keep = self.length if keep_text else self.start + self.n_prompt
+        extra = list(result.tokens[held:]) if keep_text else []
+        n_prompt = self.n_prompt + (len(result.tokens) if keep_text else 0)
+        prompt = self.prompt
+        if prompt is not None and keep_text:
+            prompt = prompt + tuple(result.tokens)
+        with ctx.resume_handle(n_keep) as handle:
+            return ctx._model._resume(handle, extra, depth, ctx, {**self.options, **overrides},
+                                      (self.start, n_prompt, prompt if result.text is not None else None))
 
 
 def _result_from_c(c_result: Any, tokens: list[int], text: str | None, options: "_GenerateOptions",
@@ -363,7 +425,8 @@ class TokenStream(ModelChild):
     fine: close() (or garbage collection, or the with-statement) frees the stream."""
 
     def __init__(self, model: "Model", context: "Context | None", prompt: IntArray,
-                 options: _GenerateOptions, pool: "_prefix.PrefixPool | None" = None):
+                 options: _GenerateOptions, pool: "_prefix.PrefixPool | None" = None,
+                 resume: "tuple[_prefix.ResumeHandle, int] | None" = None):
         native = model._native
         self._native = native
         self._model = model
@@ -381,6 +444,9 @@ class TokenStream(ModelChild):
         if pool is not None:
             native.check(native.lib.tl_stream_start_with_pool(
                 model._require_open(), _prefix.pool_handle(model, pool), *args))
+        elif resume is not None:   # (a ResumeHandle, the depth): tl_resume_stream_start
+            native.check(native.lib.tl_resume_stream_start(resume[0]._require_open(), ctx_handle,
+                                                           resume[1], *args))
         else:
             native.check(native.lib.tl_stream_start(model._require_open(), ctx_handle, *args))
         self._adopt(out[0])
@@ -512,6 +578,23 @@ class StrategyStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _buffered(model: "Model", opts: _GenerateOptions, ids: IntArray, text_ids: IntArray | None,
+              run: Callable[..., None]) -> GenerateResult:
+    """A generation into a buffer: run(prompt, n, opts, out, capacity, result) makes the C
+    call; the text continues text_ids (None: no text)."""
+    ffi = model._native.ffi
+    out = np.empty(opts.max_tokens, dtype=np.int32)
+    depths = opts.token_depths(ffi)
+    c_result = ffi.new("tl_generate_result *")
+    model._native.lib.tl_generate_result_default(c_result)
+    run(ffi.from_buffer("int32_t[]", ids), len(ids), opts.c,
+        ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), c_result)
+    n = int(c_result.n_tokens)
+    tokens = out[:n].tolist()
+    text = model.tokenizer.decode_continuation(text_ids, tokens) if text_ids is not None else None
+    return _result_from_c(c_result, tokens, text, opts, depths=depths[:n].tolist())
 
 
 def _drained(stream: "TokenStream | StrategyStream", prompt: Prompt, ids: IntArray,
@@ -695,30 +778,31 @@ class _Scoring:
         model = self._model
         mode = model._strategy_now()
         if mode is not None:
-            return _drained(self._strategy_stream(mode, ids, options, pool), prompt, ids, model)
+            result = _drained(self._strategy_stream(mode, ids, options, pool), prompt, ids, model)
+            return replace(result, _resume=f"mode {mode.name!r} replaced the generation loop")
         opts = _GenerateOptions(model, **options)
+        context = self if isinstance(self, Context) else None
+        start = context._length() if context is not None else 0
         if opts.logprobs:   # kept per step by the pull iterator
-            stream = TokenStream(model, self if isinstance(self, Context) else None, ids, opts, pool)
-            return _drained(stream, prompt, ids, model)
-        native, ffi = model._native, model._native.ffi
-        out = np.empty(opts.max_tokens, dtype=np.int32)
-        depths = opts.token_depths(ffi)
-        c_result = ffi.new("tl_generate_result *")
-        native.lib.tl_generate_result_default(c_result)
-        args = (ffi.from_buffer("int32_t[]", ids), len(ids), opts.c,
-                ffi.from_buffer("int32_t[]", out, require_writable=True), len(out), c_result)
-        ctx = self._ctx_handle()
-        if pool is not None:
-            native.check(native.lib.tl_generate_with_pool(
-                model._require_open(), _prefix.pool_handle(model, pool), *args))
-        elif ctx is None:
-            native.check(native.lib.tl_generate(model._require_open(), *args))
+            result = _drained(TokenStream(model, context, ids, opts, pool), prompt, ids, model)
         else:
-            native.check(native.lib.tl_context_generate(ctx, *args))
-        n = int(c_result.n_tokens)
-        tokens = out[:n].tolist()
-        text = model.tokenizer.decode_continuation(ids, tokens) if isinstance(prompt, str) else None
-        return _result_from_c(c_result, tokens, text, opts, depths=depths[:n].tolist())
+            native = model._native
+            ctx = self._ctx_handle()
+
+            def run(*args):
+                if pool is not None:
+                    native.check(native.lib.tl_generate_with_pool(
+                        model._require_open(), _prefix.pool_handle(model, pool), *args))
+                elif ctx is None:
+                    native.check(native.lib.tl_generate(model._require_open(), *args))
+                else:
+                    native.check(native.lib.tl_context_generate(ctx, *args))
+            text_ids = ids if isinstance(prompt, str) else None
+            result = _buffered(model, opts, ids, text_ids, run)
+        if context is None:
+            return replace(result, _resume=model._not_resumable("Model.generate runs on an internal context "
+                                                                "that keeps no loop states"))
+        return replace(result, _resume=context._resume_point(start, len(ids), tuple(ids.tolist()), options))
 
     def stream(self, prompt: Prompt, **options: Any) -> "TokenStream | StrategyStream":
         """Like generate(), yielding token ids as they are produced (a StrategyStream when a
@@ -805,6 +889,10 @@ class Model(_Scoring, NativeHandle):
     decode attention reads; keys and values rounded to fp16) or "default" (f16 on CUDA,
     f32 on the CPU, which refuses f16 with UnsupportedError; docs/api.md, "KV dtype").
 
+    state_init: where each position's loop starts in the model's contexts: "file" (the
+    file's loop.state_init, default) or "warm" (from the previous position's final loop
+    state, position 0 as the file says; any looped model, docs/model.md, "Warm start").
+
     cache_window: keep only the last W positions' K/V per virtual layer, in a ring, so KV
     memory no longer grows with max_seq_len and a sequence goes on past it (positions keep
     counting); 0 = off (default). Exact for a model whose arch.sliding_window <= W; any
@@ -820,7 +908,7 @@ class Model(_Scoring, NativeHandle):
                  prefill_chunk: int = 0, draft_vocab: int = -1, kv_policy: str = "exact",
                  kv_ring_slots: int = 0, kv_page_size: int = 0, kv_pool_bytes: int = 0,
                  body_dtype: str = "as_stored", kv_dtype: str = "default", cache_window: int = 0,
-                 cache_window_approx: bool = False):
+                 cache_window_approx: bool = False, state_init: str = "file"):
         self._native = _native.get()
         native, ffi = self._native, self._native.ffi
         from .default_model import resolve_model
@@ -844,6 +932,7 @@ class Model(_Scoring, NativeHandle):
         opts.kv_dtype = _choice_value("kv_dtype", kv_dtype, KV_DTYPES)
         opts.cache_window = _args.max_int32("cache_window", cache_window)
         opts.cache_window_approx = int(_args.boolean("cache_window_approx", cache_window_approx))
+        opts.state_init = _choice_value("state_init", state_init, STATE_INITS)
         out = ffi.new("tl_model **")
         self._lock = threading.Lock()
         self._children: weakref.WeakSet[ModelChild] = weakref.WeakSet()
@@ -947,6 +1036,8 @@ class Model(_Scoring, NativeHandle):
                 value = {v: k for k, v in BODY_DTYPES.items()}[int(value)]
             elif f.name == "kv_dtype":
                 value = {v: k for k, v in KV_DTYPES.items()}[int(value)]
+            elif f.name == "state_init":
+                value = {v: k for k, v in STATE_INITS.items()}[int(value)]
             values[f.name] = value if isinstance(value, str) else int(value)
         return ModelInfo(path=self.path, metadata=self._file_metadata(), **values)
 
@@ -1238,16 +1329,18 @@ class Model(_Scoring, NativeHandle):
     def context(self, max_seq_len: int = 0, max_depth: int = 0,
                 keep_loop_states: bool = False, kv_policy: str | None = None,
                 kv_ring_slots: int = 0, prefix: "_prefix.PrefixCache | None" = None,
-                cache_window: int | None = None, cache_window_approx: bool = False) -> "Context":
+                cache_window: int | None = None, cache_window_approx: bool = False,
+                state_init: str | None = None) -> "Context":
         """A new sequence state (KV cache + buffers): one per thread for parallel use.
         keep_loop_states=True lets Context.deepen continue the sequence at a deeper depth;
         kv_policy (None = the model's) and kv_ring_slots as for Model; prefix (a
         PrefixCache) starts the sequence from it; cache_window (None = the model's, 0 =
-        none, W) and cache_window_approx as for Model."""
+        none, W), cache_window_approx and state_init (None = the model's, "file" or
+        "warm") as for Model."""
         ctx = Context(self, max_seq_len=max_seq_len, max_depth=max_depth,
                       keep_loop_states=keep_loop_states, kv_policy=kv_policy,
                       kv_ring_slots=kv_ring_slots, cache_window=cache_window,
-                      cache_window_approx=cache_window_approx)
+                      cache_window_approx=cache_window_approx, state_init=state_init)
         if prefix is not None:
             try:
                 ctx.load_prefix(prefix)
@@ -1310,6 +1403,65 @@ class Model(_Scoring, NativeHandle):
         # the template writes the BOS it wants
         return self.tokenizer.encode(text, add_bos=False)
 
+    # -- resume (docs/python.md, "Resume") ---------------------------------------------
+    def resume_generate(self, handle: "_prefix.ResumeHandle", prompt: Prompt | None = None, *, depth: int,
+                        context: "Context | None" = None, **options: Any) -> GenerateResult:
+        """generate() of the handle's tokens followed by `prompt` (token ids, a str encoded
+        without BOS, or None: the first new token follows the handle's last one) at loop
+        depth `depth` (>= the handle's), without a new prefill: the handle's loop goes on
+        from its kept states (Context.resume_handle). On `context` (which must keep its loop
+        states; its sequence is replaced, and the result can be resumed again) or on a
+        context of its own. Options as generate()'s, but not exit (every position runs one
+        depth) nor pool."""
+        if not isinstance(handle, _prefix.ResumeHandle) or handle._model is not self:
+            raise TypeError("handle must be a ResumeHandle of this model (Context.resume_handle)")
+        if context is not None and (not isinstance(context, Context) or context._model is not self):
+            raise TypeError("context must be a Context of this model")
+        if isinstance(prompt, str):
+            extra = self.tokenizer.encode(prompt, add_bos=False)
+        else:
+            extra = [] if prompt is None else list(prompt)
+        return self._resume(handle, extra, depth, context, self._generation_options(options),
+                            (0, handle.n_tokens + len(extra), None))
+
+    def _not_resumable(self, why: str) -> str:
+        if self.info.n_core == 0:
+            return "the model has no loop (n_core = 0): there is no deeper depth to resume at"
+        return f"{why}: generate on model.context(keep_loop_states=True) to resume"
+
+    def _resume(self, handle: "_prefix.ResumeHandle", extra: Tokens, depth: int, context: "Context | None",
+                options: dict[str, Any], where: tuple[int, int, Any]) -> GenerateResult:
+        """The resumed generation; `where` = (the context's length before the equivalent
+        fresh prompt, that prompt's length, its ids or None) for the result's own resume."""
+        mode = self._strategy_now()
+        if mode is not None:
+            raise UnsupportedError(f"resume: mode {mode.name!r} replaces the generation loop")
+        if options.pop("pool", None) is not None:
+            raise InvalidArgumentError("resume: pool= is not supported (the handle is the prefix)")
+        options["depth"] = _args.integer("depth", depth, minimum=0, maximum=2**31 - 1)
+        opts = _GenerateOptions(self, **options)
+        if opts.exit is not None and opts.exit.active:
+            raise UnsupportedError("resume: an exit rule is not supported: a resumed sequence runs every "
+                                   "position at one depth")
+        ids = _args.token_array(extra, self.info.vocab_size, name="prompt", min_length=0)
+        start, n_prompt, prompt = where
+        text_ids = None if prompt is None else np.asarray(prompt, dtype=np.int32)
+        if opts.logprobs:
+            stream = TokenStream(self, context, ids, opts, resume=(handle, opts.c.depth))
+            result = _drained(stream, None, ids, self)
+            if text_ids is not None:
+                result = replace(result, text=self.tokenizer.decode_continuation(text_ids, result.tokens))
+        else:
+            native, ffi = self._native, self._native.ffi
+            ctx = context._require_open() if context is not None else ffi.NULL
+
+            def run(*args: Any) -> None:
+                native.check(native.lib.tl_resume_generate(handle._require_open(), ctx, opts.c.depth, *args))
+            result = _buffered(self, opts, ids, text_ids, run)
+        if context is None:
+            return replace(result, _resume=self._not_resumable("resume_generate ran on a context of its own"))
+        return replace(result, _resume=context._resume_point(start, n_prompt, prompt, options))
+
 
 class Context(_Scoring, ModelChild):
     """Mutable state of one sequence on a model: its KV cache and buffers.
@@ -1321,7 +1473,7 @@ class Context(_Scoring, ModelChild):
     def __init__(self, model: Model, *, max_seq_len: int = 0, max_depth: int = 0,
                  keep_loop_states: bool = False, kv_policy: str | None = None,
                  kv_ring_slots: int = 0, body_dtype: str = "as_stored", cache_window: int | None = None,
-                 cache_window_approx: bool = False):
+                 cache_window_approx: bool = False, state_init: str | None = None):
         self._model = model
         _args.boolean("keep_loop_states", keep_loop_states)
         _args.boolean("cache_window_approx", cache_window_approx)
@@ -1338,9 +1490,20 @@ class Context(_Scoring, ModelChild):
             opts.cache_window_approx = int(cache_window_approx)
         elif cache_window_approx:
             raise ValueError("cache_window_approx=True needs a cache_window")
+        if state_init is not None:
+            opts.state_init = _choice_value("state_init", state_init, STATE_INITS)
         out = ffi.new("tl_context **")
         native.check(native.lib.tl_context_create(model._require_open(), opts, out))
+        self._keeps_states = bool(keep_loop_states)
         self._adopt(out[0])
+
+    #: calls that may change the sequence (every use of the handle but length, forks and
+    #: snapshots): a generation's result resumes only while this has not moved
+    _uses = 0
+
+    def _require_open(self) -> Any:
+        self._uses += 1
+        return super()._require_open()
 
     def _ctx_handle(self) -> Any:
         return self._require_open()
@@ -1348,11 +1511,30 @@ class Context(_Scoring, ModelChild):
     def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_context_free(handle)
 
-    def __len__(self) -> int:
+    def _length(self) -> int:
         out = self._model._native.ffi.new("size_t *")
         self._model._native.check(self._model._native.lib.tl_context_length(
-            self._require_open(), out))
+            super()._require_open(), out))
         return int(out[0])
+
+    def __len__(self) -> int:
+        return self._length()
+
+    def _resume_point(self, start: int, n_prompt: int, prompt: Any, options: dict[str, Any]) -> Any:
+        """A generation's resume point on this context (it just ended), or why there is none."""
+        if not self._keeps_states:
+            return self._model._not_resumable("the context keeps no loop states")
+        return _ResumePoint(weakref.ref(self), start, n_prompt, prompt, self._length(), dict(options), self._uses)
+
+    def resume_handle(self, n_tokens: int = 0) -> "_prefix.ResumeHandle":
+        """A snapshot of the first n_tokens of the sequence (0 = all) with their kept loop
+        states, for Model.resume_generate to take deeper; the context needs
+        keep_loop_states=True. Independent of the context afterwards."""
+        n_tokens = _args.integer("n_tokens", n_tokens, minimum=0)
+        native, ffi = self._model._native, self._model._native.ffi
+        out = ffi.new("tl_resume_handle **")
+        native.check(native.lib.tl_resume_create(super()._require_open(), n_tokens, out))
+        return _prefix.ResumeHandle(self._model, out[0])
 
     def append(self, tokens: Tokens, depth: int = 0) -> FloatArray:
         """Run `tokens` through the model after the sequence so far; return the logits
@@ -1406,7 +1588,7 @@ class Context(_Scoring, ModelChild):
         n_tokens = _args.integer("n_tokens", n_tokens, minimum=0)
         native, ffi = self._model._native, self._model._native.ffi
         out = ffi.new("tl_prefix_cache **")
-        native.check(native.lib.tl_prefix_cache_from_context(self._require_open(), n_tokens, out))
+        native.check(native.lib.tl_prefix_cache_from_context(super()._require_open(), n_tokens, out))
         return _prefix.PrefixCache(self._model, out[0])
 
     def truncate(self, n_keep: int) -> None:
@@ -1424,8 +1606,9 @@ class Context(_Scoring, ModelChild):
         model = self._model
         native, ffi = model._native, model._native.ffi
         out = ffi.new("tl_context **")
-        native.check(native.lib.tl_context_fork(self._require_open(), out))
+        native.check(native.lib.tl_context_fork(super()._require_open(), out))
         ctx = Context.__new__(Context)
         ctx._model = model
+        ctx._keeps_states = self._keeps_states
         ctx._adopt(out[0])
         return ctx

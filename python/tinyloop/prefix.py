@@ -52,6 +52,29 @@ class PrefixCache(ModelChild):
         self._model._native.lib.tl_prefix_cache_free(handle)
 
 
+class ResumeHandle(ModelChild):
+    """An immutable snapshot of a sequence's first tokens with the loop state each
+    position ended with (Context.resume_handle), which Model.resume_generate takes to a
+    deeper loop depth without a new prefill. Independent of its context; close() frees it."""
+
+    def __init__(self, model: "Model", handle):
+        self._model = model
+        self._adopt(handle)
+        native, ffi = model._native, model._native.ffi
+        n, depth, size = ffi.new("size_t *"), ffi.new("int32_t *"), ffi.new("uint64_t *")
+        native.check(native.lib.tl_resume_get_info(handle, n, depth, size))
+        self.n_tokens, self.depth, self.bytes = int(n[0]), int(depth[0]), int(size[0])
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def __repr__(self) -> str:
+        return f"<tinyloop.ResumeHandle {self.n_tokens} tokens at depth {self.depth}, {self.bytes} bytes>"
+
+    def _free(self, handle) -> None:
+        self._model._native.lib.tl_resume_free(handle)
+
+
 class PrefixPool(ModelChild):
     """A thread-safe set of prefix caches of one model within max_bytes (0 = no limit),
     least recently used evicted first. register_prompts=True makes every generation from

@@ -551,6 +551,69 @@ static void test_deepen(fixture *f) {
 
 /* ---- generation --------------------------------------------------------------- */
 
+/* A resume handle of a generation's prompt, taken deeper with no prompt of its own: the
+ * tokens of a fresh generation at the deeper depth, on a context of its own and on one
+ * that keeps its states, by the buffer and the stream forms. */
+static void test_resume(fixture *f) {
+    enum { N = 5, P = 6 };
+    int top = f->info.max_depth;
+    tl_context *plain = new_context(f->model, 0);
+    tl_resume_handle *h = NULL;
+    if (f->info.n_core == 0) {
+        tl_context_append(plain, f->tokens, P, 0, NULL);
+        CHECK_STATUS(tl_resume_create(plain, 0, &h), TL_ERR_UNSUPPORTED);
+        CHECK(h == NULL, "no handle on failure");
+        tl_context_free(plain);
+        return;
+    }
+    tl_context *ctx = keeping_context(f->model, 4);
+    int32_t shallow[N], expected[N], got[N];
+    tl_generate_options o = greedy_options(N);
+    tl_generate_result r;
+    tl_generate_result_default(&r);
+    o.depth = top;
+    CHECK_OK(tl_generate(f->model, f->tokens, P, &o, expected, N, &r));
+    o.depth = 1;
+    CHECK_OK(tl_context_generate(ctx, f->tokens, P, &o, shallow, N, &r));
+    CHECK_STATUS(tl_resume_create(plain, 0, &h), TL_ERR_INVALID_ARGUMENT);   /* no kept states */
+    CHECK_STATUS(tl_resume_create(ctx, 100, &h), TL_ERR_INVALID_ARGUMENT);
+    CHECK_OK(tl_resume_create(ctx, P, &h));
+    size_t n = 0;
+    int32_t depth = 0;
+    CHECK_OK(tl_resume_get_info(h, &n, &depth, NULL));
+    CHECK(n == P && depth == 1, "handle of %zu tokens at depth %d", n, depth);
+    o.depth = 0;   /* not read */
+    CHECK_OK(tl_resume_generate(h, NULL, top, NULL, 0, &o, got, N, &r));
+    CHECK(memcmp(got, expected, sizeof got) == 0 && r.n_prompt_tokens == P && r.n_cached_tokens == P,
+          "resumed on a context of its own: tokens differ (prompt %u, cached %u)", r.n_prompt_tokens,
+          r.n_cached_tokens);
+    CHECK_OK(tl_resume_generate(h, ctx, top, NULL, 0, &o, got, N, &r));
+    CHECK(memcmp(got, expected, sizeof got) == 0, "resumed on its own context: tokens differ");
+    tl_stream *s = NULL;
+    CHECK_OK(tl_resume_stream_start(h, NULL, top, NULL, 0, &o, &s));
+    int same = s != NULL;
+    for (int i = 0; i < N && same; i++) {
+        int32_t t = -1;
+        same = tl_stream_next(s, &t, NULL) == TL_OK && t == expected[i];
+    }
+    CHECK(same, "the resumed stream's tokens differ");
+    tl_stream_free(s);
+    CHECK_STATUS(tl_resume_generate(h, plain, top, NULL, 0, &o, got, N, &r), TL_ERR_INVALID_ARGUMENT);
+    if (top > 1) {
+        tl_resume_handle *deep = NULL;
+        CHECK_OK(tl_resume_create(ctx, P, &deep));   /* ctx now holds the prompt at top */
+        CHECK_STATUS(tl_resume_generate(deep, NULL, 1, NULL, 0, &o, got, N, &r), TL_ERR_INVALID_ARGUMENT);
+        tl_resume_free(deep);
+    }
+    o.exit.kind = TL_EXIT_KL;
+    o.exit.threshold = 0.1f;
+    CHECK_STATUS(tl_resume_generate(h, NULL, top, NULL, 0, &o, got, N, &r), TL_ERR_UNSUPPORTED);
+    CHECK_STATUS(tl_resume_generate(NULL, NULL, top, NULL, 0, &o, got, N, &r), TL_ERR_INVALID_ARGUMENT);
+    tl_resume_free(h);
+    tl_context_free(ctx);
+    tl_context_free(plain);
+}
+
 static void test_greedy_matches_argmax(fixture *f) {
     enum { N = 6 };
     int V = f->info.vocab_size;
@@ -1857,6 +1920,7 @@ static void run_model(const char *path) {
     test_truncate_and_fork(&f);
     test_append_batch(&f);
     test_deepen(&f);
+    test_resume(&f);
     test_greedy_matches_argmax(&f);
     test_sampling_determinism(&f);
     test_stop_conditions(&f);

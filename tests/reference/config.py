@@ -72,6 +72,10 @@ class ModelConfig:
     exit_gate: int
     exit_rule: str
     exit_threshold: float
+    #: a warm start's position 0 (no previous state) starts like this init: "prelude" for a
+    #: file that declares warm, the file's own init when warm is chosen at run time
+    #: (ReferenceModel.with_warm_start)
+    warm_first: str = "prelude"
 
     @classmethod
     def from_header(cls, dims: dict, metadata: dict) -> "ModelConfig":

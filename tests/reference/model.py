@@ -5,6 +5,8 @@ Python reader, dequantizes every weight to float64 and evaluates the forward pas
 by formula. It never calls libtinyloop.
 """
 
+import dataclasses
+
 import numpy as np
 
 from tinyloop.fileformat.tinyloop_file import read_file
@@ -124,6 +126,15 @@ class ReferenceModel:
             weights = {name: np.array(f.tensor(name), dtype=np.float64) for name in f.tensors}
             quantized = {name for name, entry in f.tensors.items() if entry.dtype in ("q8", "q4", "q2")}
         return cls(config, weights, quantized, int16_activations)
+
+    def with_warm_start(self) -> "ReferenceModel":
+        """This model with warm start chosen at run time (the state_init option): every
+        position after the first starts its loop from the previous one's final state, the
+        first as the file's init says."""
+        cfg = self.config
+        first = cfg.warm_first if cfg.state_init == "warm" else cfg.state_init
+        return ReferenceModel(dataclasses.replace(cfg, state_init="warm", warm_first=first), self.weights,
+                              self.quantized, self.int16_activations)
 
     # ------------------------------------------------------------------ public API
 
@@ -252,9 +263,9 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ loop pieces
 
-    def _initial_state(self, e, positions, previous_state):
+    def _initial_state(self, e, positions, previous_state, kind=None):
         cfg = self.config
-        kind = cfg.state_init
+        kind = kind or cfg.state_init
         if kind == "prelude":
             return e
         if kind == "zeros":
@@ -267,8 +278,10 @@ class ReferenceModel:
             return cfg.noise_sigma * np.stack(
                 [seeded_normal(cfg.noise_seed, int(p), cfg.d_model) for p in positions])
         if kind == "warm":
-            # position 0 has no previous state and starts like `prelude`
-            return e if previous_state is None else previous_state[None, :].copy()
+            # position 0 has no previous state and starts like `warm_first`
+            if previous_state is None:
+                return self._initial_state(e, positions, None, cfg.warm_first)
+            return previous_state[None, :].copy()
         raise ValueError(f"unknown state init {kind!r}")
 
     def _inject(self, s, e):

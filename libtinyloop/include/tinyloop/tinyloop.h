@@ -62,7 +62,7 @@ typedef struct tl_model tl_model;         /* immutable weights, shared by thread
 typedef struct tl_context tl_context;     /* buffers + KV cache of one sequence      */
 typedef struct tl_stream tl_stream;       /* pull iterator over generated tokens     */
 typedef struct tl_prefix_cache tl_prefix_cache;   /* read-only snapshot of a prefix  */
-typedef struct tl_resume_handle tl_resume_handle; /* reserved (deeper-depth resume) */
+typedef struct tl_resume_handle tl_resume_handle; /* a sequence to go on with deeper */
 typedef struct tl_prefix_pool tl_prefix_pool;     /* thread-safe set of prefix caches */
 typedef struct tl_grammar tl_grammar;     /* immutable compiled grammar, shared by threads */
 
@@ -130,6 +130,16 @@ typedef enum tl_kv_dtype {
     TL_KV_DTYPE_F16 = 2      /* fp16, rounded to nearest even, saturated at +-65504  */
 } tl_kv_dtype;
 
+/* Where each position's loop starts (docs/model.md, "Warm start"). The file declares a
+ * state init (loop.state_init: prelude, zeros, noise or warm); warm can also be chosen at
+ * run time for any looped model: position p's loop then starts from position p-1's final
+ * loop state, position 0 from the file's init (prelude when the file declares warm). */
+typedef enum tl_state_init_choice {
+    TL_STATE_INIT_DEFAULT = 0, /* a context: the model's load option; at load: the file's  */
+    TL_STATE_INIT_FILE = 1,    /* the file's loop.state_init                               */
+    TL_STATE_INIT_WARM = 2     /* warm start                                               */
+} tl_state_init_choice;
+
 typedef struct tl_load_options {
     uint32_t struct_size;
     const char *device;        /* "cpu" | "cuda" | "cuda:N" | "auto"; NULL = "cpu"   */
@@ -171,6 +181,9 @@ typedef struct tl_load_options {
                                   sliding window): attention then sees only the last W
                                   positions, an approximate mode (tl_model_info reports
                                   it); 0 = refuse that (default)                      */
+    int32_t state_init;        /* contexts' state init, a tl_state_init_choice (above);
+                                  0 = the file's. Warm on a model without a loop is
+                                  TL_ERR_UNSUPPORTED                                 */
 } tl_load_options;
 
 #define TL_KV_PAGE_MIN 1
@@ -208,6 +221,8 @@ typedef struct tl_model_info {
     int32_t cache_window;      /* the load option cache_window (0 = off)          */
     int32_t cache_window_approx; /* 1 when that window is approximate for this model
                                   (attention sees fewer positions than its own)    */
+    int32_t state_init;        /* the load option state_init as resolved (a
+                                  tl_state_init_choice: 1 = the file's, 2 = warm)   */
 } tl_model_info;
 
 TL_API void tl_model_info_default(tl_model_info *info);
@@ -281,6 +296,7 @@ typedef struct tl_context_options {
                                   model's load option, -1 = none (a full cache)       */
     int32_t cache_window_approx; /* with cache_window > 0: as the load option (0 =
                                   refuse an approximate window)                     */
+    int32_t state_init;        /* a tl_state_init_choice; 0 = the model's load option */
 } tl_context_options;
 
 TL_API void tl_context_options_default(tl_context_options *opts);
@@ -646,6 +662,40 @@ TL_API tl_status tl_generate_with_pool(tl_model *model, tl_prefix_pool *pool, co
 TL_API tl_status tl_stream_start_with_pool(tl_model *model, tl_prefix_pool *pool,
                                            const int32_t *prompt, size_t n_prompt,
                                            const tl_generate_options *opts, tl_stream **out);
+
+/* ---- resume handles (docs/api.md, "Resume handles") ----------------------------------
+ * A resume handle is an immutable snapshot of a sequence's first tokens (their K/V and the
+ * loop state each position ended with) taken from a context that keeps its loop states:
+ * after a generation on it (which leaves the prompt and every generated token but the
+ * last), or after appends. tl_resume_generate takes those tokens to a deeper loop depth
+ * without a new prefill, continuing their loop from the kept states (the prelude and the
+ * iterations already run are not repeated), then generates: the result is a fresh
+ * generation at that depth of the handle's tokens followed by `prompt`. The handle does not
+ * depend on its context (free or reuse it); threads may resume one handle at once; free
+ * handles before their model. */
+/* The first n_tokens of ctx's sequence (0 = all of it). ctx must keep its loop states
+ * (tl_context_options.keep_loop_states) and hold at least one token; a model without a
+ * loop is TL_ERR_UNSUPPORTED. */
+TL_API tl_status tl_resume_create(tl_context *ctx, size_t n_tokens, tl_resume_handle **out);
+/* Any pointer may be NULL: its tokens, their depth, the bytes it holds. */
+TL_API tl_status tl_resume_get_info(const tl_resume_handle *handle, size_t *n_tokens, int32_t *depth,
+                                    uint64_t *bytes);
+/* tl_generate at loop depth `depth` (0 = the model's default; at least the handle's depth,
+ * opts->depth is not read) of the handle's tokens then prompt[0..n_prompt) (n_prompt may be
+ * 0: the first new token follows the handle's last one, from the deepened pass). On ctx
+ * (which must keep its loop states; its sequence is replaced, and kept without a copy when it
+ * already starts with the handle's tokens at the handle's depth) or, with ctx NULL, on a
+ * context of its own. result->n_prompt_tokens counts the handle's tokens and the prompt's,
+ * n_cached_tokens the handle's. Not with an exit rule (every position runs one depth). */
+TL_API tl_status tl_resume_generate(tl_resume_handle *handle, tl_context *ctx, int32_t depth,
+                                    const int32_t *prompt, size_t n_prompt,
+                                    const tl_generate_options *opts, int32_t *out_tokens,
+                                    size_t out_capacity, tl_generate_result *result);
+/* tl_resume_generate as a pull iterator (tl_stream_start's rules for ctx and the stream). */
+TL_API tl_status tl_resume_stream_start(tl_resume_handle *handle, tl_context *ctx, int32_t depth,
+                                        const int32_t *prompt, size_t n_prompt,
+                                        const tl_generate_options *opts, tl_stream **out);
+TL_API tl_status tl_resume_free(tl_resume_handle *handle);
 
 /* TL_CDEF_END */
 

@@ -28,6 +28,9 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
     if (o.keep_loop_states != 0 && o.keep_loop_states != 1)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "keep_loop_states is %d, not 0 or 1",
                        o.keep_loop_states);
+    if (o.state_init < TL_STATE_INIT_DEFAULT || o.state_init > TL_STATE_INIT_WARM)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_context_options.state_init %d is not a "
+                       "tl_state_init_choice (0 = the model's, 1 = the file's, 2 = warm)", o.state_init);
     tl_kv_choice model_kv = tl_model_kv_policy(model), kv;
     st = tl_kv_choice_resolve(o.kv_policy, o.kv_ring_slots, &model_kv, "tl_context_options", &kv);
     if (st != TL_OK) return st;
@@ -50,6 +53,7 @@ tl_status tl_context_create(tl_model *model, const tl_context_options *opts, tl_
                        window.size);
     tl_context *ctx = NULL;
     st = tl_context_open_with(model, o.max_seq_len, o.max_depth, o.prefill_chunk, &kv, &window, &ctx);
+    if (st == TL_OK) st = tl_context_set_state_init(ctx, o.state_init);
     if (st == TL_OK && o.keep_loop_states) st = tl_context_keep_loop_states(ctx, NULL);
     if (st != TL_OK) {
         tl_context_close(ctx);

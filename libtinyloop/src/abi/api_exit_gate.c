@@ -10,13 +10,13 @@
 #include "runtime/context.h"
 #include "runtime/forward.h"
 
-static tl_status check_gate_model(const tl_model *m) {
+static tl_status check_gate_model(const tl_model *m, tl_state_init init) {
     if (!m->hp.exit_gate)
         return tl_fail(TL_ERR_UNSUPPORTED, "the model has no exit gate (metadata loop.exit_gate; "
                                            "tensors exit_gate.weight / exit_gate.bias)");
-    if (m->hp.state_init == TL_INIT_WARM)
-        return tl_fail(TL_ERR_UNSUPPORTED, "the exit gate is read over whole chunks, and a warm "
-                                           "state init runs positions one by one");
+    if (init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "the exit gate is read over whole chunks, and state_init "
+                                           "warm runs positions one by one");
     return TL_OK;
 }
 
@@ -52,7 +52,7 @@ tl_status tl_context_score_exit_gate(tl_context *ctx, const int32_t *tokens, siz
     tl_score_options_default(&o);
     tl_status st = tl_context_check_free(ctx);
     if (st == TL_OK) st = read_struct(&o, sizeof o, opts, sizeof o, "tl_score_options");
-    if (st == TL_OK) st = check_gate_model(ctx->model);
+    if (st == TL_OK) st = check_gate_model(ctx->model, ctx->state_init);
     if (st != TL_OK) return st;
     if (n_tokens == 0 || !tokens)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the exit gate needs at least 1 token (tokens %s, "
@@ -72,7 +72,7 @@ tl_status tl_context_score_exit_gate(tl_context *ctx, const int32_t *tokens, siz
 tl_status tl_score_exit_gate(tl_model *model, const int32_t *tokens, size_t n_tokens,
                              const tl_score_options *opts, float *lambda) {
     NEED(model, "model");
-    tl_status st = check_gate_model(model);
+    tl_status st = check_gate_model(model, tl_model_state_init(model, TL_STATE_INIT_DEFAULT));
     if (st != TL_OK) return st;
     if (n_tokens > (size_t)tl_model_max_seq(model))
         return tl_fail(TL_ERR_CONTEXT_FULL, "%zu tokens exceed max_seq_len %d", n_tokens,

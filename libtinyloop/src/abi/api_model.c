@@ -80,6 +80,9 @@ static tl_status check_load_options(const tl_load_options *o) {
     if (o->kv_dtype < TL_KV_DTYPE_DEFAULT || o->kv_dtype > TL_KV_DTYPE_F16)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_dtype %d is not a tl_kv_dtype (0 = the backend's "
                        "default, 1 = f32, 2 = f16)", o->kv_dtype);
+    if (o->state_init < TL_STATE_INIT_DEFAULT || o->state_init > TL_STATE_INIT_WARM)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "state_init %d is not a tl_state_init_choice (0 = the "
+                       "default, 1 = the file's, 2 = warm)", o->state_init);
     tl_status st = tl_body_dtype_check(o->body_dtype);
     if (st != TL_OK) return st;
     tl_kv_choice kv;
@@ -99,6 +102,10 @@ static tl_status resolve_load_options(const tl_hparams *hp, tl_load_options *o) 
     if (!o->default_depth) o->default_depth = hp->default_depth;
     if (!o->n_threads) o->n_threads = tl_num_cores();
     if (!o->kv_policy) o->kv_policy = TL_KV_EXACT;
+    if (o->state_init == TL_STATE_INIT_WARM && hp->n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "state_init warm: the model has no loop (n_core = 0), so "
+                       "there is no loop state to carry from one position to the next");
+    if (!o->state_init) o->state_init = TL_STATE_INIT_FILE;
     o->device = NULL; /* the caller's string is not kept */
     return TL_OK;
 }
@@ -114,9 +121,10 @@ static tl_status resolve_cache_window(tl_model *model) {
     if (w->size && !model->backend->ops->kv_ring)
         return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the %s backend has no ring KV cache", w->size,
                        model->backend->name);
-    if (w->size && model->hp.state_init == TL_INIT_WARM)
-        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the model's warm state init keeps every "
-                       "position's final state by position, which a window does not bound", w->size);
+    if (w->size && tl_model_state_init(model, TL_STATE_INIT_DEFAULT) == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: a warm state init (the file's or state_init "
+                       "warm) keeps every position's final state by position, which a window does not "
+                       "bound", w->size);
     if (w->approx)
         tl_log(TL_LOG_WARN, "cache_window %d is approximate for this model (%s): attention sees only the "
                "last %d positions", w->size,
@@ -236,6 +244,7 @@ tl_status tl_model_get_info(const tl_model *model, tl_model_info *info) {
     full.kv_dtype = model->load_opts.kv_dtype;
     full.cache_window = model->cache_window.size;
     full.cache_window_approx = model->cache_window.approx;
+    full.state_init = model->load_opts.state_init;
     const tl_meta_entry *name = tl_file_meta(model->file, "general.name");
     if (name && name->type == TL_META_STRING) {
         size_t n = name->s_len < sizeof full.name - 1 ? (size_t)name->s_len : sizeof full.name - 1;

@@ -64,7 +64,7 @@ tl_status tl_context_escalate(struct tl_context *ctx, const int32_t *tokens, siz
     /* the first depth's scores are the answer only when it is the last one too */
     int first_is_last = min_depth == max_depth;
     /* an approximate KV policy cannot deepen (shared slots): each pass starts over */
-    int resumable = !first_is_last && ctx->model->hp.state_init != TL_INIT_WARM &&
+    int resumable = !first_is_last && ctx->state_init != TL_INIT_WARM &&
                     tl_kv_is_exact(&ctx->kv_policy), added = 0;
     if (st == TL_OK && resumable) st = tl_context_keep_loop_states(ctx, &added);
     if (st == TL_OK)

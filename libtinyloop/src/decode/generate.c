@@ -179,16 +179,22 @@ static tl_forward_out next_token_out(struct tl_stream *g, const int32_t *tokens,
     return out;
 }
 
-tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
-                          size_t n_prompt, const tl_generate_options *o,
-                          size_t max_tokens_cap, int may_chain) {
+/* tl_stream_begin, or with `deeper` > 0 tl_stream_begin_deeper's: the sequence first
+ * continued to that depth from its kept loop states (the prompt may then be empty). */
+static tl_status stream_begin(struct tl_stream *g, struct tl_context *ctx, int deeper, const int32_t *prompt,
+                              size_t n_prompt, const tl_generate_options *o, size_t max_tokens_cap,
+                              int may_chain) {
     memset(g, 0, sizeof *g);
     tl_status st = tl_context_check_free(ctx);
     if (st != TL_OK) return st;
     g->ctx = ctx;
-    int depth = 0;
-    st = validate_prompt(ctx, prompt, n_prompt);
-    if (st == TL_OK) st = tl_context_resolve_depth(ctx, o->depth, &depth);
+    int depth = deeper;
+    st = deeper && n_prompt == 0 ? TL_OK : validate_prompt(ctx, prompt, n_prompt);
+    if (st == TL_OK && deeper && (!ctx->loop_s || ctx->n_tokens == 0 || deeper < ctx->depth ||
+                                  deeper > ctx->max_depth))
+        st = tl_fail(TL_ERR_INTERNAL, "a generation continued at depth %d from a sequence of %zu at depth %d",
+                     deeper, ctx->n_tokens, ctx->depth);
+    if (st == TL_OK && !deeper) st = tl_context_resolve_depth(ctx, o->depth, &depth);
     if (st == TL_OK && o->max_tokens < 0)
         st = tl_fail(TL_ERR_INVALID_ARGUMENT, "max_tokens %d is negative", o->max_tokens);
     if (st == TL_OK) st = resolve_eos(ctx, o->eos_token, &g->eos);
@@ -239,7 +245,12 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
 
     double t0 = now_seconds();
     tl_forward_out out = next_token_out(g, prompt, n_prompt);
-    st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
+    if (deeper) {   /* the next token follows the deepened sequence, or the prompt after it */
+        st = tl_context_eval_deeper(ctx, depth, n_prompt ? NULL : &out);
+        if (st == TL_OK && n_prompt) st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
+    } else {
+        st = tl_context_eval(ctx, prompt, n_prompt, depth, &out);
+    }
     g->prefill_seconds = now_seconds() - t0;
     if (st != TL_OK) {
         tl_stream_end(g);
@@ -252,6 +263,18 @@ tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int
     g->n_prompt = (uint32_t)n_prompt;
     g->base = ctx->n_tokens;
     return TL_OK;
+}
+
+tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
+                          size_t n_prompt, const tl_generate_options *o,
+                          size_t max_tokens_cap, int may_chain) {
+    return stream_begin(g, ctx, 0, prompt, n_prompt, o, max_tokens_cap, may_chain);
+}
+
+tl_status tl_stream_begin_deeper(struct tl_stream *g, struct tl_context *ctx, int depth, const int32_t *prompt,
+                                 size_t n_prompt, const tl_generate_options *o, size_t max_tokens_cap,
+                                 int may_chain) {
+    return stream_begin(g, ctx, depth, prompt, n_prompt, o, max_tokens_cap, may_chain);
 }
 
 static void finish(struct tl_stream *g, tl_stop_reason reason) {

@@ -19,6 +19,14 @@
 tl_status tl_stream_begin(struct tl_stream *g, struct tl_context *ctx, const int32_t *prompt,
                           size_t n_prompt, const tl_generate_options *opts,
                           size_t max_tokens_cap, int may_chain);
+/* tl_stream_begin on a context that holds a sequence and keeps its loop states: the
+ * sequence is first continued to `depth` (>= its depth, <= the context's max_depth; the
+ * caller checks) by tl_context_eval_deeper, then the prompt (n_prompt may be 0) appended at
+ * it; the first token follows the last of them. On failure the context may hold the
+ * deepened sequence (or none, when the deepening failed). */
+tl_status tl_stream_begin_deeper(struct tl_stream *g, struct tl_context *ctx, int depth, const int32_t *prompt,
+                                 size_t n_prompt, const tl_generate_options *o, size_t max_tokens_cap,
+                                 int may_chain);
 /* The next token, or -1 with *reason set once generation has stopped. */
 tl_status tl_stream_step(struct tl_stream *g, int32_t *token, tl_stop_reason *reason);
 /* One step of each of n streams (over distinct contexts of one model): tokens[i],

@@ -99,7 +99,7 @@ tl_status tl_speculative_begin(struct tl_stream *g, const tl_generate_options *o
      * one-row pass of the last draft. That pays where rows cost compute (the CPU), not
      * where one-row steps are recorded and launch-bound (step_begin: CUDA graphs), whose
      * unrecorded extra pass costs more launches than the rows save (docs/benchmarks.md). */
-    if (hp->state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
+    if (ctx->state_init == TL_INIT_WARM || ctx->be->ops->step_begin) return TL_OK;
     size_t floats = 2 * (size_t)g->spec.n_draft * (size_t)hp->d;
     tl_status st = ctx->be->ops->buf_alloc(ctx->be, floats, &g->spec.states);
     if (st == TL_OK) tl_context_count_buffer(g->ctx, (int64_t)(floats * sizeof(float)));

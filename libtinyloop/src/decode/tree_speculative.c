@@ -98,10 +98,10 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
     if (!(o->draft_p_min >= 0.0 && o->draft_p_min <= 1.0))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_p_min %g is outside [0, 1] (0 = draft every "
                        "candidate of the tree's shape)", o->draft_p_min);
-    if (hp->state_init == TL_INIT_WARM)
-        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with a warm state init each position "
-                       "starts from the previous one's final state, which differs per branch; use "
-                       "linear drafts");
+    if (ctx->state_init == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: with state_init warm (the file's "
+                       "loop.state_init or the load / context option) each position starts from the "
+                       "previous one's final state, which differs per branch; use linear drafts");
     tl_status wst = tl_context_check_no_window(ctx, "tree speculation");
     if (wst != TL_OK) return wst;
     const tl_backend_ops *ops = ctx->be->ops;

@@ -121,6 +121,19 @@ static inline tl_kv_choice tl_model_kv_policy(const struct tl_model *model) {
     return c;
 }
 
+/* The state init a context runs with for a tl_state_init_choice (0 = the model's load
+ * option, checked at load): the file's, or warm. */
+static inline tl_state_init tl_model_state_init(const struct tl_model *model, int32_t choice) {
+    if (choice == TL_STATE_INIT_DEFAULT) choice = model->load_opts.state_init;
+    return choice == TL_STATE_INIT_WARM ? TL_INIT_WARM : model->hp.state_init;
+}
+
+/* A warm start's first position has no previous state: it starts as the file declares,
+ * or from the prelude's output when the file itself declares warm. */
+static inline tl_state_init tl_first_state_init(const tl_hparams *hp) {
+    return hp->state_init == TL_INIT_WARM ? TL_INIT_PRELUDE : hp->state_init;
+}
+
 static inline int32_t tl_model_default_depth(const struct tl_model *model) {
     return model->load_opts.default_depth > 0 ? model->load_opts.default_depth
                                               : model->hp.default_depth;

@@ -47,7 +47,7 @@ static tl_status alloc_buffers(struct tl_context *ctx) {
         { R * f, &ctx->gate }, { R * f, &ctx->up },   { R * 2 * kvd, &ctx->kv_new },
         { hp->injection == TL_INJECT_CONCAT ? R * 2 * d : 0, &ctx->cat },
         { (size_t)ctx->logit_rows * hp->vocab, &ctx->logits },
-        { hp->state_init == TL_INIT_WARM ? (size_t)ctx->max_seq * d : 0, &ctx->warm },
+        { ctx->state_init == TL_INIT_WARM ? (size_t)ctx->max_seq * d : 0, &ctx->warm },
     };
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
         tl_status st = alloc_buf(ctx, plan[i].count, plan[i].dst);
@@ -101,9 +101,10 @@ static tl_status tokens_room(struct tl_context *ctx, size_t n) {
 /* What a cache window needs of the model and backend. */
 static tl_status check_window(const struct tl_model *model, const tl_cache_window *w) {
     if (!w->size) return TL_OK;
-    if (model->hp.state_init == TL_INIT_WARM)
-        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the model's warm state init keeps every "
-                       "position's final state by position, which a window does not bound", w->size);
+    if (tl_model_state_init(model, TL_STATE_INIT_DEFAULT) == TL_INIT_WARM)
+        return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: a warm state init (the file's or state_init "
+                       "warm) keeps every position's final state by position, which a window does not "
+                       "bound", w->size);
     if (!model->backend->ops->kv_ring)
         return tl_fail(TL_ERR_UNSUPPORTED, "cache_window %d: the %s backend has no ring KV cache", w->size,
                        model->backend->name);
@@ -140,6 +141,7 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
     ctx->max_depth = hp->n_core == 0 ? 0 : (max_depth ? max_depth : hp->max_depth);
     ctx->kv_policy = kv_policy ? *kv_policy : tl_model_kv_policy(model);
     ctx->loop_slots = tl_kv_loop_slots(&ctx->kv_policy, ctx->max_depth);
+    ctx->state_init = tl_model_state_init(model, TL_STATE_INIT_DEFAULT);
     if (!prefill_chunk) prefill_chunk = model->load_opts.prefill_chunk;
     if (!prefill_chunk) prefill_chunk = model->backend->prefill_rows > 0 ? model->backend->prefill_rows : 256;
     ctx->chunk_rows = imin(prefill_chunk, w->size ? w->size : ctx->max_seq);
@@ -404,7 +406,9 @@ tl_status tl_context_eval_batch(struct tl_context *const *ctxs, const int32_t *t
     }
     /* One row takes the one-row step's path (fused kernels, recorded steps); a warm start
      * chains each position to the previous one's state, so its rows go one by one. */
-    if (st == TL_OK && (n == 1 || lead->model->hp.state_init == TL_INIT_WARM)) {
+    int warm = 0;
+    for (size_t i = 0; i < n; i++) warm |= ctxs[i]->warm != NULL;
+    if (st == TL_OK && (n == 1 || warm)) {
         for (size_t i = 0; i < n && st == TL_OK; i++)
             st = tl_context_eval(ctxs[i], tokens + i, 1, 0, outs ? &outs[i] : NULL);
     } else if (st == TL_OK) {
@@ -428,7 +432,7 @@ tl_status tl_context_eval_resumed(struct tl_context *ctx, const int32_t *tokens,
                                  int from, const tl_forward_out *out, tl_act kept_e, tl_act kept_s) {
     size_t start = ctx->n_tokens;
     if (n < 2 || n > (size_t)ctx->chunk_rows || from < 1 || from > ctx->depth ||
-        ctx->model->hp.state_init == TL_INIT_WARM || n > (size_t)ctx->max_seq - start)
+        ctx->state_init == TL_INIT_WARM || n > (size_t)ctx->max_seq - start)
         return tl_fail(TL_ERR_INTERNAL, "a resumed verification of %zu rows from iteration %d "
                        "(sequence of %zu at depth %d)", n, from, start, ctx->depth);
     tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens, .n = (int)n, .pos0 = (int)start,
@@ -449,9 +453,9 @@ tl_status tl_context_keep_loop_states(struct tl_context *ctx, int *added) {
     if (ctx->loop_s) return TL_OK;
     if (hp->n_core == 0)
         return tl_fail(TL_ERR_UNSUPPORTED, "keeping loop states: this model has no loop (n_core = 0)");
-    if (hp->state_init == TL_INIT_WARM)
+    if (ctx->state_init == TL_INIT_WARM)
         return tl_fail(TL_ERR_UNSUPPORTED,
-                       "keeping loop states: with a warm state init each position starts from the "
+                       "keeping loop states: with a warm state init (state_init warm) each position starts from the "
                        "previous one's final state, which a deeper pass changes; append again at "
                        "the deeper depth instead");
     if (!tl_kv_is_exact(&ctx->kv_policy))
@@ -526,7 +530,7 @@ tl_status tl_context_logit_lens(struct tl_context *ctx, const int32_t *tokens, s
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_depth %d is out of range [1, %d]", max_depth,
                        ctx->max_depth);
     tl_context_set_length(ctx, 0);
-    if (n <= (size_t)ctx->chunk_rows && hp->state_init != TL_INIT_WARM) {
+    if (n <= (size_t)ctx->chunk_rows && ctx->state_init != TL_INIT_WARM) {
         tl_buf *saved = NULL;
         st = ctx->be->ops->buf_alloc(ctx->be, n * (size_t)hp->d, &saved);
         tl_forward_req req = { .rows = TL_ROWS_SEQUENCE, .tokens = tokens, .n = (int)n, .depth = max_depth,
@@ -563,11 +567,45 @@ void tl_context_trim(struct tl_context *ctx) {
     tl_kv_cache_trim(&ctx->kv, ctx->ex, (int)ctx->n_tokens);
 }
 
+tl_status tl_context_set_state_init(struct tl_context *ctx, int32_t choice) {
+    tl_state_init init = tl_model_state_init(ctx->model, choice);
+    if (init == ctx->state_init) return TL_OK;
+    if (init == TL_INIT_WARM && ctx->model->hp.n_core == 0)
+        return tl_fail(TL_ERR_UNSUPPORTED, "state_init warm: the model has no loop (n_core = 0), so "
+                       "there is no loop state to carry from one position to the next");
+    if (init == TL_INIT_WARM && ctx->window.size)
+        return tl_fail(TL_ERR_UNSUPPORTED, "state_init warm with cache_window %d: the warm state is kept "
+                       "by position, which a window does not bound", ctx->window.size);
+    if (init == TL_INIT_WARM && ctx->loop_s)
+        return tl_fail(TL_ERR_UNSUPPORTED, "state_init warm: the context keeps its loop states to "
+                       "deepen them, and a deeper pass would change the state each position starts from");
+    size_t bytes = (size_t)ctx->max_seq * ctx->model->hp.d * sizeof(float);
+    tl_context_set_length(ctx, 0);
+    tl_context_trim(ctx);
+    if (ctx->warm) {   /* back to the file's init: no states to carry */
+        ctx->be->ops->buf_free(ctx->warm);
+        ctx->warm = NULL;
+        ctx->buffer_bytes -= bytes;
+        stats_add(ctx->model, -(int64_t)bytes, 0);
+    } else {
+        tl_status st = alloc_buf(ctx, bytes / sizeof(float), &ctx->warm);
+        if (st != TL_OK) return st;
+        stats_add(ctx->model, (int64_t)bytes, 0);
+    }
+    ctx->state_init = init;
+    return TL_OK;
+}
+
 tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out) {
     struct tl_context *dst = NULL;
     tl_status st = tl_context_open_with(src->model, src->window.size ? 0 : src->max_seq, src->max_depth,
                                         src->chunk_rows, &src->kv_policy, &src->window, &dst);
-    if (st != TL_OK) return st;
+    if (st == TL_OK) st = tl_context_set_state_init(dst, src->state_init == TL_INIT_WARM ? TL_STATE_INIT_WARM
+                                                                                         : TL_STATE_INIT_FILE);
+    if (st != TL_OK) {
+        tl_context_close(dst);
+        return st;
+    }
     size_t n = src->n_tokens;
     st = tokens_room(dst, n);
     if (st != TL_OK) {

@@ -96,5 +96,9 @@ void tl_context_set_length(struct tl_context *ctx, size_t n_keep);
  * for a contiguous cache). */
 void tl_context_trim(struct tl_context *ctx);
 tl_status tl_context_clone(const struct tl_context *ctx, struct tl_context **out);
+/* The context's state init for a tl_state_init_choice (0 = the model's): allocates or
+ * frees the warm states and empties the sequence when it changes. Warm is refused on a
+ * model without a loop and on a context that keeps its loop states. */
+tl_status tl_context_set_state_init(struct tl_context *ctx, int32_t choice);
 
 #endif

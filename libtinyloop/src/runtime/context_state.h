@@ -31,6 +31,7 @@ struct tl_context {
     tl_kv_cache kv;
     tl_kv_choice kv_policy;   /* how iterations share the loop's K/V slots */
     int loop_slots;           /* K/V slots per core block (tl_kv_loop_slots) */
+    tl_state_init state_init; /* where each position's loop starts (the file's or warm) */
 
     /* activation buffers of chunk_rows rows (docs/api.md, "Memory") */
     tl_buf *h;            /* hidden state / loop state, [rows, d] */
@@ -42,7 +43,8 @@ struct tl_context {
     tl_buf *gate, *up;    /* MLP, [rows, f] */
     tl_buf *cat;          /* concat injection input [s ; e], [rows, 2d]; or NULL */
     tl_buf *logits;       /* [logit_rows, V] */
-    tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d] */
+    tl_buf *warm;         /* warm init: final loop state of every position, [max_seq, d];
+                             allocated exactly when state_init is warm */
     tl_buf *loop_e, *loop_s;  /* kept loop states (tl_context_keep_loop_states): every
                                  position's injection source and its state after the
                                  sequence's last iteration, [max_seq, d] each; or NULL */

@@ -428,10 +428,11 @@ static void core_loop(const fwd *F, tl_act s, tl_act e, int n, int pos0, int dep
     iterations(F, s, e, n, pos0, 0, depth);
 }
 
-/* s = init(e) for rows whose init does not depend on other positions. h holds e. */
-static void init_state(const fwd *F, tl_act h, int n, int pos0) {
+/* s = init(e) of kind `init` for rows whose init does not depend on other positions. h
+ * holds e. */
+static void init_state(const fwd *F, tl_state_init init, tl_act h, int n, int pos0) {
     size_t count = (size_t)n * F->d;
-    switch (F->hp->state_init) {
+    switch (init) {
     case TL_INIT_PRELUDE:
     case TL_INIT_WARM:     /* handled row by row in run_loop */
         break;
@@ -460,14 +461,15 @@ static void keep_injection_source(const fwd *F, int n) {
         F->ops->copy_rows(F->ex, buf0(F->ctx->e), F->d, buf0(F->ctx->h), F->d, n, F->d);
 }
 
-/* From e (in h and e) to the final loop state in h. A warm start needs the previous
- * position's final state, so positions then run through the loop one by one; each
- * position's state is kept (ctx->warm) so truncation and forks stay exact. */
+/* From e (in h and e) to the final loop state in h. A warm start (the file's, or the
+ * state_init option's) needs the previous position's final state, so positions then run
+ * through the loop one by one; each position's state is kept (ctx->warm) so truncation
+ * and forks stay exact. */
 static void run_loop(const fwd *F, int n, int pos0, int depth) {
     tl_act h = buf0(F->ctx->h), e = buf0(F->ctx->e);
     if (depth > 0) keep_injection_source(F, n);
-    if (F->hp->state_init != TL_INIT_WARM) {
-        init_state(F, h, n, pos0);
+    if (F->ctx->state_init != TL_INIT_WARM) {
+        init_state(F, F->ctx->state_init, h, n, pos0);
         core_loop(F, h, e, n, pos0, depth);
         return;
     }
@@ -475,7 +477,9 @@ static void run_loop(const fwd *F, int n, int pos0, int depth) {
     for (int r = 0; r < n; r++) {
         int pos = pos0 + r;
         tl_act s = tl_act_add(h, (size_t)r * F->d);
-        if (pos > 0)   /* position 0 starts from e, which s already holds */
+        if (pos == 0)   /* no previous state: the file's own init (e is already in s) */
+            init_state(F, tl_first_state_init(F->hp), s, 1, 0);
+        else
             F->ops->copy_rows(F->ex, s, F->d, tl_act_add(warm, (size_t)(pos - 1) * F->d), F->d,
                               1, F->d);
         fwd R = *F;
@@ -702,7 +706,7 @@ static tl_status lens_pass(fwd *F, const tl_forward_req *req, const tl_forward_o
     int n = req->n;
     embed_and_prelude(F, req->tokens, n, 0);
     keep_injection_source(F, n);
-    init_state(F, h, n, 0);
+    init_state(F, F->ctx->state_init, h, n, 0);
     for (int it = 1; it <= req->depth; it++) {
         core_iteration(F, h, e, n, 0, it);
         F->ops->copy_rows(F->ex, req->lens_saved, F->d, h, F->d, n, F->d);

@@ -168,6 +168,10 @@ tl_status tl_prefix_cache_load(struct tl_context *ctx, const struct tl_prefix_ca
                        "the context's max_depth %d", c->depth, ctx->max_depth);
     tl_status fit = fits_policy(ctx, c->depth);
     if (fit != TL_OK) return fit;
+    if ((c->warm != NULL) != (ctx->warm != NULL))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "the prefix cache was computed %s state_init warm and "
+                       "the context runs %s it: its K/V would not be the context's",
+                       c->warm ? "with" : "without", ctx->warm ? "with" : "without");
     if (ctx->loop_s && !c->loop_s)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "the context keeps loop states and the prefix cache "
                        "holds none: snapshot a context created with keep_loop_states = 1");

@@ -75,7 +75,7 @@ tl_status tl_testing_tree_logits(tl_context *ctx, const int32_t *tokens, const i
     const tl_backend_ops *ops = ctx->be->ops;
     if (!ops->rope_tree || !ops->tree_attention)
         return tl_fail(TL_ERR_UNSUPPORTED, "backend %s has no tree attention", ctx->be->name);
-    if (ctx->model->hp.state_init == TL_INIT_WARM)
+    if (ctx->state_init == TL_INIT_WARM)
         return tl_fail(TL_ERR_UNSUPPORTED, "a token tree's rows cannot start warm (each branch has its "
                        "own previous state)");
     if (depth < (ctx->max_depth ? 1 : 0) || depth > ctx->max_depth ||
