@@ -82,6 +82,8 @@ def _open_model(args, config=None):
         path = str(args.default_model.path)
     overrides = {flag: getattr(args, flag) for flag in ("threads", "device")
                  if getattr(args, flag, None) is not None}
+    if getattr(args, "kv_policy", None) is not None:   # a ring's slots do not carry over
+        overrides.update(kv_policy=args.kv_policy, kv_ring_slots=0)
     return Model.from_config(config, path=path, **overrides)
 
 
@@ -350,7 +352,10 @@ def cmd_info(args) -> dict:
         for row in payload["kv_per_token"]:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
-                  f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
+                  f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB, store_h: "
+                  f"{row['store_h_bytes_per_token'] / 1024:.1f} KiB)")
+        print(f"kv policy:    {memory['kv_policy']}, {memory['kv_bytes_per_token'] / 1024:.1f} KiB per token "
+              f"at max depth {info.max_depth}")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
                                            for k, v in memory.items() if k.endswith("_bytes")))
         if default is not None:
@@ -595,6 +600,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_non_negative, help="CPU threads (0 = all cores)")
     p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--kv-policy", choices=("exact", "share_last", "store_h"),
+                   help="the KV cache of the loop (docs/model.md): exact (default), share_last "
+                        "(approximate) or store_h (exact, block inputs kept, K/V recomputed); "
+                        "over the config's [modes.kv_share]")
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes")
 
 

@@ -1,0 +1,197 @@
+"""The store_h KV policy (docs/model.md, "The store_h KV policy"; TL_KV_STORE_H).
+
+store_h keeps each core block's input per loop iteration and position instead of its K/V
+and recomputes the K/V of earlier positions when a block attends. It computes the exact
+policy's function, so it is held to the float64 oracle's exact pass on every parity case
+with a loop (every architecture option and weight type), plus GQA with head_dim != d / h
+and a post-loop norm, over a chunked prefill then token-by-token decoding, and to the
+backend's exact cache within float rounding (f32 weights: 1e-5 on log-probs). Also:
+greedy tokens, batched steps beside exact contexts, deepening, forks, adaptive depth,
+speculative decoding, the memory it holds and reports, and the refused combinations."""
+
+import numpy as np
+import pytest
+
+import tinyloop
+from test_kv_policy import CHUNK, PREFILL, assert_close, context_kv_bytes, decode_logits, oracle_checks
+from test_parity import CASES, DEVICE, ON_CPU, SAME, TOLERANCES, ModelFiles, arithmetic, case_config, case_tokens
+from reference import ReferenceModel
+from reference.ops import next_token_logprobs
+from tinyloop.errors import UnsupportedError
+from tinyloop.fileformat.random_model import make_random_model
+
+pytestmark = pytest.mark.skipif(not ON_CPU, reason="store_h runs on the CPU backend (refused elsewhere)")
+
+LOOP_CASES = [name for name in CASES if case_config(name)["n_core"] > 0]
+# shapes the parity cases do not have: head_dim != d / n_head under GQA, a post-loop norm
+EXTRA = {"gqa-wide-heads": dict(n_head=4, n_kv_head=2, head_dim=24),
+         "post_norm-huginn": dict(norm_placement="sandwich_outer", injection="concat", post_norm=1,
+                                  n_pre=1, n_core=2, n_post=1, n_kv_head=1, head_dim=20)}
+F32_LOGPROB = 1e-5   # store_h vs exact, same backend, f32 weights
+
+
+def extra_config(name):
+    return {**case_config("base"), **EXTRA[name]}
+
+
+class _Files(ModelFiles):
+    """The parity cases and EXTRA, written once per session."""
+
+    def path(self, name):
+        if name not in EXTRA:
+            return super().path(name)
+        path = self.directory / f"{name}.tinyloop"
+        if not path.exists():
+            make_random_model(path, **extra_config(name))
+        return path
+
+    def reference(self, name, int16_activations=False):
+        if name not in EXTRA:
+            return super().reference(name, int16_activations)
+        return ReferenceModel.from_file(self.path(name), int16_activations)
+
+
+@pytest.fixture(scope="module")
+def all_files(files):
+    return _Files(files.directory)
+
+
+def config_of(name):
+    return extra_config(name) if name in EXTRA else case_config(name)
+
+
+@pytest.mark.parametrize("name", LOOP_CASES + list(EXTRA))
+def test_store_h_is_the_exact_pass(all_files, name):
+    config = config_of(name)
+    tokens = case_tokens(config)
+    path = all_files.path(name)
+    for depth in sorted({1, config["max_depth"]}):
+        with tinyloop.Model(path, device=DEVICE, prefill_chunk=CHUNK, kv_policy="store_h") as model, \
+                tinyloop.Model(path, device=DEVICE, prefill_chunk=CHUNK) as exact:
+            logprobs = model.score(tokens, depth=depth)
+            decoded = decode_logits(model, tokens, depth)
+            exact_logprobs = exact.score(tokens, depth=depth)
+            exact_decoded = decode_logits(exact, tokens, depth)
+        float_weights = arithmetic(config) == "float"
+        assert_close(logprobs, exact_logprobs.astype(np.float64), (F32_LOGPROB, 0) if float_weights else SAME,
+                     f"{name} depth {depth}: store_h vs exact score")
+        assert_close(decoded, exact_decoded.astype(np.float64), SAME, f"{name} depth {depth}: store_h vs exact decode")
+        checks = oracle_checks(all_files, name) if name not in EXTRA else \
+            [(all_files.reference(name), TOLERANCES["float"], "oracle")]
+        for reference, tolerance, which in checks:
+            expected = reference.logits(tokens, depth)
+            label = f"{name} store_h depth {depth} vs {which}"
+            assert_close(logprobs, next_token_logprobs(expected, tokens), tolerance, f"{label}: chunked score")
+            assert_close(decoded, expected[PREFILL - 1:], tolerance, f"{label}: prefill then decode")
+        # cached decode equals full scoring
+        assert_close(next_token_logprobs(np.vstack([np.zeros((PREFILL - 1, decoded.shape[1])), decoded]),
+                                         tokens)[PREFILL - 1:], logprobs[PREFILL - 1:].astype(np.float64), SAME,
+                     f"{name} depth {depth}: store_h decode vs its score")
+
+
+@pytest.mark.parametrize("name", ["base", "huginn-q4", "init-warm", "post_norm-huginn"])
+def test_greedy_tokens_and_batched_steps(all_files, name):
+    config = config_of(name)
+    tokens = case_tokens(config)
+    prompt, depth, n_new = tokens[:5], config["max_depth"], 6
+    path = all_files.path(name)
+    with tinyloop.Model(path, device=DEVICE) as exact:
+        expected = exact.generate(prompt, max_tokens=n_new, depth=depth, temperature=0, eos=False).tokens
+    with tinyloop.Model(path, device=DEVICE, kv_policy="store_h") as model:
+        assert model.generate(prompt, max_tokens=n_new, depth=depth, temperature=0, eos=False).tokens == expected
+        assert list(model.stream(prompt, max_tokens=n_new, depth=depth, temperature=0, eos=False)) == expected
+        batch = model.generate_batch([prompt, tokens[2:6]], max_tokens=n_new, depth=depth, temperature=0, eos=False)
+        assert batch[0].tokens == expected
+        # a batched step whose rows are a store_h and an exact context, against each alone
+        with model.context() as a, model.context(kv_policy="exact") as b, model.context() as alone:
+            a.append(tokens[:5], depth=depth)
+            b.append(tokens[:3], depth=depth)
+            alone.append(tokens[:5], depth=depth)
+            rows = [model.append_batch([a, b], [t, t])[0] for t in tokens[5:9]]
+            single = [alone.append([t]) for t in tokens[5:9]]
+    assert_close(rows, np.array(single, dtype=np.float64), SAME, f"{name}: batched rows vs stepped alone")
+
+
+def test_deepen_fork_adaptive_depth_and_speculation(all_files):
+    config = case_config("huginn-q4")
+    tokens = case_tokens(config)
+    top = config["max_depth"]
+    path = all_files.path("huginn-q4")
+    with tinyloop.Model(path, device=DEVICE, prefill_chunk=CHUNK, kv_policy="store_h") as model, \
+            tinyloop.Model(path, device=DEVICE, prefill_chunk=CHUNK) as exact:
+        with model.context(keep_loop_states=True) as ctx:
+            ctx.append(tokens, depth=1)
+            deeper = ctx.deepen(top)
+            assert_close(deeper, decode_logits(exact, tokens, top)[-1].astype(np.float64), SAME, "deepen")
+            with ctx.fork() as other:
+                assert np.array_equal(other.append(tokens[:1]), ctx.append(tokens[:1]))
+        given = np.array([1, 2, 3, 1, top, 2, 2, 3, 1, top, 3, 2], dtype=np.int32)[:len(tokens)]
+        got, _ = model.score_with_depths(tokens, depth=top, given_depths=given)
+        want, _ = exact.score_with_depths(tokens, depth=top, given_depths=given)
+        assert_close(got, want.astype(np.float64), SAME, "given depths")
+        plain = exact.generate(tokens[:4], max_tokens=8, depth=top, temperature=0, eos=False).tokens
+        spec = model.generate(tokens[:4], max_tokens=8, depth=top, temperature=0, eos=False, draft_depth=1)
+        assert spec.tokens == plain
+
+
+def test_memory_held_and_reported(all_files):
+    for name in ("base", "huginn-q4"):
+        config = case_config(name)
+        kv_row = 2 * 4 * config["max_seq_len"] * config["n_kv_head"] * config["head_dim"]
+        slots = config["n_pre"] + config["n_core"] + config["n_post"]
+        inputs = 4 * config["max_seq_len"] * config["d_model"] * config["n_core"] * config["max_depth"]
+        with tinyloop.Model(all_files.path(name), device=DEVICE, kv_policy="store_h") as model:
+            assert context_kv_bytes(model) == kv_row * slots + inputs
+            assert context_kv_bytes(model, kv_policy="exact") == \
+                kv_row * (config["n_pre"] + config["max_depth"] * config["n_core"] + config["n_post"])
+            report = model.memory_report()
+            assert report["kv_policy"] == "store_h"
+            assert report["kv_bytes_per_token"] == (kv_row * slots + inputs) // config["max_seq_len"]
+        with tinyloop.Model(all_files.path(name), device=DEVICE) as model:
+            assert model.memory_report()["kv_policy"] == "exact"
+
+
+def test_refused_combinations(all_files):
+    path = all_files.path("base")
+    tokens = case_tokens(case_config("base"))
+    with pytest.raises(UnsupportedError, match="kv_policy store_h .* paged KV"):
+        tinyloop.Model(path, device=DEVICE, kv_policy="store_h", kv_page_size=16)
+    with tinyloop.Model(path, device=DEVICE, kv_page_size=16) as paged:
+        with pytest.raises(UnsupportedError, match="kv_policy store_h .* paged KV"):
+            paged.context(kv_policy="store_h")
+    with tinyloop.Model(path, device=DEVICE, kv_policy="store_h") as model:
+        with pytest.raises(UnsupportedError, match="tree speculation: kv_policy store_h"):
+            model.generate(tokens[:4], max_tokens=4, temperature=0, draft_depth=1, tree=(2, 2))
+        with pytest.raises(UnsupportedError, match="prefix caches .* store_h"):
+            model.prefix_cache(tokens[:4])
+        with model.context() as ctx:
+            ctx.append(tokens[:4])
+            with pytest.raises(UnsupportedError, match="prefix caches .* store_h"):
+                ctx.prefix_cache()
+
+
+def test_toml_cli_and_info(all_files, capsys):
+    """[modes.kv_share] policy = "store_h", `--kv-policy store_h` (over the config's ring)
+    and what `tinyloop info` reports per token."""
+    import json
+
+    from tinyloop.cli import main
+    from tinyloop.config import parse_config
+
+    options = parse_config('[modes.kv_share]\npolicy = "store_h"\n').load_options()
+    assert (options["kv_policy"], options["kv_ring_slots"]) == ("store_h", 0)
+    config = case_config("base")
+    path = all_files.path("base")
+    toml = all_files.directory / "ring.toml"
+    toml.write_text('[modes.kv_share]\npolicy = "ring"\nring_slots = 2\n')
+    assert main(["info", str(path), "--json", "--config", str(toml), "--kv-policy", "store_h"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kv_slot = 2 * 4 * config["n_kv_head"] * config["head_dim"]
+    inputs = 4 * config["d_model"] * config["n_core"] * config["max_depth"]
+    assert payload["memory"]["kv_policy"] == "store_h"
+    assert payload["memory"]["kv_bytes_per_token"] == 3 * kv_slot + inputs
+    top = {row["depth"]: row for row in payload["kv_per_token"]}[config["max_depth"]]
+    assert top["store_h_bytes_per_token"] == 3 * kv_slot + inputs
+    assert top["bytes_per_token"] == (2 + config["max_depth"]) * kv_slot
+    assert main(["info", str(path), "--kv-policy", "store_h"]) == 0
+    assert f"kv policy:    store_h, {(3 * kv_slot + inputs) / 1024:.1f} KiB per token" in capsys.readouterr().out
