@@ -315,6 +315,7 @@ def cmd_info(args) -> dict:
         info = model.info
         dtypes, parameters = _tensor_summary(model.path)
         memory = model.memory_report()
+        kv_policy = model.kv_policy_report()
         has_tokenizer = model.metadata_string("tokenizer.json") is not None
     architecture = {k: v for k, v in info.metadata.items() if k.startswith(("arch.", "loop."))}
     other = {k: v for k, v in info.metadata.items() if k not in architecture}
@@ -324,7 +325,8 @@ def cmd_info(args) -> dict:
                "tokenizer": has_tokenizer, "bos_token": info.bos_token,
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
-               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info)}
+               "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info),
+               "kv_policy": kv_policy}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -354,7 +356,8 @@ def cmd_info(args) -> dict:
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
                   f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB, store_h: "
                   f"{row['store_h_bytes_per_token'] / 1024:.1f} KiB)")
-        print(f"kv policy:    {memory['kv_policy']}, {memory['kv_bytes_per_token'] / 1024:.1f} KiB per token "
+        policy = payload["kv_policy"]
+        print(f"kv policy:    {policy['kv_policy']}, {policy['kv_bytes_per_token'] / 1024:.1f} KiB per token "
               f"at max depth {info.max_depth}")
         print("memory:       " + ", ".join(f"{k[:-6]} {v / mib:.1f} MiB"
                                            for k, v in memory.items() if k.endswith("_bytes")))

@@ -876,18 +876,25 @@ class Model(_Scoring, NativeHandle):
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
         kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
         held (body_bytes, part of weights). The KV bytes are of info.kv_dtype's elements.
-        kv_policy (a name, as Model takes it) and kv_bytes_per_token: what a context caching
-        the model's max depth holds per position under it (store_h: its K/V slots and the
-        core blocks' kept inputs)."""
+        kv_policy_report() adds the KV policy's cost per token."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
-        report = {name: int(getattr(c_report, name)) for name in (
+        return {name: int(getattr(c_report, name)) for name in (
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
             "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
-            "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes", "kv_bytes_per_token")}
-        report["kv_policy"] = kv_policy_name(int(c_report.kv_policy))
-        return report
+            "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes")}
+
+    def kv_policy_report(self) -> dict:
+        """The memory report's KV policy: kv_policy (the contexts' policy, a name as Model
+        takes it) and kv_bytes_per_token, what a context caching the model's max depth
+        holds per position under it (store_h: its K/V slots and the core blocks' kept
+        inputs; docs/model.md, "The store_h KV policy")."""
+        c_report = self._native.ffi.new("tl_memory_report *")
+        self._native.lib.tl_memory_report_default(c_report)
+        self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
+        return {"kv_policy": kv_policy_name(int(c_report.kv_policy)),
+                "kv_bytes_per_token": int(c_report.kv_bytes_per_token)}
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")

@@ -144,11 +144,11 @@ def test_memory_held_and_reported(all_files):
             assert context_kv_bytes(model) == kv_row * slots + inputs
             assert context_kv_bytes(model, kv_policy="exact") == \
                 kv_row * (config["n_pre"] + config["max_depth"] * config["n_core"] + config["n_post"])
-            report = model.memory_report()
+            report = model.kv_policy_report()
             assert report["kv_policy"] == "store_h"
             assert report["kv_bytes_per_token"] == (kv_row * slots + inputs) // config["max_seq_len"]
         with tinyloop.Model(all_files.path(name), device=DEVICE) as model:
-            assert model.memory_report()["kv_policy"] == "exact"
+            assert model.kv_policy_report()["kv_policy"] == "exact"
 
 
 def test_refused_combinations(all_files):
@@ -188,8 +188,7 @@ def test_toml_cli_and_info(all_files, capsys):
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     kv_slot = 2 * 4 * config["n_kv_head"] * config["head_dim"]
     inputs = 4 * config["d_model"] * config["n_core"] * config["max_depth"]
-    assert payload["memory"]["kv_policy"] == "store_h"
-    assert payload["memory"]["kv_bytes_per_token"] == 3 * kv_slot + inputs
+    assert payload["kv_policy"] == {"kv_policy": "store_h", "kv_bytes_per_token": 3 * kv_slot + inputs}
     top = {row["depth"]: row for row in payload["kv_per_token"]}[config["max_depth"]]
     assert top["store_h_bytes_per_token"] == 3 * kv_slot + inputs
     assert top["bytes_per_token"] == (2 + config["max_depth"]) * kv_slot
