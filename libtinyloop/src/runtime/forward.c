@@ -190,7 +190,8 @@ static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_
     tl_matmul_in in = normed(F, &w->attn_norm, x);
 
     if (F->batch) {
-        for (int r = 0; slot.kind == SLOT_CORE && r < F->n_real; r++)   /* before the rows' K/V use kv_new */
+        /* before the rows' K/V use kv_new; n: a run of an adaptive step's rows (rows_from) */
+        for (int r = 0; slot.kind == SLOT_CORE && r < n && r < F->n_real; r++)
             if (F->batch[r].ctx->block_in)
                 store_h_prepare(F, F->batch[r].ctx, w, slot, tl_act_add(x, (size_t)r * F->d), 1, F->batch[r].pos);
         qkv_rows(F, w, &in, n, q, k_new, v_new);
