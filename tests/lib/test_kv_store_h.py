@@ -194,3 +194,53 @@ def test_toml_cli_and_info(all_files, capsys):
     assert top["bytes_per_token"] == (2 + config["max_depth"]) * kv_slot
     assert main(["info", str(path), "--kv-policy", "store_h"]) == 0
     assert f"kv policy:    store_h, {(3 * kv_slot + inputs) / 1024:.1f} KiB per token" in capsys.readouterr().out
+
+
+def test_batched_streams_with_exit_rules(all_files):
+    """A batched step whose rows stop at different iterations runs them in runs of rows:
+    each store_h row recomputes its own sequence's K/V (the exact model's tokens and
+    depths, streams stepped together, one row an exact context's)."""
+    config = case_config("huginn-q4")
+    tokens = case_tokens(config)
+    depth = config["max_depth"]
+    prompts = [tokens[:3], tokens[2:8], tokens[1:2], tokens[5:9]]
+    rules = ["latent_delta:0.3", "fixed", "argmax_stable:2", "latent_delta:0.6"]
+    path = all_files.path("huginn-q4")
+
+    def stepped(model, policies):
+        contexts = [model.context(kv_policy=p) for p in policies]
+        streams = [ctx.stream(p, max_tokens=6, depth=depth, temperature=0, eos=False, exit=r)
+                   for ctx, p, r in zip(contexts, prompts, rules)]
+        got = [[] for _ in streams]
+        for _ in range(6):
+            for i, token in enumerate(model.next_batch(streams)):
+                assert not isinstance(token, Exception), token
+                if token is not None:
+                    got[i].append(token)
+        for s, ctx in zip(streams, contexts):
+            s.close()
+            ctx.close()
+        return got
+
+    with tinyloop.Model(path, device=DEVICE) as exact, \
+            tinyloop.Model(path, device=DEVICE, kv_policy="store_h") as model:
+        assert stepped(model, [None, None, "exact", None]) == stepped(exact, [None] * 4)
+
+
+def test_the_store_h_benchmark(tmp_path):
+    """tools/bench/kv_store_h.py on its Huginn-shaped model: the two policies agree and
+    store_h holds 0.55 of exact's KV bytes per token (8 K/V slots and 128 block inputs of
+    256 floats against 132 slots of 2 x 256)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "store_h.json"
+    script = Path(__file__).resolve().parents[2] / "tools" / "bench" / "kv_store_h.py"
+    subprocess.run([sys.executable, str(script), "--models", "huginn-r32", "--prompt-tokens", "6", "--new-tokens",
+                    "2", "--threads", "1", "--json", str(out)], check=True, timeout=300, capture_output=True)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["same_greedy_tokens"] and row["max_logprob_diff"] < 1e-4
+    assert row["exact"]["kv_bytes_per_token"] == 132 * 2 * 256 * 4
+    assert row["store_h"]["kv_bytes_per_token"] == (8 * 2 + 128) * 256 * 4
