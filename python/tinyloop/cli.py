@@ -405,6 +405,8 @@ def cmd_serve(args) -> dict:
                             json_logs=args.log_json)
     config = _load_config(args)
     options.exit = _exit(args, config)   # the replicas' too, under --ray
+    if args.ray and args.kv_policy is not None:   # the replicas load the config, not this flag
+        raise CommandError("--kv-policy: not with --ray; name the policy in --config's [modes.kv_share]")
     if args.ray:
         return _serve_on_ray(args, options)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),

@@ -244,3 +244,32 @@ def test_the_store_h_benchmark(tmp_path):
     assert row["same_greedy_tokens"] and row["max_logprob_diff"] < 1e-4
     assert row["exact"]["kv_bytes_per_token"] == 132 * 2 * 256 * 4
     assert row["store_h"]["kv_bytes_per_token"] == (8 * 2 + 128) * 256 * 4
+
+
+def test_the_servers_prompt_cache_deepens_under_store_h(all_files):
+    """The prompt cache keeps loop states under store_h (exact): a deeper request continues
+    a cached prompt, and its logits are a fresh exact context's."""
+    from tinyloop.prompt_cache import PromptCache
+    tokens = case_tokens(case_config("base"))
+    path = all_files.path("base")
+    with tinyloop.Model(path, device=DEVICE, kv_policy="store_h") as model, \
+            tinyloop.Model(path, device=DEVICE) as exact:
+        cache = PromptCache(model, 2)
+        lease = cache.acquire(tokens[:6].tolist(), 3)
+        assert lease.sequence.keeps_loop_states
+        lease.context.append(lease.rest, depth=3)
+        cache.release(lease, tokens[:6].tolist())
+        again = cache.acquire(tokens[:9].tolist(), 5)
+        assert again.cached == 6 and again.sequence.depth == 5   # deepened
+        got = again.context.append(again.rest)
+        cache.release(again, tokens[:9].tolist())
+        cache.close()
+        with exact.context() as ctx:
+            want = ctx.append(tokens[:9], depth=5)
+    assert_close(got, want.astype(np.float64), SAME, "prompt cache deepened under store_h")
+
+
+def test_serve_on_ray_takes_the_policy_from_the_config(all_files, capsys):
+    from tinyloop.cli import main
+    assert main(["serve", str(all_files.path("base")), "--ray", "--kv-policy", "store_h"]) != 0
+    assert "--kv-policy: not with --ray" in capsys.readouterr().err
