@@ -273,3 +273,17 @@ def test_serve_on_ray_takes_the_policy_from_the_config(all_files, capsys):
     from tinyloop.cli import main
     assert main(["serve", str(all_files.path("base")), "--ray", "--kv-policy", "store_h"]) != 0
     assert "--kv-policy: not with --ray" in capsys.readouterr().err
+
+
+def test_logit_lens_and_escalation(all_files):
+    """The logit lens and consistency escalation (which deepens a context keeping its loop
+    states) under store_h are exact caching's."""
+    tokens = case_tokens(case_config("huginn-q4"))
+    path = all_files.path("huginn-q4")
+    with tinyloop.Model(path, device=DEVICE, prefill_chunk=5, kv_policy="store_h") as model, \
+            tinyloop.Model(path, device=DEVICE, prefill_chunk=5) as exact:
+        assert_close(model.score_logit_lens(tokens), exact.score_logit_lens(tokens).astype(np.float64), SAME, "lens")
+        got = model.score_with_consistency_escalation(tokens, min_depth=1, max_depth=5)
+        want = exact.score_with_consistency_escalation(tokens, min_depth=1, max_depth=5)
+        assert got[2] == want[2]
+        assert_close(got[0], want[0].astype(np.float64), SAME, "escalation log-probs")

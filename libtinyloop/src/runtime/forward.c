@@ -148,9 +148,10 @@ static tl_act block_inputs(const fwd *F, const struct tl_context *c, slot_id id)
 
 /* kv_policy store_h, before core block `slot` attends for rows x[0..n) at positions pos0..
  * of c's sequence: keep the rows' inputs, and recompute the keys and values of positions
- * [0, pos0) from theirs into the block's one slot, as the rows' own pass computed them
- * (N1, Wk / Wv, biases, RoPE at their positions); the rows' own K/V go there next. Runs
- * in the executing context's scratch rows (xn, kv_new), chunk_rows at a time. */
+ * [0, pos0) (those in the window) from theirs into the block's one slot, as their own
+ * pass computed them (N1, Wk / Wv, biases, RoPE at their positions); the rows' own K/V go
+ * there next. Runs in the executing context's scratch rows (xn, kv_new), chunk_rows at a
+ * time. */
 static void store_h_prepare(const fwd *F, const struct tl_context *c, const tl_block_weights *w, slot_id slot,
                             tl_act x, int n, int pos0) {
     tl_act kept = block_inputs(F, c, slot);
@@ -158,7 +159,9 @@ static void store_h_prepare(const fwd *F, const struct tl_context *c, const tl_b
     int index = slot_index(F, c, slot), step = F->ctx->chunk_rows;
     tl_act k_cache = tl_kv_keys(&c->kv, index), v_cache = tl_kv_values(&c->kv, index);
     tl_act k_new = buf0(F->ctx->kv_new), v_new = tl_act_add(k_new, (size_t)step * F->kvd), none = { 0 };
-    for (int p0 = 0; p0 < pos0; p0 += step) {
+    /* a window W: the rows attend to positions > pos0 - W only */
+    int window = F->hp->sliding_window, first = window > 0 && pos0 + 1 - window > 0 ? pos0 + 1 - window : 0;
+    for (int p0 = first; p0 < pos0; p0 += step) {
         int rows = pos0 - p0 < step ? pos0 - p0 : step;
         tl_matmul_in in = normed(F, &w->attn_norm, tl_act_add(kept, (size_t)p0 * F->d));
         qkv_rows(F, w, &in, rows, none, k_new, v_new);
