@@ -7,7 +7,8 @@ with a loop (every architecture option and weight type), plus GQA with head_dim 
 and a post-loop norm, over a chunked prefill then token-by-token decoding, and to the
 backend's exact cache within float rounding (f32 weights: 1e-5 on log-probs). Also:
 greedy tokens, batched steps beside exact contexts, deepening, forks, adaptive depth,
-speculative decoding, the memory it holds and reports, and the refused combinations."""
+speculative decoding, the memory it holds and reports, and the refused combinations (on CUDA:
+the refusal by name)."""
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from reference.ops import next_token_logprobs
 from tinyloop.errors import UnsupportedError
 from tinyloop.fileformat.random_model import make_random_model
 
-pytestmark = pytest.mark.skipif(not ON_CPU, reason="store_h runs on the CPU backend (refused elsewhere)")
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="store_h runs on the CPU backend (refused elsewhere: below)")
 
 LOOP_CASES = [name for name in CASES if case_config(name)["n_core"] > 0]
 # shapes the parity cases do not have: head_dim != d / n_head under GQA, a post-loop norm
@@ -60,6 +61,7 @@ def config_of(name):
     return extra_config(name) if name in EXTRA else case_config(name)
 
 
+@cpu_only
 @pytest.mark.parametrize("name", LOOP_CASES + list(EXTRA))
 def test_store_h_is_the_exact_pass(all_files, name):
     config = config_of(name)
@@ -89,6 +91,7 @@ def test_store_h_is_the_exact_pass(all_files, name):
                      f"{name} depth {depth}: store_h decode vs its score")
 
 
+@cpu_only
 @pytest.mark.parametrize("name", ["base", "huginn-q4", "init-warm", "post_norm-huginn"])
 def test_greedy_tokens_and_batched_steps(all_files, name):
     config = config_of(name)
@@ -112,6 +115,7 @@ def test_greedy_tokens_and_batched_steps(all_files, name):
     assert_close(rows, np.array(single, dtype=np.float64), SAME, f"{name}: batched rows vs stepped alone")
 
 
+@cpu_only
 def test_deepen_fork_adaptive_depth_and_speculation(all_files):
     config = case_config("huginn-q4")
     tokens = case_tokens(config)
@@ -134,6 +138,7 @@ def test_deepen_fork_adaptive_depth_and_speculation(all_files):
         assert spec.tokens == plain
 
 
+@cpu_only
 def test_memory_held_and_reported(all_files):
     for name in ("base", "huginn-q4"):
         config = case_config(name)
@@ -151,6 +156,7 @@ def test_memory_held_and_reported(all_files):
             assert model.kv_policy_report()["kv_policy"] == "exact"
 
 
+@cpu_only
 def test_refused_combinations(all_files):
     path = all_files.path("base")
     tokens = case_tokens(case_config("base"))
@@ -170,6 +176,7 @@ def test_refused_combinations(all_files):
                 ctx.prefix_cache()
 
 
+@cpu_only
 def test_toml_cli_and_info(all_files, capsys):
     """[modes.kv_share] policy = "store_h", `--kv-policy store_h` (over the config's ring)
     and what `tinyloop info` reports per token."""
@@ -196,6 +203,7 @@ def test_toml_cli_and_info(all_files, capsys):
     assert f"kv policy:    store_h, {(3 * kv_slot + inputs) / 1024:.1f} KiB per token" in capsys.readouterr().out
 
 
+@cpu_only
 def test_batched_streams_with_exit_rules(all_files):
     """A batched step whose rows stop at different iterations runs them in runs of rows:
     each store_h row recomputes its own sequence's K/V (the exact model's tokens and
@@ -227,6 +235,7 @@ def test_batched_streams_with_exit_rules(all_files):
         assert stepped(model, [None, None, "exact", None]) == stepped(exact, [None] * 4)
 
 
+@cpu_only
 def test_the_store_h_benchmark(tmp_path):
     """tools/bench/kv_store_h.py on its Huginn-shaped model: the two policies agree and
     store_h holds 0.55 of exact's KV bytes per token (8 K/V slots and 128 block inputs of
@@ -246,6 +255,7 @@ def test_the_store_h_benchmark(tmp_path):
     assert row["store_h"]["kv_bytes_per_token"] == (8 * 2 + 128) * 256 * 4
 
 
+@cpu_only
 def test_the_servers_prompt_cache_deepens_under_store_h(all_files):
     """The prompt cache keeps loop states under store_h (exact): a deeper request continues
     a cached prompt, and its logits are a fresh exact context's."""
@@ -269,12 +279,14 @@ def test_the_servers_prompt_cache_deepens_under_store_h(all_files):
     assert_close(got, want.astype(np.float64), SAME, "prompt cache deepened under store_h")
 
 
+@cpu_only
 def test_serve_on_ray_takes_the_policy_from_the_config(all_files, capsys):
     from tinyloop.cli import main
     assert main(["serve", str(all_files.path("base")), "--ray", "--kv-policy", "store_h"]) != 0
     assert "--kv-policy: not with --ray" in capsys.readouterr().err
 
 
+@cpu_only
 def test_logit_lens_and_escalation(all_files):
     """The logit lens and consistency escalation (which deepens a context keeping its loop
     states) under store_h are exact caching's."""
@@ -287,3 +299,13 @@ def test_logit_lens_and_escalation(all_files):
         want = exact.score_with_consistency_escalation(tokens, min_depth=1, max_depth=5)
         assert got[2] == want[2]
         assert_close(got[0], want[0].astype(np.float64), SAME, "escalation log-probs")
+
+
+@pytest.mark.skipif(ON_CPU, reason="the refusal of a backend that replays recorded steps (CUDA)")
+def test_a_recording_backend_refuses_store_h_by_name(all_files):
+    path = all_files.path("base")
+    with pytest.raises(UnsupportedError, match="kv_policy store_h: the .* backend replays recorded decode steps"):
+        tinyloop.Model(path, device=DEVICE, kv_policy="store_h")
+    with tinyloop.Model(path, device=DEVICE) as model:
+        with pytest.raises(UnsupportedError, match="kv_policy store_h: the .* backend replays recorded"):
+            model.context(kv_policy="store_h")
