@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['conte
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits, round to nearest even."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).astype(np.uint16)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))   # finite inputs: no wrap
+    return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
 def _encode(x: np.ndarray, dtype: str) -> bytes:
@@ -40,21 +41,35 @@ def _encode(x: np.ndarray, dtype: str) -> bytes:
     return bf16_bits(x).astype("<u2").tobytes()
 
 
+class Lazy:
+    """A tensor made when it is written (`make()`), so that a checkpoint of a published
+    shape is written one tensor at a time, in bounded memory."""
+
+    def __init__(self, shape, make):
+        self.shape, self.make = tuple(shape), make
+
+
+ROWS_PER_WRITE = 4096   # a large tensor is encoded in blocks of rows: bounded scratch
+WIDTH = {"F32": 4, "F16": 2, "BF16": 2}
+
+
 def write_safetensors(path: Path, tensors: dict, dtypes: dict) -> None:
-    """tensors: name -> float array; dtypes: name -> F32 / F16 / BF16."""
-    header, blobs, offset = {}, [], 0
+    """tensors: name -> float array (or Lazy); dtypes: name -> F32 / F16 / BF16."""
+    header, offset = {}, 0
     for name, value in tensors.items():
-        data = _encode(value, dtypes[name])
+        size = math.prod(value.shape) * WIDTH[dtypes[name]]
         header[name] = {"dtype": dtypes[name], "shape": list(value.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
-        for blob in blobs:
-            f.write(blob)
+        for name, value in tensors.items():
+            data = np.asarray(value.make() if isinstance(value, Lazy) else value)
+            rows = data.reshape(len(data), -1) if data.ndim > 1 else data.reshape(1, -1)
+            for r0 in range(0, len(rows), ROWS_PER_WRITE):
+                f.write(_encode(rows[r0:r0 + ROWS_PER_WRITE], dtypes[name]))
 
 
 def write_weights(directory: Path, tensors: dict, dtype: str, shards: int = 1,
@@ -71,7 +86,7 @@ def write_weights(directory: Path, tensors: dict, dtype: str, shards: int = 1,
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         write_safetensors(directory / file, {n: tensors[n] for n in part}, dtypes)
         weight_map.update({n: file for n in part})
-        total += sum(tensors[n].size * (4 if dtypes[n] == "F32" else 2) for n in part)
+        total += sum(math.prod(tensors[n].shape) * WIDTH[dtypes[n]] for n in part)
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
@@ -117,18 +132,37 @@ def write_tokenizer(directory: Path, bos: str, eos: str, gen_eos) -> None:
 # ---------------------------------------------------------------- random weights
 
 class _Weights:
-    def __init__(self, seed: int):
+    """Seeded random tensors. Drawn at once from one generator in the order they are
+    named (the tests' tiny checkpoints), or, `lazy`, each from a generator of its own
+    (the seed and the tensor's name, uniform of the same deviation) when it is written: a
+    checkpoint of a published shape then never sits in memory whole."""
+
+    def __init__(self, seed: int, lazy: bool = False):
+        self.seed, self.lazy = seed, lazy
         self.rng = np.random.default_rng(seed)
         self.tensors: dict = {}
 
+    def _normal(self, name: str, shape, scale: float, offset: float = 0.0) -> None:
+        if not self.lazy:
+            self.tensors[name] = offset + scale * self.rng.standard_normal(shape)
+            return
+        key = [self.seed, zlib.crc32(name.encode())]
+
+        def make():   # uniform of the same deviation: several times faster to draw than normal
+            x = np.random.default_rng(key).random(shape, dtype=np.float32)
+            x -= np.float32(0.5)
+            x *= np.float32(scale * math.sqrt(12.0))
+            return x + np.float32(offset) if offset else x
+        self.tensors[name] = Lazy(shape, make)
+
     def matrix(self, name: str, rows: int, cols: int, scale: float = 1.0) -> None:
-        self.tensors[name] = self.rng.standard_normal((rows, cols)) * (scale / math.sqrt(cols))
+        self._normal(name, (rows, cols), scale / math.sqrt(cols))
 
     def norm(self, name: str, d: int) -> None:
-        self.tensors[name] = 1.0 + 0.3 * self.rng.standard_normal(d)
+        self._normal(name, (d,), 0.3, offset=1.0)
 
     def vector(self, name: str, shape, std: float) -> None:
-        self.tensors[name] = std * self.rng.standard_normal(shape)
+        self._normal(name, shape, std)
 
 
 HUGINN = dict(n_embd=64, n_heads=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
@@ -137,7 +171,8 @@ HUGINN = dict(n_embd=64, n_heads=4, n_layers_in_prelude=1, n_layers_in_recurrent
               tie_embeddings=True)
 
 
-def huginn_checkpoint(directory, dtype: str = "BF16", shards: int = 1, seed: int = 0, **overrides) -> Path:
+def huginn_checkpoint(directory, dtype: str = "BF16", shards: int = 1, seed: int = 0, lazy: bool = False,
+                      **overrides) -> Path:
     """A huginn_raven checkpoint (config keys and tensor names of huginn-0125)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -146,7 +181,7 @@ def huginn_checkpoint(directory, dtype: str = "BF16", shards: int = 1, seed: int
     hd = d // h
     n_layers = c["n_layers_in_prelude"] + c["n_layers_in_recurrent_block"] + c["n_layers_in_coda"]
     depth_layers = n_layers + c["mean_recurrence"] * c["n_layers_in_recurrent_block"]
-    w = _Weights(seed)
+    w = _Weights(seed, lazy)
     w.matrix("transformer.wte.weight", c["vocab_size"], d, scale=math.sqrt(d) * 0.3)
     for part, count in (("prelude", c["n_layers_in_prelude"]), ("core_block", c["n_layers_in_recurrent_block"]),
                         ("coda", c["n_layers_in_coda"])):
@@ -224,12 +259,12 @@ OURO = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_d
 
 
 def ouro_checkpoint(directory, dtype: str = "F32", shards: int = 2, seed: int = 1,
-                    gate_bias: float = 0.0, **overrides) -> Path:
+                    gate_bias: float = 0.0, lazy: bool = False, **overrides) -> Path:
     """An ouro checkpoint (OuroForCausalLM's tensor names and config keys)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = {**OURO, **overrides}
-    w = _Weights(seed)
+    w = _Weights(seed, lazy)
     _llama_head(w, c)
     _llama_layers(w, {**c, "_loops": c["total_ut_steps"]}, sandwich=True)
     w.matrix("model.early_exit_gate.weight", 1, c["hidden_size"], scale=2.0)
@@ -256,13 +291,14 @@ NANBEIGE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, he
                 rope_theta=7e7, max_position_embeddings=64, tie_word_embeddings=False)
 
 
-def nanbeige_checkpoint(directory, dtype: str = "BF16", shards: int = 3, seed: int = 2, **overrides) -> Path:
+def nanbeige_checkpoint(directory, dtype: str = "BF16", shards: int = 3, seed: int = 2, lazy: bool = False,
+                        **overrides) -> Path:
     """A nanbeige checkpoint (NanbeigeForCausalLM: Llama names, head_dim != hidden / heads)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = {**NANBEIGE, **overrides}
     loops = len(c["loop_loss_weights"]) + 1 if c["loop_loss_weights"] else c["num_loops"]
-    w = _Weights(seed)
+    w = _Weights(seed, lazy)
     _llama_head(w, c)
     _llama_layers(w, {**c, "_loops": loops}, sandwich=False)
     write_weights(directory, w.tensors, dtype, shards)

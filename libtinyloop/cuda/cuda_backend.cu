@@ -173,6 +173,7 @@ tl_status cuda_exec_create(tl_backend *be, int /*n_threads*/, int max_rows, int 
     ex->tensor_cores = cc_major >= 8 && cuda_switch(TL_FLAG_CUDA_TC);
     ex->gemv_int_dot = cuda_switch(TL_FLAG_CUDA_DP4A);
     ex->chain = cuda_switch(TL_FLAG_CUDA_CHAIN);
+    ex->split_k = cuda_switch(TL_FLAG_CUDA_SPLIT_K);
     if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&ex->stream, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_ints, rows * sizeof(int32_t));
     if (err == cudaSuccess) err = cudaMalloc(&ex->d_floats, rows * sizeof(float));
@@ -548,11 +549,20 @@ int cuda_rope_store(tl_exec *ex, tl_act q, tl_act k, tl_act v, int n, int pos0, 
 // no cache (buf NULL). False after an error (recorded).
 bool upload_rows_of(tl_exec *ex, int n, const int32_t *pos, const tl_act *k_caches, const tl_act *v_caches,
                     const int32_t **d_pos, const row_slot **d_slots, bool *half) {
+    // Field by field into zeroed entries: row_upload shares equal tables by their bytes
+    // (the layer's store and attention), and a copied struct's padding is not defined.
     std::vector<row_slot> slots((size_t)n);
     *half = false;
     for (int r = 0; r < n; r++) {
         if (!k_caches[r].buf) continue;
-        slots[(size_t)r] = row_slot{ KVP(k_caches[r]), KVP(v_caches[r]), kv_pages_of(k_caches[r], v_caches[r]) };
+        row_slot &s = slots[(size_t)r];
+        const kv_pages pg = kv_pages_of(k_caches[r], v_caches[r]);
+        s.k = KVP(k_caches[r]);
+        s.v = KVP(v_caches[r]);
+        s.pg.table = pg.table;
+        s.pg.shift = pg.shift;
+        s.pg.k_off = pg.k_off;
+        s.pg.v_off = pg.v_off;
         *half = kv_half(k_caches[r]);
     }
     *d_pos = static_cast<const int32_t *>(row_upload(ex, pos, (size_t)n * sizeof(int32_t)));

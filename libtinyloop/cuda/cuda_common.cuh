@@ -270,6 +270,7 @@ struct tl_exec {
     int pdl;                  // kernels launched with programmatic dependent launch (sm_90+)
     int tensor_cores;         // prefill GEMM on tensor cores (sm_80+, TINYLOOP_CUDA_TC != 0)
     int gemv_int_dot;         // quantized GEMV on integer dot products (TINYLOOP_CUDA_DP4A != 0)
+    int split_k;              // the tensor-core GEMM split over k for few tiles (TINYLOOP_CUDA_SPLIT_K != 0)
     void *tc_scratch;         // its split activations (gemm_tc_scratch_bytes)
     size_t tc_scratch_bytes;
     int32_t *d_ints;          // max_rows token ids / targets

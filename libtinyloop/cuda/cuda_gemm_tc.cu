@@ -22,9 +22,18 @@
 // fragments are read with ldmatrix. The next k-step's global loads are issued into
 // registers before the current k-step's MMAs, so their latency overlaps the math. The
 // fold costs three FMAs per output per group (per chunk for q* with group 32).
+//
+// Split over k: a batched decode step has at most 64 input rows, so a matrix of 2048
+// output rows is 16 tiles, and 16 blocks leave most of the device idle while each walks
+// all of k. When the tiles are fewer than the device holds, the k-steps are split among
+// ksplit blocks per tile (grid z); each writes its partial tile to the scratch after the
+// split activations, and a second kernel sums the partials in a fixed order (the result
+// does not depend on scheduling) into the outputs.
 #include "cuda_dequant.cuh"
 
 #include <cuda_fp16.h>
+
+#include <algorithm>
 
 namespace {
 
@@ -138,7 +147,7 @@ struct tc_stage {
 // (group >= 64, or f16), else 1.
 template <int DT, int FOLD>
 __global__ void __launch_bounds__(TC_THREADS, 2)
-gemm_tc_kernel(matrix_set set, tc_acts a, int n) {
+gemm_tc_kernel(matrix_set set, tc_acts a, int n, float *part) {
     __shared__ __align__(16) tc_stage st;
     const int b = blockIdx.x;
     const int j = set_member(set, b);   // q/k/v or gate/up share the launch
@@ -150,6 +159,7 @@ gemm_tc_kernel(matrix_set set, tc_acts a, int n) {
     const int row0 = blockIdx.y * TC_BM, col0 = tile * TC_BN;
     const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;   // the warp's 32 x 32 sub-tile
     const int chunks = (w.cols + 31) >> 5, steps = a.kp / TC_BK;
+    const int ks0 = (int)((long)blockIdx.z * steps / gridDim.z), ks1 = (int)((long)(blockIdx.z + 1) * steps / gridDim.z);
     const int w_row = tid >> 1, w_half = tid & 1;            // the row-chunk this thread stages
 
     uint4 xr[TC_X_PIECES];
@@ -217,15 +227,15 @@ gemm_tc_kernel(matrix_set set, tc_acts a, int n) {
         });
     };
 
-    load_w(0);   // weights only, before the previous kernel has finished
+    load_w(ks0);   // weights only, before the previous kernel has finished
     pdl_wait();
     pdl_trigger();
-    load_x(0);
+    load_x(ks0);
 
-    for (int ks = 0; ks < steps; ks++) {
+    for (int ks = ks0; ks < ks1; ks++) {
         stage();
         __syncthreads();
-        if (ks + 1 < steps) {
+        if (ks + 1 < ks1) {
             load_w(ks + 1);
             load_x(ks + 1);
         }
@@ -256,21 +266,64 @@ gemm_tc_kernel(matrix_set set, tc_acts a, int n) {
         __syncthreads();
     }
 
+    if (part) {   // split over k: this block's partial tile, [z][row][set column]
+        const size_t width = (size_t)gridDim.x * TC_BN;
+        float *p = part + (size_t)blockIdx.z * n * width + (size_t)b * TC_BN;
+        for_each_acc(wm, wn, g, t, [&](int mt, int nt, int e, int i, int col) {
+            if (row0 + i < n) p[(size_t)(row0 + i) * width + col] = acc[mt][nt][e];
+        });
+        return;
+    }
     for_each_acc(wm, wn, g, t, [&](int mt, int nt, int e, int i, int col) {
         if (row0 + i < n && col0 + col < w.rows) y[(size_t)(row0 + i) * ldy + col0 + col] = acc[mt][nt][e];
     });
 }
 
+// The partial tiles of a k-split launch summed, z in order, into each member's output.
+__global__ void __launch_bounds__(256)
+gemm_tc_sum_kernel(matrix_set set, const float *__restrict__ part, int n, int ksplit, int tiles) {
+    pdl_wait();
+    pdl_trigger();
+    const size_t width = (size_t)tiles * TC_BN, idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (idx >= (size_t)n * width) return;
+    const int i = (int)(idx / width), c = (int)(idx % width), tile = c / TC_BN;
+    const int j = set_member(set, tile);
+    const int col = set_local(set, j, tile) * TC_BN + c % TC_BN;
+    if (col >= set_weight(set, j).rows) return;
+    float s = 0.0f;
+    for (int z = 0; z < ksplit; z++) s += part[((size_t)z * n + i) * width + c];
+    set_out(set, j)[(size_t)i * set_ld(set, j) + col] = s;
+}
+
+constexpr int TC_MAX_SPLIT = 8;      // k-splits of one tile at most
+constexpr int TC_MIN_SPLIT_STEPS = 4;   // k-steps a split block walks at least
+
+// Blocks per tile over k (1: no split): enough for two blocks per SM, when the input
+// rows are one tile high and the partials fit in the `room` bytes of scratch.
+int split_count(const tl_exec *ex, int tiles, int n, int steps, size_t room) {
+    if (!ex->split_k || n > TC_BM || tiles <= 0) return 1;
+    int k = (2 * ex->sm_count + tiles - 1) / tiles;
+    k = std::min(k, std::min(TC_MAX_SPLIT, steps / TC_MIN_SPLIT_STEPS));
+    while (k > 1 && (size_t)k * n * tiles * TC_BN * sizeof(float) > room) k--;
+    return k > 1 ? k : 1;
+}
+
 template <int DT>
-void gemm_tc(tl_exec *ex, matrix_set set, const tc_acts &a, int n) {
+void gemm_tc(tl_exec *ex, matrix_set set, const tc_acts &a, int n, float *part, size_t room) {
     set.first[0] = 0;
     for (int k = 0; k < set.n_mats; k++) set.first[k + 1] = set.first[k] + (set.w[k].rows + TC_BN - 1) / TC_BN;
-    dim3 grid(set.first[set.n_mats], (n + TC_BM - 1) / TC_BM);
+    const int tiles = set.first[set.n_mats], ksplit = split_count(ex, tiles, n, a.kp / TC_BK, room);
+    dim3 grid(tiles, (n + TC_BM - 1) / TC_BM, ksplit);
+    float *partials = ksplit > 1 ? part : nullptr;
     // both chunks of a k-step share one scale unless groups are single chunks
     if (dtype_traits<DT>::quantized && set.w[0].group_shift == 0)
-        launch(ex, "matmul (tensor-core gemm)", gemm_tc_kernel<DT, 1>, grid, TC_THREADS, 0, set, a, n);
+        launch(ex, "matmul (tensor-core gemm)", gemm_tc_kernel<DT, 1>, grid, TC_THREADS, 0, set, a, n, partials);
     else
-        launch(ex, "matmul (tensor-core gemm)", gemm_tc_kernel<DT, 2>, grid, TC_THREADS, 0, set, a, n);
+        launch(ex, "matmul (tensor-core gemm)", gemm_tc_kernel<DT, 2>, grid, TC_THREADS, 0, set, a, n, partials);
+    if (!partials) return;
+    const size_t outputs = (size_t)n * tiles * TC_BN;
+    launch(ex, "matmul (tensor-core gemm, k-split sum)", gemm_tc_sum_kernel, (int)((outputs + 255) / 256), 256, 0,
+           set, (const float *)partials, n, ksplit, tiles);
 }
 
 bool tc_dtype(int dtype) {
@@ -306,6 +359,11 @@ int launch_gemm_tc(tl_exec *ex, const dev_weight *const *ws, int n_w, const floa
            SPLIT_THREADS, 0, x, ldx, n, cols, x_vec, kp, hi, lo, scale, sum);
 
     const tc_acts a = { hi, lo, scale, sum, kp };
+    // what the split activations leave of the scratch holds a k-split's partial tiles
+    const size_t used = 2 * plane + align((size_t)n * (kp / TC_BK) * sizeof(float)) +
+                        align((size_t)n * (kp / 32) * sizeof(float));
+    float *part = reinterpret_cast<float *>(base + used);
+    const size_t room = ex->tc_scratch_bytes > used ? ex->tc_scratch_bytes - used : 0;
     // consecutive matrices of one dtype and group share a launch
     for (int j0 = 0; j0 < n_w;) {
         matrix_set set = {};
@@ -321,10 +379,10 @@ int launch_gemm_tc(tl_exec *ex, const dev_weight *const *ws, int n_w, const floa
         }
         if (!set.n_mats) continue;
         switch (set.w[0].dtype) {
-        case TL_DTYPE_F16: gemm_tc<TL_DTYPE_F16>(ex, set, a, n); break;
-        case TL_DTYPE_Q8: gemm_tc<TL_DTYPE_Q8>(ex, set, a, n); break;
-        case TL_DTYPE_Q4: gemm_tc<TL_DTYPE_Q4>(ex, set, a, n); break;
-        default: gemm_tc<TL_DTYPE_Q2>(ex, set, a, n); break;
+        case TL_DTYPE_F16: gemm_tc<TL_DTYPE_F16>(ex, set, a, n, part, room); break;
+        case TL_DTYPE_Q8: gemm_tc<TL_DTYPE_Q8>(ex, set, a, n, part, room); break;
+        case TL_DTYPE_Q4: gemm_tc<TL_DTYPE_Q4>(ex, set, a, n, part, room); break;
+        default: gemm_tc<TL_DTYPE_Q2>(ex, set, a, n, part, room); break;
         }
     }
     return 1;

@@ -136,8 +136,10 @@ void rows_free(tl_exec *ex) {
 
 // The row table and argmax_rows' results for steps of up to ex->max_rows rows, taken at
 // the first batched step (only contexts that lead batches hold them): the tokens, and per
-// virtual layer its rows' positions and slots (at most; equal entries are shared), each
-// entry 16-byte aligned.
+// virtual layer room for two tables of its rows' positions and two of their slots (equal
+// entries are shared, so a step uses about half: the margin keeps a step whose layers
+// upload more than one table, e.g. rows leaving the loop, from running out), each entry
+// 16-byte aligned.
 int rows_alloc(tl_exec *ex) {
     row_table &t = ex->step.rows;
     if (t.rows) return 0;
@@ -145,8 +147,8 @@ int rows_alloc(tl_exec *ex) {
     const size_t rows = ex->max_rows > 0 ? (size_t)ex->max_rows : 1;
     const size_t layers = (size_t)hp.n_pre + (size_t)hp.n_core * (size_t)(hp.max_depth > 0 ? hp.max_depth : 1) +
                           (size_t)hp.n_post;
-    const size_t entries = 2 * layers + 1;
-    t.cap = rows * sizeof(int32_t) + layers * rows * (sizeof(int32_t) + sizeof(row_slot)) + entries * 16;
+    const size_t entries = 4 * layers + 1;
+    t.cap = rows * sizeof(int32_t) + 2 * layers * rows * (sizeof(int32_t) + sizeof(row_slot)) + entries * 16;
     const size_t counters = rows * (size_t)(hp.n_head > 0 ? hp.n_head : 1) * sizeof(int);
     cudaError_t err = cudaHostAlloc((void **)&t.host[0], 2 * t.cap, cudaHostAllocDefault);
     if (err == cudaSuccess) t.host[1] = t.host[0] + t.cap;
@@ -337,7 +339,12 @@ const void *row_upload(tl_exec *ex, const void *data, size_t bytes) {
         if (e.second == bytes && memcmp(host + e.first, data, bytes) == 0) return t.dev + e.first;
     const size_t at = (t.used + 15) & ~(size_t)15;
     if (at + bytes > t.cap) {
-        exec_check(ex, cudaErrorInvalidValue, "batched step: more row data than its table holds");
+        if (ex->error == TL_OK) {
+            ex->error = TL_ERR_INTERNAL;
+            snprintf(ex->message, sizeof ex->message,
+                     "CUDA backend: batched step: %zu bytes of row data at %zu pass its table's %zu "
+                     "(%d rows, %zu entries)", bytes, at, t.cap, t.rows, t.entries.size());
+        }
         return nullptr;
     }
     memcpy(host + at, data, bytes);

@@ -1,11 +1,13 @@
-"""Per-kernel GPU time of a decode run and of a prefill, for tools/gpu_check.
+"""Per-kernel GPU time of a decode run, of a batched decode run and of a prefill, for
+tools/gpu_check.
 
-  kernel_profile.py run PATH --what decode|prefill --device D   the workload to trace
+  kernel_profile.py run PATH --what decode|batch|prefill --device D   the workload to trace
   kernel_profile.py summarize CSV --what W --tokens N            table from a profiler's CSV
   kernel_profile.py timeline CSV|JSON                             gaps between decode kernels
 
-`run` decodes 64 greedy tokens after a 128-token prompt (or appends 512 tokens once,
-after a warm-up); with `--trace FILE` it records the run with PyTorch's profiler (CUPTI,
+`run` decodes 64 greedy tokens after a 128-token prompt (batch: 64 greedy steps of
+generate_batch over BATCH_ROWS 8-token prompts, so that the prompts' prefill is small
+beside the steps; prefill: appends 512 tokens once, after a warm-up); with `--trace FILE` it records the run with PyTorch's profiler (CUPTI,
 every kernel of the process, graph nodes one by one) into a Chrome trace, for machines
 without nsys. `summarize` reads either nsys's cuda_gpu_kern_sum CSV or ncu's
 gpu__time_duration CSV and prints, per kernel, the launches and GPU time per decoded
@@ -27,6 +29,7 @@ import sys
 import numpy as np
 
 DECODE_TOKENS = 64
+BATCH_ROWS = 64
 
 
 def cmd_run(args):
@@ -51,6 +54,12 @@ def _workload(args):
             model.generate(prompt[:16], max_tokens=4, temperature=0.0, eos=False)   # warm-up
             res = model.generate(prompt, max_tokens=DECODE_TOKENS, temperature=0.0, eos=False)
             print(f"decode {res.decode_tokens_per_s:.1f} tok/s")
+        elif args.what == "batch":
+            prompts = [rng.integers(0, vocab, 8).astype(np.int32) for _ in range(BATCH_ROWS)]
+            model.generate_batch(prompts, max_tokens=4, temperature=0.0, eos=False)   # warm-up
+            results = model.generate_batch(prompts, max_tokens=DECODE_TOKENS + 1, temperature=0.0, eos=False)
+            decode = max(r.decode_seconds for r in results)
+            print(f"batch {BATCH_ROWS}: {BATCH_ROWS * DECODE_TOKENS / decode:.1f} tok/s")
         else:
             for _ in range(2):   # the first pass warms up
                 with model.context() as ctx:
@@ -86,7 +95,8 @@ def cmd_summarize(args):
             per[_short(r["Kernel Name"])][1] += value * scale
     total = sum(ns for _, ns in per.values())
     unit = args.tokens
-    print(f"## {args.what}: GPU time per {'token' if args.what == 'decode' else 'prefill'} "
+    per_what = {"decode": "token", "batch": f"step of {BATCH_ROWS} rows", "prefill": "prefill"}[args.what]
+    print(f"## {args.what}: GPU time per {per_what} "
           f"{total / unit / 1e3:.1f} us over {sum(n for n, _ in per.values()) / unit:.0f} launches "
           f"(whole traced run / {unit})\n")
     print("| kernel | launches | us | share | mean us |")
@@ -158,12 +168,12 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("path")
-    r.add_argument("--what", choices=("decode", "prefill"), required=True)
+    r.add_argument("--what", choices=("decode", "batch", "prefill"), required=True)
     r.add_argument("--device", default="cuda")
     r.add_argument("--trace", help="record with PyTorch's profiler into this Chrome trace (.json)")
     s = sub.add_parser("summarize")
     s.add_argument("csv")
-    s.add_argument("--what", choices=("decode", "prefill"), required=True)
+    s.add_argument("--what", choices=("decode", "batch", "prefill"), required=True)
     s.add_argument("--tokens", type=float, default=1.0)
     t = sub.add_parser("timeline")
     t.add_argument("csv")

@@ -27,6 +27,9 @@ static const flag_info flags[TL_FLAG_COUNT] = {
                            "integer dot products in the quantized GEMV; read per context"},
     [TL_FLAG_CUDA_CHAIN] = {"TINYLOOP_CUDA_CHAIN", "0 = off",
                             "greedy decode steps chained on the device; read per context"},
+    [TL_FLAG_CUDA_SPLIT_K] = {"TINYLOOP_CUDA_SPLIT_K", "0 = off",
+                              "the tensor-core GEMM split over k when its tiles cannot fill the "
+                              "device (batched decode); read per context"},
 };
 
 const char *tl_debug_flag_name(tl_debug_flag flag) {

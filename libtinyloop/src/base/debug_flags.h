@@ -16,6 +16,7 @@ typedef enum tl_debug_flag {
     TL_FLAG_CUDA_TC = 3,
     TL_FLAG_CUDA_DP4A = 4,
     TL_FLAG_CUDA_CHAIN = 5,
+    TL_FLAG_CUDA_SPLIT_K = 6,
     TL_FLAG_COUNT
 } tl_debug_flag;
 
