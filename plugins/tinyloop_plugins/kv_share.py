@@ -12,6 +12,12 @@ K/V as its last iteration with that slot wrote it), so it is only ever on by nam
 
 It sets the load options kv_policy / kv_ring_slots (tl_load_options). Speculative
 decoding needs the exact cache, so the two modes conflict.
+
+`policy = "store_h"` names the other member of the kv_policy family here: exact, each
+core block's input kept per iteration instead of its K/V, which are recomputed when
+attended (docs/model.md, "The store_h KV policy"); less KV memory when d_model < 2 x
+n_kv_head x head_dim, more compute per token. (Speculative decoding works under it
+through the Python kv_policy option; the mode keeps its one conflict list.)
 """
 
 from tinyloop.errors import ConfigError
@@ -34,8 +40,9 @@ PLUGIN = Plugin(
     description="loop iterations share K/V slots (approximate, less KV memory)",
     options=(
         Option("policy", str, "share_last", "share_last: one K/V slot per core block; ring: "
-               "ring_slots of them, iteration i in slot (i - 1) mod ring_slots",
-               choices=("share_last", "ring")),
+               "ring_slots of them, iteration i in slot (i - 1) mod ring_slots; store_h: exact, "
+               "block inputs kept and K/V recomputed",
+               choices=("share_last", "ring", "store_h")),
         Option("ring_slots", int, 0, "ring: slots per core block (>= 1); share_last: 0",
                minimum=0, maximum=2**31 - 1),
     ),

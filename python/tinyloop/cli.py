@@ -86,6 +86,8 @@ def _open_model(args, config=None):
                  if getattr(args, flag, None) is not None}
     if getattr(args, "ctx_size", None) is not None:
         overrides["max_seq_len"] = args.ctx_size
+    if getattr(args, "kv_policy", None) is not None:   # a ring's slots do not carry over
+        overrides.update(kv_policy=args.kv_policy, kv_ring_slots=0)
     return Model.from_config(config, path=path, **overrides)
 
 
@@ -416,6 +418,7 @@ def cmd_info(args) -> dict:
         dtypes, parameters = _tensor_summary(model.path)
         memory = model.memory_report()
         window = _cache_window_cost(model)
+        kv_policy = model.kv_policy_report()
         has_tokenizer = model.metadata_string("tokenizer.json") is not None
     architecture = {k: v for k, v in info.metadata.items() if k.startswith(("arch.", "loop."))}
     other = {k: v for k, v in info.metadata.items() if k not in architecture}
@@ -426,7 +429,7 @@ def cmd_info(args) -> dict:
                "eos_token": info.eos_token, "device": info.device_name,
                "threads": info.n_threads, "memory": memory, "draft_vocab": info.draft_vocab,
                "body_dtype": info.body_dtype, "kv_dtype": info.kv_dtype, "kv_per_token": kv_cost_rows(info),
-               "cache_window": window}
+               "cache_window": window, "kv_policy": kv_policy}
     default = args.default_model
     if default is not None:
         # no model named: show which model that is, and its card
@@ -454,7 +457,11 @@ def cmd_info(args) -> dict:
         for row in payload["kv_per_token"]:
             print(f"kv cache:     depth {row['depth']}: {row['slots']} slots, "
                   f"{row['bytes_per_token'] / 1024:.1f} KiB per token (kv_share share_last: "
-                  f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB)")
+                  f"{row['share_last_bytes_per_token'] / 1024:.1f} KiB, store_h: "
+                  f"{row['store_h_bytes_per_token'] / 1024:.1f} KiB)")
+        policy = payload["kv_policy"]
+        print(f"kv policy:    {policy['kv_policy']}, {policy['kv_bytes_per_token'] / 1024:.1f} KiB per token "
+              f"at max depth {info.max_depth}")
         if window:
             print(f"cache window: {window['positions']} positions "
                   f"({'approximate' if window['approximate'] else 'exact'}): a context's KV "
@@ -539,6 +546,8 @@ def cmd_serve(args) -> dict:
                             json_logs=args.log_json)
     config = _load_config(args)
     options.exit = _exit(args, config)   # the replicas' too, under --ray
+    if args.ray and args.kv_policy is not None:   # the replicas load the config, not this flag
+        raise CommandError("--kv-policy: not with --ray; name the policy in --config's [modes.kv_share]")
     if args.ray:
         return _serve_on_ray(args, options)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
@@ -806,6 +815,10 @@ def _add_runtime_flags(p: argparse.ArgumentParser, ctx_size: bool = True) -> Non
     p.add_argument("--state-init", choices=("file", "warm"),
                    help="where each position's loop starts: the file's state init, or warm (the "
                         "previous position's final loop state); default: the config's, else file")
+    p.add_argument("--kv-policy", choices=("exact", "share_last", "store_h"),
+                   help="the KV cache of the loop (docs/model.md): exact, share_last (approximate) or "
+                        "store_h (exact, block inputs kept, K/V recomputed); default: the config's "
+                        "[modes.kv_share], else exact")
     p.add_argument("--config", help="a tinyloop.toml with model, sampling and modes; default: none")
 
 

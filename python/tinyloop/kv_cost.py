@@ -3,7 +3,9 @@ and values (kv_dim = n_kv_head * head_dim floats each, float32) per prelude bloc
 block per loop slot, per coda block (float32, or 2 bytes an element with the load option
 kv_dtype f16). Exact caching keeps a loop slot per iteration (Huginn at
 depth 32: 2 + 32 x 4 + 2 = 132 slots); share_last keeps one per core block, ring N keeps
-min(N, depth)."""
+min(N, depth). store_h keeps one slot per core block (where recomputed K/V go while it
+attends) and each core block's input per iteration, d_model float32 values (docs/model.md,
+"The store_h KV policy")."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ FLOAT_BYTES = 4
 
 
 def loop_slots(depth: int, policy: str = "exact", ring_slots: int = 0) -> int:
-    if policy == "share_last":
+    if policy in ("share_last", "store_h"):
         return 1
     if policy == "ring":
         return min(ring_slots, depth)
@@ -30,14 +32,17 @@ def element_bytes(info) -> int:
 
 
 def kv_bytes_per_token(info, depth: int, policy: str = "exact", ring_slots: int = 0) -> int:
-    return kv_slots(info, depth, policy, ring_slots) * 2 * info.n_kv_head * info.head_dim * element_bytes(info)
+    kv = kv_slots(info, depth, policy, ring_slots) * 2 * info.n_kv_head * info.head_dim * element_bytes(info)
+    inputs = info.n_core * depth * info.d_model * FLOAT_BYTES if policy == "store_h" else 0
+    return kv + inputs
 
 
 def kv_cost_rows(info) -> list:
     """One row per depth worth showing (1, the default, the maximum): its slots and bytes
-    per token, exact and with share_last."""
+    per token, exact, with share_last and with store_h."""
     depths = sorted({1, info.default_depth, info.max_depth}) if info.n_core else [0]
     return [{"depth": depth, "slots": kv_slots(info, depth),
              "bytes_per_token": kv_bytes_per_token(info, depth),
-             "share_last_bytes_per_token": kv_bytes_per_token(info, depth, "share_last")}
+             "share_last_bytes_per_token": kv_bytes_per_token(info, depth, "share_last"),
+             "store_h_bytes_per_token": kv_bytes_per_token(info, depth, "store_h")}
             for depth in depths]

@@ -1,8 +1,11 @@
-"""The KV-cache policies by name (docs/model.md, "Approximate KV policies").
+"""The KV-cache policies by name (docs/model.md, "Approximate KV policies" and "The
+store_h KV policy").
 
 "exact" gives every loop iteration its own K/V slot (the default). "share_last" and
 "ring" (kv_ring_slots slots per core block) let iterations share slots: cheaper, and
-approximate by design, so they are only ever on when asked for by name.
+approximate by design, so they are only ever on when asked for by name. "store_h" is
+exact: it keeps each core block's input (d floats) per iteration instead of its K/V and
+recomputes the K/V of earlier positions when attended (less memory, more compute).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from . import _args
 
 #: name -> the tl_kv_policy value of tinyloop.h
-POLICIES = {"exact": 1, "share_last": 2, "ring": 3}
+POLICIES = {"exact": 1, "share_last": 2, "ring": 3, "store_h": 4}
 
 
 def kv_policy_values(kv_policy: str | None, kv_ring_slots: int) -> tuple[int, int]:
@@ -27,3 +30,8 @@ def kv_policy_values(kv_policy: str | None, kv_ring_slots: int) -> tuple[int, in
     if kv_policy != "ring" and slots != 0:
         raise ValueError(f"kv_ring_slots is {slots}, but only kv_policy 'ring' uses it")
     return (0 if kv_policy is None else POLICIES[kv_policy]), slots
+
+
+def kv_policy_name(value: int) -> str:
+    """The name of a tl_kv_policy value (a memory report's)."""
+    return next((name for name, v in POLICIES.items() if v == value), str(value))

@@ -24,7 +24,7 @@ from ._handle import ModelChild, NativeHandle
 from .errors import InvalidArgumentError, TinyLoopError, UnsupportedError, error_for_status
 from .exit_gate import ExitGate
 from .exit_rule import ExitRule, exit_rule
-from .kv_policy import kv_policy_values
+from .kv_policy import kv_policy_name, kv_policy_values
 from .plugins import apply_generate_hooks, strategy_mode
 from .tokenizer import Tokenizer
 
@@ -869,8 +869,10 @@ class Model(_Scoring, NativeHandle):
     default; every token when the file has no frequencies). Output is unaffected.
 
     kv_policy: the KV cache of the model's contexts, "exact" (default), "share_last" or
-    "ring" with kv_ring_slots slots per core block; the last two are approximate
-    (docs/model.md, "Approximate KV policies").
+    "ring" with kv_ring_slots slots per core block, the last two approximate
+    (docs/model.md, "Approximate KV policies"), or "store_h": exact, each core block's
+    input kept per iteration instead of its K/V, which are recomputed when attended
+    (docs/model.md, "The store_h KV policy"; CPU, not with paged KV or tree speculation).
 
     kv_page_size: paged KV caches, pages of that many positions (a power of two up to
     4096) from a pool of the model's, taken as sequences grow and shared by forks and
@@ -1093,7 +1095,8 @@ class Model(_Scoring, NativeHandle):
         """Bytes used: weights, repacked weights, buffers, KV caches, total, device, prefix
         caches; with paged KV also kv_page_size, kv_pages_in_use, kv_pool_bytes (in
         kv_cache_bytes too) and kv_pool_cap_bytes (0 otherwise); the loop body's matrices as
-        held (body_bytes, part of weights). The KV bytes are of info.kv_dtype's elements."""
+        held (body_bytes, part of weights). The KV bytes are of info.kv_dtype's elements.
+        kv_policy_report() adds the KV policy's cost per token."""
         c_report = self._native.ffi.new("tl_memory_report *")
         self._native.lib.tl_memory_report_default(c_report)
         self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
@@ -1101,6 +1104,17 @@ class Model(_Scoring, NativeHandle):
             "weights_bytes", "repacked_bytes", "buffers_bytes", "kv_cache_bytes",
             "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
             "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes")}
+
+    def kv_policy_report(self) -> dict:
+        """The memory report's KV policy: kv_policy (the contexts' policy, a name as Model
+        takes it) and kv_bytes_per_token, what a context caching the model's max depth
+        holds per position under it (store_h: its K/V slots and the core blocks' kept
+        inputs; docs/model.md, "The store_h KV policy")."""
+        c_report = self._native.ffi.new("tl_memory_report *")
+        self._native.lib.tl_memory_report_default(c_report)
+        self._native.check(self._native.lib.tl_memory_report_get(self._require_open(), c_report))
+        return {"kv_policy": kv_policy_name(int(c_report.kv_policy)),
+                "kv_bytes_per_token": int(c_report.kv_bytes_per_token)}
 
     def vram_usage_bytes(self) -> int:
         out = self._native.ffi.new("uint64_t *")

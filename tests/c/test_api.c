@@ -1260,6 +1260,25 @@ static void test_kv_policy(fixture *f) {
     CHECK(st == TL_ERR_INVALID_ARGUMENT && !bad, "kv_policy 5 is invalid");
     bad = policy_context(f->model, TL_KV_RING, 0, 0, &st);
     CHECK(st == TL_ERR_INVALID_ARGUMENT && !bad && strstr(tl_last_error(), "kv_ring_slots"), "ring needs slots");
+    /* store_h (docs/model.md, "The store_h KV policy"): exact caching's rows from kept
+     * block inputs; paged KV refuses it */
+    CHECK_OK(tl_memory_report_get(f->model, &r0));
+    tl_context *stored = policy_context(f->model, TL_KV_STORE_H, 0, 0, &st);
+    CHECK(f->paged ? st == TL_ERR_UNSUPPORTED && !stored && strstr(tl_last_error(), "store_h")
+                   : st == TL_OK && stored != NULL,
+          "store_h: a contiguous cache keeps it, paged KV refuses it by name");
+    if (stored && exact) {
+        CHECK_OK(tl_memory_report_get(f->model, &r1));
+        uint64_t inputs = sizeof(float) * MAX_SEQ * (uint64_t)f->info.d_model * f->info.n_core * f->info.max_depth;
+        CHECK(r1.kv_cache_bytes - r0.kv_cache_bytes ==
+                  slot * (uint64_t)(f->info.n_pre + f->info.n_core + f->info.n_post) + inputs,
+              "store_h holds a slot per block and the core blocks' inputs");
+        CHECK_OK(tl_context_reset(exact));
+        decode_rows(exact, f->tokens, N_TOK, a, V);
+        decode_rows(stored, f->tokens, N_TOK, b, V);
+        CHECK(max_abs_diff(a, b, (size_t)n_rows * V) < 1e-4f, "store_h decodes as exact caching");
+    }
+    tl_context_free(stored);
     tl_context_free(fork);
     tl_context_free(shared);
     tl_context_free(exact);

@@ -211,8 +211,8 @@ def test_c_level_values_and_first_release_struct_sizes(files):
                 lib.tl_context_free(out[0])
             return ffi.string(lib.tl_status_name(status)).decode(), native.last_error()
 
-        assert create(kv_policy=4)[0] == "TL_ERR_INVALID_ARGUMENT"
-        assert "tl_context_options.kv_policy is 4" in create(kv_policy=4)[1]
+        assert create(kv_policy=5)[0] == "TL_ERR_INVALID_ARGUMENT"
+        assert "tl_context_options.kv_policy is 5" in create(kv_policy=5)[1]
         assert "TL_KV_RING needs at least 1" in create(kv_policy=3)[1]
         assert "only TL_KV_RING uses it" in create(kv_policy=2, kv_ring_slots=3)[1]
         assert "only TL_KV_RING uses it" in create(kv_ring_slots=3)[1]

@@ -93,17 +93,22 @@ typedef void (*tl_log_callback)(tl_log_level level, const char *message, void *u
 TL_API tl_status tl_log_set(tl_log_callback callback, void *user_data);
 
 /* ---- lifecycle ----------------------------------------------------------- */
-/* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies"). Every
- * policy but TL_KV_EXACT is approximate by design: within one forward call rows see each
- * other's K/V of the same iteration exactly, earlier positions are seen through a shared
- * slot as last written, so results depend on where calls split the sequence. */
+/* How loop iterations use the KV cache (docs/model.md, "Approximate KV policies" and
+ * "The store_h KV policy"). TL_KV_SHARE_LAST and TL_KV_RING are approximate by design:
+ * within one forward call rows see each other's K/V of the same iteration exactly, earlier
+ * positions are seen through a shared slot as last written, so results depend on where
+ * calls split the sequence. TL_KV_EXACT and TL_KV_STORE_H compute the same function. */
 typedef enum tl_kv_policy {
     TL_KV_DEFAULT = 0,     /* a context: the model's load option; at load: exact      */
     TL_KV_EXACT = 1,       /* one slot per loop iteration and core block              */
     TL_KV_SHARE_LAST = 2,  /* one slot per core block: iterations share it, later
                               calls see an earlier position's last iteration         */
-    TL_KV_RING = 3         /* kv_ring_slots slots per core block: iteration i uses
+    TL_KV_RING = 3,        /* kv_ring_slots slots per core block: iteration i uses
                               slot (i - 1) mod N (N >= the depth: exact)             */
+    TL_KV_STORE_H = 4      /* exact: keep each core block's input (d floats) per
+                              iteration and position instead of its K/V, and recompute
+                              the K/V of earlier positions when attended (memory for
+                              compute; CPU only, not with paged KV or tree speculation) */
 } tl_kv_policy;
 
 /* How the loop body's weight matrices are held in memory (docs/api.md, "Body dtype"):
@@ -273,6 +278,11 @@ typedef struct tl_memory_report {
                                   body_dtype copy), already in weights_bytes          */
     int32_t kv_dtype;           /* the KV cache's element type (tl_kv_dtype: 1 = f32,
                                   2 = f16): kv_cache_bytes and kv_pool_bytes are of it */
+    int32_t kv_policy;          /* the contexts' KV policy (the load option, a tl_kv_policy) */
+    uint64_t kv_bytes_per_token; /* what a context caching the model's max depth holds per
+                                  position under that policy: its K/V slots (of kv_dtype),
+                                  plus under store_h the core blocks' inputs (n_core x
+                                  max_depth x d_model floats) in place of the loop's K/V */
 } tl_memory_report;
 
 TL_API void tl_memory_report_default(tl_memory_report *report);

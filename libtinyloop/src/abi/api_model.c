@@ -190,6 +190,7 @@ tl_status tl_load_model(const char *path, const tl_load_options *opts, tl_model 
             st = tl_kv_pool_create(be, o.kv_page_size, (uint64_t)o.kv_pool_bytes,
                                    o.kv_dtype == TL_KV_DTYPE_F16, &model->kv_pool);
     }
+    if (st == TL_OK && o.kv_policy == TL_KV_STORE_H && model->hp.n_core > 0) st = tl_context_check_store_h(model);
     if (st != TL_OK) {
         model->backend = NULL;
         tl_backend_close(be);
@@ -274,6 +275,10 @@ static void memory_totals(const tl_model *model, tl_memory_report *r) {
     }
     r->body_bytes = tl_body_bytes(model);
     r->kv_dtype = model->load_opts.kv_dtype;
+    tl_kv_choice policy = tl_model_kv_policy(model);
+    r->kv_policy = policy.kind;
+    r->kv_bytes_per_token = tl_kv_bytes_per_position(&model->hp, &policy, model->hp.n_core ? model->hp.max_depth : 0,
+                                                     r->kv_dtype == TL_KV_DTYPE_F16);
     r->total_bytes = r->weights_bytes + r->repacked_bytes + r->buffers_bytes + r->kv_cache_bytes +
                      r->prefix_cache_bytes;
 }

@@ -104,6 +104,10 @@ tl_status tl_tree_speculative_begin(struct tl_stream *g, const tl_generate_optio
                        "previous one's final state, which differs per branch; use linear drafts");
     tl_status wst = tl_context_check_no_window(ctx, "tree speculation");
     if (wst != TL_OK) return wst;
+    if (tl_kv_stores_h(&ctx->kv_policy))
+        return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: kv_policy store_h keeps the block inputs of "
+                       "the sequence's positions only, not of a tree's branches; use linear drafts or "
+                       "kv_policy exact");
     const tl_backend_ops *ops = ctx->be->ops;
     if (!ops->rope_tree || !ops->tree_attention)
         return tl_fail(TL_ERR_UNSUPPORTED, "tree speculation: the %s backend has no tree attention",

@@ -8,8 +8,8 @@
 
 #include "tinyloop/tinyloop.h"
 
-/* A resolved policy: kind is TL_KV_EXACT, TL_KV_SHARE_LAST or TL_KV_RING (ring_slots
- * >= 1 with TL_KV_RING, else 0). */
+/* A resolved policy: kind is TL_KV_EXACT, TL_KV_SHARE_LAST, TL_KV_RING (ring_slots
+ * >= 1 with TL_KV_RING, else 0) or TL_KV_STORE_H. */
 typedef struct tl_kv_choice {
     int32_t kind;
     int32_t ring_slots;
@@ -21,10 +21,16 @@ typedef struct tl_kv_choice {
 tl_status tl_kv_choice_resolve(int32_t kind, int32_t ring_slots, const tl_kv_choice *inherited,
                                const char *what, tl_kv_choice *out);
 /* Distinct loop slots per core block for a context caching up to max_depth iterations:
- * max_depth when exact, else at most the policy's slots. */
+ * max_depth when exact, else at most the policy's slots (store_h: 1, the slot its
+ * recomputed K/V go to while a block attends). */
 int tl_kv_loop_slots(const tl_kv_choice *policy, int max_depth);
-static inline int tl_kv_is_exact(const tl_kv_choice *policy) { return policy->kind == TL_KV_EXACT; }
-/* "exact", "share_last" or "ring". */
+/* Whether every iteration's K/V is what attention sees (exact, store_h), not a shared
+ * slot's last write. */
+static inline int tl_kv_is_exact(const tl_kv_choice *policy) {
+    return policy->kind == TL_KV_EXACT || policy->kind == TL_KV_STORE_H;
+}
+static inline int tl_kv_stores_h(const tl_kv_choice *policy) { return policy->kind == TL_KV_STORE_H; }
+/* "exact", "share_last", "ring" or "store_h". */
 const char *tl_kv_policy_name(int32_t kind);
 
 /* A cache window (docs/model.md, "Cache window"): the K/V of the last `size` positions

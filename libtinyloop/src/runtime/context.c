@@ -60,7 +60,7 @@ void tl_context_close(struct tl_context *ctx) {
     if (!ctx) return;
     tl_buf *bufs[] = { ctx->h, ctx->e, ctx->xn, ctx->tmp, ctx->q, ctx->att, ctx->gate,
                        ctx->up, ctx->kv_new, ctx->cat, ctx->logits, ctx->warm, ctx->loop_e,
-                       ctx->loop_s };
+                       ctx->loop_s, ctx->block_in };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) ctx->be->ops->buf_free(bufs[i]);
     tl_kv_cache_free(&ctx->kv);
@@ -73,6 +73,37 @@ void tl_context_close(struct tl_context *ctx) {
 
 int tl_model_max_seq(const struct tl_model *m) {
     return m->load_opts.max_seq_len > 0 ? m->load_opts.max_seq_len : m->hp.max_seq_len;
+}
+
+/* kv_policy store_h (docs/model.md, "The store_h KV policy"): the core blocks' inputs of
+ * every iteration and position (*count floats; 0 without a loop). Its recomputation runs
+ * a number of rows that grows with the position, so it needs a backend that runs each
+ * step as it comes (not one that replays recorded steps) and a contiguous cache. */
+tl_status tl_context_check_store_h(const struct tl_model *model) {
+    if (model->kv_pool)
+        return tl_fail(TL_ERR_UNSUPPORTED, "kv_policy store_h keeps block inputs in place of the loop's "
+                       "K/V, and paged KV (kv_page_size %d) pages K/V only; use one of them",
+                       model->kv_pool->page_size);
+    const tl_backend *be = model->backend;
+    if (be->ops->step_begin || be->ops->batch_step_begin)
+        return tl_fail(TL_ERR_UNSUPPORTED, "kv_policy store_h: the %s backend replays recorded decode "
+                       "steps, and store_h recomputes a number of K/V rows that grows with the "
+                       "position in every step; it runs on the CPU backend", be->name);
+    return TL_OK;
+}
+
+static tl_status open_block_inputs(struct tl_context *ctx, size_t *count) {
+    const tl_hparams *hp = &ctx->model->hp;
+    *count = 0;
+    if (!tl_kv_stores_h(&ctx->kv_policy) || hp->n_core == 0) return TL_OK;
+    tl_status st = tl_context_check_store_h(ctx->model);
+    if (st != TL_OK) return st;
+    if (ctx->window.size)   /* the inputs are kept by position, which a window does not bound */
+        return tl_fail(TL_ERR_UNSUPPORTED, "kv_policy store_h with cache_window %d: store_h keeps every "
+                       "position's block inputs, a ring keeps the last positions' K/V; use one of them",
+                       ctx->window.size);
+    *count = (size_t)hp->n_core * ctx->max_depth * ctx->max_seq * hp->d;
+    return ctx->be->ops->buf_alloc(ctx->be, *count, &ctx->block_in);
 }
 
 tl_status tl_context_open(struct tl_model *model, int max_seq, int max_depth, int prefill_chunk,
@@ -162,12 +193,14 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
         st = tl_kv_cache_init(&ctx->kv, ctx->be, model->kv_pool, tl_kv_slot_count(hp, ctx->loop_slots),
                               kv_rows, hp->n_kv_head * hp->head_dim,
                               model->load_opts.kv_dtype == TL_KV_DTYPE_F16, w->size > 0);
+    size_t block_in = 0;
+    if (st == TL_OK) st = open_block_inputs(ctx, &block_in);
     if (st != TL_OK) {
         ctx->buffer_bytes = 0; /* nothing was added to the stats yet */
         tl_context_close(ctx);
         return st;
     }
-    ctx->kv_bytes = tl_kv_cache_bytes(&ctx->kv);
+    ctx->kv_bytes = tl_kv_cache_bytes(&ctx->kv) + block_in * sizeof(float);
     stats_add(model, (int64_t)ctx->buffer_bytes, (int64_t)ctx->kv_bytes);
     *out = ctx;
     return TL_OK;
@@ -613,6 +646,12 @@ tl_status tl_context_clone(const struct tl_context *src, struct tl_context **out
         return st;
     }
     tl_kv_cache_copy(&dst->kv, &src->kv, dst->ex, (int)n);   /* paged: shares src's pages */
+    if (src->block_in && n > 0) {   /* each kept input layer's first n rows */
+        int d = src->model->hp.d, layers = src->model->hp.n_core * src->max_depth;
+        size_t ld = (size_t)src->max_seq * d;
+        dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->block_in, 0), ld, tl_act_at(src->block_in, 0), ld,
+                                layers, (int)(n * (size_t)d));
+    }
     if (src->warm && n > 0)
         dst->be->ops->copy_rows(dst->ex, tl_act_at(dst->warm, 0), 1, tl_act_at(src->warm, 0), 1,
                                 1, (int)(n * (size_t)src->model->hp.d));

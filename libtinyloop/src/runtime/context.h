@@ -29,6 +29,9 @@ tl_status tl_context_open_with(struct tl_model *model, int max_seq, int max_dept
  * (its ring holds only the last positions). */
 tl_status tl_context_check_no_window(const struct tl_context *ctx, const char *what);
 void tl_context_close(struct tl_context *ctx);
+/* Whether the model's contexts can keep kv_policy store_h: a contiguous cache on a
+ * backend that runs every step as it comes; else TL_ERR_UNSUPPORTED naming why. */
+tl_status tl_context_check_store_h(const struct tl_model *model);
 
 /* The loop depth an append at `depth` (0 = the sequence's, else the model default)
  * would run at; an error when out of range or different from the sequence's. */

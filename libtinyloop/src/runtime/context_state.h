@@ -32,6 +32,10 @@ struct tl_context {
     tl_kv_choice kv_policy;   /* how iterations share the loop's K/V slots */
     int loop_slots;           /* K/V slots per core block (tl_kv_loop_slots) */
     tl_state_init state_init; /* where each position's loop starts (the file's or warm) */
+    tl_buf *block_in;         /* kv_policy store_h: the input of core block c at iteration i
+                                 of every position, [(i - 1) * n_core + c][max_seq][d], from
+                                 which its K/V are recomputed into the block's one slot when
+                                 attended; or NULL */
 
     /* activation buffers of chunk_rows rows (docs/api.md, "Memory") */
     tl_buf *h;            /* hidden state / loop state, [rows, d] */

@@ -111,15 +111,17 @@ static tl_matmul_in head_in(const fwd *F, tl_act x) {
     return in;
 }
 
-/* q, k_new, v_new = Wq N1 x, Wk N1 x, Wv N1 x (+ biases) for n rows. */
+/* q, k_new, v_new = Wq N1 x, Wk N1 x, Wv N1 x (+ biases) for n rows; without q (q.buf
+ * NULL) only the keys and values. */
 static void qkv_rows(const fwd *F, const tl_block_weights *w, const tl_matmul_in *in, int n, tl_act q,
                      tl_act k_new, tl_act v_new) {
     const tl_tensor *ws[3] = { &w->wq, &w->wk, &w->wv };
     tl_act ys[3] = { q, k_new, v_new };
     size_t lds[3] = { (size_t)F->qd, (size_t)F->kvd, (size_t)F->kvd };
-    matmul_in(F, ws, 3, in, n, ys, lds, 0);
+    int skip = q.buf == NULL;
+    matmul_in(F, ws + skip, 3 - skip, in, n, ys + skip, lds + skip, 0);
     if (F->hp->qkv_bias) {
-        F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
+        if (!skip) F->ops->add_bias(F->ex, q, n, F->qd, &w->bq);
         F->ops->add_bias(F->ex, k_new, n, F->kvd, &w->bk);
         F->ops->add_bias(F->ex, v_new, n, F->kvd, &w->bv);
     }
@@ -135,6 +137,37 @@ static void rope_and_store(const fwd *F, tl_act q, tl_act k_new, tl_act v_new, i
     F->ops->rope(F->ex, q, n, F->hp->n_head, F->hp->head_dim, pos0, &F->rope);
     F->ops->rope(F->ex, k_new, n, F->hp->n_kv_head, F->hp->head_dim, pos0, &F->rope);
     F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, n, pos0, F->kvd);
+}
+
+/* kv_policy store_h (docs/model.md, "The store_h KV policy"): row 0 of the kept inputs of
+ * core block id.block at iteration id.iteration in c's sequence. */
+static tl_act block_inputs(const fwd *F, const struct tl_context *c, slot_id id) {
+    size_t layer = (size_t)(id.iteration - 1) * F->hp->n_core + id.block;
+    return tl_act_add(buf0(c->block_in), layer * c->max_seq * F->d);
+}
+
+/* kv_policy store_h, before core block `slot` attends for rows x[0..n) at positions pos0..
+ * of c's sequence: keep the rows' inputs, and recompute the keys and values of positions
+ * [0, pos0) (those in the window) from theirs into the block's one slot, as their own
+ * pass computed them (N1, Wk / Wv, biases, RoPE at their positions); the rows' own K/V go
+ * there next. Runs in the executing context's scratch rows (xn, kv_new), chunk_rows at a
+ * time. */
+static void store_h_prepare(const fwd *F, const struct tl_context *c, const tl_block_weights *w, slot_id slot,
+                            tl_act x, int n, int pos0) {
+    tl_act kept = block_inputs(F, c, slot);
+    F->ops->copy_rows(F->ex, tl_act_add(kept, (size_t)pos0 * F->d), F->d, x, F->d, n, F->d);
+    int index = slot_index(F, c, slot), step = F->ctx->chunk_rows;
+    tl_act k_cache = tl_kv_keys(&c->kv, index), v_cache = tl_kv_values(&c->kv, index);
+    tl_act k_new = buf0(F->ctx->kv_new), v_new = tl_act_add(k_new, (size_t)step * F->kvd), none = { 0 };
+    /* a window W: the rows attend to positions > pos0 - W only */
+    int window = F->hp->sliding_window, first = window > 0 && pos0 + 1 - window > 0 ? pos0 + 1 - window : 0;
+    for (int p0 = first; p0 < pos0; p0 += step) {
+        int rows = pos0 - p0 < step ? pos0 - p0 : step;
+        tl_matmul_in in = normed(F, &w->attn_norm, tl_act_add(kept, (size_t)p0 * F->d));
+        qkv_rows(F, w, &in, rows, none, k_new, v_new);
+        F->ops->rope(F->ex, k_new, rows, F->hp->n_kv_head, F->hp->head_dim, p0, &F->rope);
+        F->ops->kv_store(F->ex, k_cache, v_cache, k_new, v_new, rows, p0, F->kvd);
+    }
 }
 
 /* out (+)= Wo . att for n rows. */
@@ -160,6 +193,10 @@ static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_
     tl_matmul_in in = normed(F, &w->attn_norm, x);
 
     if (F->batch) {
+        /* before the rows' K/V use kv_new; n: a run of an adaptive step's rows (rows_from) */
+        for (int r = 0; slot.kind == SLOT_CORE && r < n && r < F->n_real; r++)
+            if (F->batch[r].ctx->block_in)
+                store_h_prepare(F, F->batch[r].ctx, w, slot, tl_act_add(x, (size_t)r * F->d), 1, F->batch[r].pos);
         qkv_rows(F, w, &in, n, q, k_new, v_new);
         if (F->rows) {   /* every row's slot of this layer, then one op for all rows */
             for (int r = 0; r < n; r++) {
@@ -188,6 +225,7 @@ static void attention(const fwd *F, const tl_block_weights *w, slot_id slot, tl_
         output_projection(F, w, att, n, out, accumulate);
         return;
     }
+    if (slot.kind == SLOT_CORE && F->ctx->block_in) store_h_prepare(F, F->ctx, w, slot, x, n, pos0);
     const tl_kv_cache *kv = &F->ctx->kv;
     int index = slot_index(F, F->ctx, slot);
     tl_act k_cache = tl_kv_keys(kv, index), v_cache = tl_kv_values(kv, index);
@@ -339,7 +377,13 @@ static void probe_logits(const fwd *F, tl_act s, int a, int count, int pos0, flo
  * slots of the iterations up to `limit` that it skips, in every core block. */
 static void fill_skipped(const fwd *F, int r, int pos, int it, int limit) {
     struct tl_context *c = F->batch ? F->batch[r].ctx : F->ctx;
-    for (int b = 0; b < F->hp->n_core; b++) {
+    for (int b = 0; c->block_in && b < F->hp->n_core; b++) {   /* store_h: the input stands in */
+        tl_act src = tl_act_add(block_inputs(F, c, (slot_id){ SLOT_CORE, b, it }), (size_t)pos * F->d);
+        for (int later = it + 1; later <= limit; later++)
+            F->ops->copy_rows(F->ex, tl_act_add(block_inputs(F, c, (slot_id){ SLOT_CORE, b, later }),
+                                                (size_t)pos * F->d), F->d, src, F->d, 1, F->d);
+    }
+    for (int b = 0; !c->block_in && b < F->hp->n_core; b++) {
         int src = slot_index(F, c, (slot_id){ SLOT_CORE, b, it });
         for (int later = it + 1; later <= limit; later++) {
             int dst = slot_index(F, c, (slot_id){ SLOT_CORE, b, later });
@@ -821,6 +865,14 @@ static int batch_recordable(const fwd *F, const tl_forward_req *req) {
     return 1;
 }
 
+/* Whether a row of a batched step keeps block inputs (store_h): its K/V are recomputed
+ * into its own slot before the layer's rows attend, one sequence at a time. */
+static int batch_stores_h(const tl_forward_req *req) {
+    for (int r = 0; r < req->n; r++)
+        if (req->batch[r].ctx->block_in) return 1;
+    return 0;
+}
+
 /* Whether the pass's rows may stop early: an exit rule or given depths in `out`. */
 static int adaptive_pass(const tl_forward_req *req, const tl_forward_out *out, int depth) {
     if (!out || depth == 0 || req->start != TL_START_EMBED || req->rows == TL_ROWS_TREE) return 0;
@@ -899,7 +951,7 @@ tl_status tl_forward(struct tl_context *ctx, const tl_forward_req *req, const tl
      * (an adaptive one goes row by row: its runs of rows change from iteration to iteration) */
     const int32_t *tokens = req->tokens;
     if (req->rows == TL_ROWS_BATCH && req->start == TL_START_EMBED && !F.exits && F.ops->rope_store_rows &&
-        F.ops->attention_rows) {
+        F.ops->attention_rows && !batch_stores_h(req)) {
         F.rows = row_batch_new(ctx);
         if (!F.rows) return tl_fail(TL_ERR_OUT_OF_MEMORY, "cannot allocate a batch of %d rows", n);
     }

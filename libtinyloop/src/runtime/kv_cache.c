@@ -17,6 +17,13 @@ int tl_kv_slot_count(const tl_hparams *hp, int loop_slots) {
 
 int tl_kv_slot_pre(const tl_hparams *hp, int b) { return b; }
 
+uint64_t tl_kv_bytes_per_position(const tl_hparams *hp, const tl_kv_choice *policy, int max_depth, int f16) {
+    uint64_t kv = (uint64_t)tl_kv_slot_count(hp, tl_kv_loop_slots(policy, max_depth)) * 2 * hp->n_kv_head *
+                  hp->head_dim * tl_kv_elem_bytes(f16);
+    uint64_t inputs = tl_kv_stores_h(policy) ? (uint64_t)hp->n_core * max_depth * hp->d * sizeof(float) : 0;
+    return kv + inputs;
+}
+
 int tl_kv_slot_core(const tl_hparams *hp, int loop_slots, int iteration, int c) {
     return hp->n_pre + ((iteration - 1) % loop_slots) * hp->n_core + c;
 }

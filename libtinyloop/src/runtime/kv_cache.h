@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "model/kv_policy.h"
 
 /* The model's pool of KV pages (NULL on a model without paged KV). */
 typedef struct tl_kv_pool {
@@ -61,6 +62,11 @@ int tl_kv_slot_count(const tl_hparams *hp, int loop_slots);
 int tl_kv_slot_pre(const tl_hparams *hp, int b);
 int tl_kv_slot_core(const tl_hparams *hp, int loop_slots, int iteration, int c);
 int tl_kv_slot_post(const tl_hparams *hp, int loop_slots, int b);
+
+/* Bytes a context caching up to max_depth iterations under `policy` holds per position:
+ * its slots' keys and values (fp16 or f32 elements), plus under store_h the core blocks'
+ * inputs of every iteration (f32). */
+uint64_t tl_kv_bytes_per_position(const tl_hparams *hp, const tl_kv_choice *policy, int max_depth, int f16);
 
 /* Storage of n KV elements, fp16 (f16) or f32, and the bytes of one. */
 tl_status tl_kv_buf_alloc(tl_backend *be, int f16, size_t n, tl_buf **out);

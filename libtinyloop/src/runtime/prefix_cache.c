@@ -31,6 +31,9 @@ static int context_slot(const tl_hparams *hp, int depth, int ctx_loop_slots, int
 static tl_status fits_policy(const struct tl_context *ctx, int depth) {
     tl_status st = tl_context_check_no_window(ctx, "prefix caches");
     if (st != TL_OK) return st;
+    if (ctx->block_in)
+        return tl_fail(TL_ERR_UNSUPPORTED, "prefix caches hold every iteration's K/V, and the context's "
+                       "kv_policy store_h keeps the loop's block inputs instead; use kv_policy exact");
     if (depth <= ctx->loop_slots) return TL_OK;
     return tl_fail(TL_ERR_UNSUPPORTED, "prefix caches need a K/V slot per loop iteration: the "
                    "context's KV policy %s keeps %d per core block, below the depth %d",
