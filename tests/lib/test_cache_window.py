@@ -16,6 +16,7 @@ import tinyloop
 from test_parity import DEVICE, ON_CPU, SAME, TOLERANCES, arithmetic, case_config, case_tokens
 from reference.ops import next_token_logprobs
 from tinyloop.errors import InvalidArgumentError, UnsupportedError
+from c_options import create_context
 
 CHUNK, PREFILL = 3, 7          # a prefill of 7 tokens in chunks of 3, then one token a step
 SLIDING = 4                    # the "sliding_window" case's arch.sliding_window
@@ -293,15 +294,7 @@ def test_c_level_checks_and_structs_from_before_the_fields(files):
     assert load(struct_size=before, cache_window=-2)[0] == "TL_OK"   # past its end: not read
     with tinyloop.Model(files.path("sliding_window"), device=DEVICE, cache_window=SLIDING) as model:
         def create(**fields):
-            opts = ffi.new("tl_context_options *")
-            lib.tl_context_options_default(opts)
-            for key, value in fields.items():
-                setattr(opts, key, value)
-            out = ffi.new("tl_context **")
-            status = lib.tl_context_create(model._require_open(), opts, out)
-            if status == 0:
-                lib.tl_context_free(out[0])
-            return ffi.string(lib.tl_status_name(status)).decode(), native.last_error()
+            return create_context(model, **fields)
 
         assert "tl_context_options.cache_window is -2" in create(cache_window=-2)[1]
         assert "cache_window_approx is 1 with cache_window 0" in create(cache_window_approx=1)[1]

@@ -19,6 +19,7 @@ from test_parity import CASES, DEVICE, DEVICE_TOLERANCE, INT16_ACTIVATION_TOLERA
 from reference.ops import next_token_logprobs
 from tinyloop.config import parse_config
 from tinyloop.errors import ConfigError, InvalidArgumentError, UnsupportedError
+from c_options import create_context
 
 LOOP_CASES = [name for name in CASES if case_config(name)["n_core"] > 0]
 # (Model keyword arguments, the oracle's kv_ring)
@@ -201,15 +202,7 @@ def test_c_level_values_and_first_release_struct_sizes(files):
         lib = native.lib
 
         def create(**fields):
-            opts = ffi.new("tl_context_options *")
-            lib.tl_context_options_default(opts)
-            for key, value in fields.items():
-                setattr(opts, key, value)
-            out = ffi.new("tl_context **")
-            status = lib.tl_context_create(model._require_open(), opts, out)
-            if status == 0:
-                lib.tl_context_free(out[0])
-            return ffi.string(lib.tl_status_name(status)).decode(), native.last_error()
+            return create_context(model, **fields)
 
         assert create(kv_policy=5)[0] == "TL_ERR_INVALID_ARGUMENT"
         assert "tl_context_options.kv_policy is 5" in create(kv_policy=5)[1]
