@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .exit_rule import EXIT_KINDS, ExitRule, ExitRuleError
-from .plugins import ActiveMode, Option, PluginRegistry, apply_load_hooks, default_registry, plain_error
+from .plugins import (ActiveMode, ErrorFactory, Option, PluginRegistry, apply_load_hooks, default_registry,
+                      plain_error)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,7 +84,7 @@ MODEL_OPTIONS = (
 class _StopOption(Option):
     """sampling.stop: a list of non-empty strings (OpenAI's stop), checked into a tuple."""
 
-    def check(self, value, key, error=plain_error):
+    def check(self, value: Any, key: str, error: ErrorFactory = plain_error) -> tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise error(key, f"expected a list of strings, got {type(value).__name__} {value!r}")
         for i, text in enumerate(value):
@@ -143,7 +144,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int = 0
     max_tokens: int = 128
-    stop: tuple = ()
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None, text
                   locate=error)
 
 
-def _near(error, table: str):
+def _near(error: Callable[..., ConfigError], table: str) -> Callable[[str, str], ConfigError]:
     """The error factory of a mode's hooks: a key not written in the file (an option left
     at its default) is pointed at by the mode's table."""
     return lambda key, problem: error(key, problem, near=table)

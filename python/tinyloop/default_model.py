@@ -63,7 +63,7 @@ def card_path_for(model_path: Path) -> Path | None:
     return card if card.is_file() else None
 
 
-def resolve_model(name_or_path, *, strict: bool = True) -> str:
+def resolve_model(name_or_path: str | os.PathLike[str], *, strict: bool = True) -> str:
     """What a MODEL argument names: a model file path (a GGUF file: its cached conversion,
     made on first use), the package's model by its name, or the cached file of a name
     `tinyloop pull` fetched (a known name, hf:ORG/NAME[/FILE][@REVISION]).

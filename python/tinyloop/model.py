@@ -105,7 +105,7 @@ _CONFIG_KEYS = {"default_depth": "model.depth", "max_seq_len": "model.max_seq_le
                 "prefill_chunk": "model.prefill_chunk", "threads": "model.threads"}
 
 
-def _config_load_error(config: Any, error: InvalidArgumentError, from_file: dict[str, Any],
+def _config_load_error(config: "Config", error: InvalidArgumentError, from_file: dict[str, Any],
                        overrides: dict[str, Any]) -> Exception:
     """The library's refusal of a load option as the config's error over the key that set
     it (its file and line), when the option came from the file; else the error itself."""
@@ -194,9 +194,9 @@ class GenerateResult:
     #: the mean loop depth of the passes that chose the tokens (0 without tokens)
     mean_depth: float = 0.0
     #: where resume() continues from (a _ResumePoint), or why it cannot (a str)
-    _resume: object = field(default=None, repr=False, compare=False)
+    _resume: "_ResumePoint | str | None" = field(default=None, repr=False, compare=False)
 
-    def resume(self, depth: int, *, keep_text: bool = False, **options) -> "GenerateResult":
+    def resume(self, depth: int, *, keep_text: bool = False, **options: Any) -> "GenerateResult":
         """The same request at a deeper loop depth without a new prefill: the prompt's loop
         continues from the states the generation left (docs/python.md, "Resume"), and the
         result is what a fresh generation at `depth` gives (the same greedy tokens).
@@ -597,7 +597,7 @@ def _buffered(model: "Model", opts: _GenerateOptions, ids: IntArray, text_ids: I
     return _result_from_c(c_result, tokens, text, opts, depths=depths[:n].tolist())
 
 
-def _drained(stream: "TokenStream | StrategyStream", prompt: Prompt, ids: IntArray,
+def _drained(stream: "TokenStream | StrategyStream", prompt: Prompt | None, ids: IntArray,
              model: "Model") -> GenerateResult:
     """generate()'s result from a stream run to its end (its text when the prompt was a
     str); a strategy's stream, which has no result of its own, gets stop reason "none"."""
@@ -789,7 +789,7 @@ class _Scoring:
             native = model._native
             ctx = self._ctx_handle()
 
-            def run(*args):
+            def run(*args: Any) -> None:
                 if pool is not None:
                     native.check(native.lib.tl_generate_with_pool(
                         model._require_open(), _prefix.pool_handle(model, pool), *args))
@@ -977,8 +977,9 @@ class Model(_Scoring, NativeHandle):
         return cls(_default_model_path(), **options)
 
     @classmethod
-    def from_pretrained(cls, name, *, revision: str | None = None, file: str | None = None,
-                        force: bool = False, show_progress: bool = True, **options) -> "Model":
+    def from_pretrained(cls, name: str | os.PathLike[str], *, revision: str | None = None,
+                        file: str | None = None, force: bool = False, show_progress: bool = True,
+                        **options: Any) -> "Model":
         """`tinyloop pull NAME` and then Model(NAME): a Hugging Face model
         (hf:ORG/NAME[/FILE][@REVISION]; `revision`, `file` as --revision, --file) or a known
         name is downloaded and converted into the cache unless it is there already (Hub
@@ -1105,7 +1106,7 @@ class Model(_Scoring, NativeHandle):
             "total_bytes", "device_bytes", "prefix_cache_bytes", "kv_page_size", "kv_pages_in_use",
             "kv_pool_bytes", "kv_pool_cap_bytes", "body_bytes")}
 
-    def kv_policy_report(self) -> dict:
+    def kv_policy_report(self) -> dict[str, str | int]:
         """The memory report's KV policy: kv_policy (the contexts' policy, a name as Model
         takes it) and kv_bytes_per_token, what a context caching the model's max depth
         holds per position under it (store_h: its K/V slots and the core blocks' kept

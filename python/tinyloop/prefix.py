@@ -57,7 +57,7 @@ class ResumeHandle(ModelChild):
     position ended with (Context.resume_handle), which Model.resume_generate takes to a
     deeper loop depth without a new prefill. Independent of its context; close() frees it."""
 
-    def __init__(self, model: "Model", handle):
+    def __init__(self, model: "Model", handle: Any):
         self._model = model
         self._adopt(handle)
         native, ffi = model._native, model._native.ffi
@@ -71,7 +71,7 @@ class ResumeHandle(ModelChild):
     def __repr__(self) -> str:
         return f"<tinyloop.ResumeHandle {self.n_tokens} tokens at depth {self.depth}, {self.bytes} bytes>"
 
-    def _free(self, handle) -> None:
+    def _free(self, handle: Any) -> None:
         self._model._native.lib.tl_resume_free(handle)
 
 

@@ -187,7 +187,7 @@ def test_modes_lists_the_installed_plugins_with_their_options():
     options = {o["name"]: o for o in modes["paged_kv"]["options"]}
     assert options["page_size"]["type"] == "int" and options["page_size"]["default"] == 16
     assert modes["speculative"]["conflicts"] == ["tree_speculative"]
-    assert modes["kv_share"]["options"][0]["choices"] == ["share_last", "ring"]
+    assert modes["kv_share"]["options"][0]["choices"] == ["share_last", "ring", "store_h"]
     plain = run("modes").stdout
     assert "[modes.tree_speculative]" in plain and "page_size (int, default 16)" in plain
 
