@@ -588,8 +588,11 @@ def _serve_on_ray(args, options) -> dict:
         # a loopback server's own local cluster: Ray's processes on the loopback address
         # too (read when Ray is imported; Ray's single-machine mode, docs/scale-out.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if args.state_init is not None:   # the replicas load the model from --config
-        raise CommandError("--state-init with --ray: set model.state_init in the --config file")
+    # the replicas load the model from --config: flags that would only reach this process
+    for flag, key in (("state_init", "model.state_init"), ("cache_window", "model.cache_window"),
+                      ("cache_window_approx", "model.cache_window_approx")):
+        if getattr(args, flag, None) is not None:
+            raise CommandError(f"--{flag.replace('_', '-')} with --ray: set {key} in the --config file")
     try:
         from .server import ray_serve
     except ImportError as e:

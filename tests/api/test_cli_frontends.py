@@ -298,3 +298,12 @@ def test_no_prompt_and_empty_stdin_is_a_usage_error(model_path):
     proc = subprocess.run([sys.executable, "-m", "tinyloop", "generate", "-m", str(model_path)],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no prompt" in proc.stderr and "stdin was empty" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, key", [(("--state-init", "warm"), "model.state_init"),
+                                       (("--cache-window", "16"), "model.cache_window"),
+                                       (("--cache-window-approx",), "model.cache_window_approx")])
+def test_serve_ray_refuses_flags_its_replicas_would_not_see(flag, key):
+    # the replicas load the model from --config; a flag would reach this process only
+    proc = run("serve", "--ray", *flag, check=False)
+    assert proc.returncode != 0 and f"set {key} in the --config file" in proc.stderr, proc.stderr
