@@ -270,9 +270,8 @@ def test_info_shows_page_counts_as_counts(tmp_path, model_path):
 
 
 def test_the_batch_header_comment_describes_batching():
-    header = Path(tinyloop.__file__).resolve().parents[2] / "libtinyloop" / "include" / "tinyloop" / "tinyloop.h"
-    if not header.exists():   # an installed package: the header beside the library
-        header = Path(tinyloop.__file__).resolve().parent / "tinyloop.h"
+    from tinyloop import _native
+    header = _native.find_header(_native.find_library())   # the one the binding reads
     text = header.read_text(encoding="utf-8")
     comment = text[:text.index("TL_API tl_status tl_generate_batch(")].rsplit("/*", 1)[1]
     assert "comes later" not in comment and "batched forward pass" in comment
